@@ -1,0 +1,187 @@
+"""`harness`: the command line. Parsing and messages only; each subcommand calls into a module.
+
+Every problem with the input ends as one line on stderr, `harness: error: ...`,
+and a non-zero exit status; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness import __version__
+from harness.errors import HarnessError
+from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
+
+BACKENDS = ("local", "slurm", "k8s")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (argparse already names the choices)."""
+
+    def error(self, message: str):
+        raise HarnessError(f"{self.prog}: error: {message}")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Show `(default: X)` where an option has a real default; options without one say theirs in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="harness", formatter_class=_Help,
+                     description="MLPerf Training benchmark harness: run benchmarks locally, on Slurm or on "
+                                 "Kubernetes, and turn their MLPerf logs into time-to-train reports.")
+    parser.add_argument("--version", action="version", version=f"harness {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a benchmark campaign and report its time-to-train",
+                         formatter_class=_Help, description=(
+                             "Run K timed MLPerf runs of a benchmark and print each run's time-to-train.\n"
+                             "Without --data the tiny preset trains on a small generated dataset; "
+                             "with --data the full (closed) preset trains on the real one."))
+    run.add_argument("benchmark", help=f"the benchmark: {', '.join(BENCHMARKS)}")
+    run.add_argument("--preset", help="tiny or full (default: full with --data, else tiny)")
+    run.add_argument("--backend", default="local", help=f"where to run: {', '.join(BACKENDS)}")
+    run.add_argument("--nodes", type=int, default=1, help="nodes (machines) to use")
+    run.add_argument("--procs-per-node", "--gpus-per-node", dest="procs_per_node", type=int,
+                     help="worker processes per node (default: one per GPU, or 2 on a CPU-only machine)")
+    run.add_argument("--runs", type=int, default=1, help="timed runs, each with its own seed and result file")
+    run.add_argument("--seed", type=int, help="seed of the first run; run i uses seed+i "
+                                              "(default: each run draws a random seed and logs it)")
+    run.add_argument("--out", type=Path, help="output folder (default: results/runs/<benchmark>-<preset>-<time>)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restarts of the worker group allowed after a failure")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                     help="environment variable for the workers (repeatable)")
+    run.add_argument("--data", type=Path, help="dataset folder (ImageNet layout for resnet: train/ and val/)")
+    run.add_argument("--synthetic", action="store_true",
+                     help="train on generated batches that stay on the device: measures throughput only")
+    run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
+    run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
+    run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")
+    run.add_argument("--system", help="system name logged as submission_platform (default: e.g. cpu_n1x2)")
+    run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
+                                                            "manifest) and submit nothing")
+    run.set_defaults(func=cmd_run)
+
+    report = sub.add_parser("report", help="time-to-train report of MLPerf result logs", formatter_class=_Help,
+                            description="Read result_*.txt files (ours or any submission's) and print each "
+                                        "run's time-to-train, quality, throughput and status, and the MLPerf "
+                                        "score per system and benchmark.")
+    report.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="result files or folders")
+    from harness.report import FORMATS
+
+    report.add_argument("--format", default="table", choices=FORMATS, help="output format")
+    report.set_defaults(func=cmd_report)
+
+    for name, helptext in (("logs", "print the worker logs of a run"), ("cancel", "stop a running job")):
+        p = sub.add_parser(name, help=helptext, formatter_class=_Help, description=helptext)
+        p.add_argument("run_dir", type=Path, metavar="RUN", help="the run's output folder")
+        p.set_defaults(func=cmd_logs if name == "logs" else cmd_cancel)
+    return parser
+
+
+def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    preset = args.preset or ("full" if args.data else "tiny")
+    return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
+                   runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
+                   env=parse_env(args.env), data=args.data, synthetic=args.synthetic, max_steps=args.max_steps,
+                   batch_size=args.batch_size, submitter=args.submitter, system=args.system)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from harness.launchers import get_launcher
+
+    spec = _spec_from_args(args).resolved()
+    validate(spec)
+    launcher = get_launcher(args.backend)
+    request = launcher.render(spec)
+    if args.dry_run:
+        print(request.text)
+        return 0
+    check_writable(spec.out_dir)
+    if any(spec.out_dir.glob("result_*.txt")):
+        raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
+    print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
+          flush=True)
+    handle = launcher.submit(request)
+    try:
+        state = None
+        for state in launcher.watch(handle):
+            if launcher.name != "local":  # local workers print their own progress
+                print(f"harness: job {handle.job_id} {state.value}", flush=True)
+    except KeyboardInterrupt:
+        launcher.cancel(handle)
+        print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
+        return 130
+    return _summarize(spec.out_dir, job_ok=state is not None and state.value == "SUCCEEDED", runs=spec.runs)
+
+
+def _summarize(out_dir: Path, job_ok: bool, runs: int) -> int:
+    """Print the time-to-train report of a finished job; 0 only if every run reached its target."""
+    from harness.report import render
+    from harness.results import load
+
+    results = load([out_dir])
+    print(render(results, "table"))
+    if not job_ok:
+        print(f"harness: error: the job failed; worker logs: harness logs {out_dir}", file=sys.stderr)
+        return 1
+    missed = [r for r in results.runs if not r.succeeded]
+    if missed or len(results.runs) < runs:
+        print(f"harness: {len(missed)} of {runs} run(s) did not reach the quality target", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from harness.report import render
+    from harness.results import load
+
+    missing = [str(p) for p in args.paths if not p.exists()]
+    if missing:
+        raise HarnessError(f"no such file or folder: {', '.join(missing)}")
+    results = load(args.paths)
+    if not results.runs:
+        raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, args.paths))}", exit_code=1)
+    print(render(results, args.format))
+    return 0
+
+
+def _launcher_and_handle(run_dir: Path):
+    from harness.launchers import Handle, get_launcher
+
+    handle = Handle.load(run_dir)
+    return get_launcher(handle.backend), handle
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    launcher, handle = _launcher_and_handle(args.run_dir)
+    print(launcher.logs(handle), end="")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    launcher, handle = _launcher_and_handle(args.run_dir)
+    launcher.cancel(handle)
+    print(f"harness: cancelled job {handle.job_id}; results so far stay in {handle.out_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except HarnessError as exc:
+        message = str(exc)
+        print(message if message.startswith("harness") else f"harness: error: {message}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

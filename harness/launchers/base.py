@@ -1,0 +1,128 @@
+"""The one small interface every backend implements, TorchX-style.
+
+render(spec) -> Request     the exact thing that would be submitted; `--dry-run` prints `request.text`
+submit(request) -> Handle   starts it; the handle is saved as <out>/job.json so other commands can find it
+status / watch / logs / cancel on a handle
+
+Every backend starts the same program on every node: torch's elastic agent
+(`python -m torch.distributed.run`, the machinery behind torchrun) running
+`python -m workloads ...`. Only how that command reaches the nodes differs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from harness.errors import HarnessError
+from harness.spec import JobSpec
+
+JOB_FILE = "job.json"
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a launcher would submit: `text` is shown verbatim, `payload` is what submit() uses."""
+
+    backend: str
+    spec: JobSpec
+    text: str
+    payload: Any
+
+
+@dataclass
+class Handle:
+    """A submitted job: enough to find it again from another process."""
+
+    backend: str
+    job_id: str
+    out_dir: Path
+
+    def save(self, request: Request, **extra: Any) -> None:
+        record = {"backend": self.backend, "job_id": self.job_id, "spec": request.spec.to_dict(),
+                  "request": request.text, **extra}
+        (self.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "Handle":
+        path = Path(run_dir) / JOB_FILE
+        try:
+            record = json.loads(path.read_text())
+            return cls(backend=record["backend"], job_id=str(record["job_id"]), out_dir=Path(run_dir).absolute())
+        except FileNotFoundError:
+            raise HarnessError(f"{run_dir} is not a run folder: it has no {JOB_FILE}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HarnessError(f"{path} is unreadable: {exc}") from None
+
+
+class Launcher(ABC):
+    """One backend. Subclasses stay small enough to read in one sitting."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def render(self, spec: JobSpec) -> Request:
+        """Build the exact request for a resolved, validated spec. Has no side effects."""
+
+    @abstractmethod
+    def submit(self, request: Request) -> Handle:
+        """Start the job and save its handle in the run folder."""
+
+    @abstractmethod
+    def status(self, handle: Handle) -> JobState:
+        """The job's state now."""
+
+    @abstractmethod
+    def logs(self, handle: Handle) -> str:
+        """The job's worker output so far."""
+
+    @abstractmethod
+    def cancel(self, handle: Handle) -> None:
+        """Stop the job; results already written stay in place."""
+
+    def watch(self, handle: Handle, poll_s: float = 1.0) -> Iterator[JobState]:
+        """Yield each state change until the job reaches a terminal state."""
+        last = None
+        while True:
+            state = self.status(handle)
+            if state != last:
+                yield state
+                last = state
+            if state.terminal:
+                return
+            time.sleep(poll_s)
+
+
+def agent_command(spec: JobSpec, python: str, nproc_per_node: int,
+                  rendezvous: str | None = None, rdzv_id: str = "harness") -> list[str]:
+    """The elastic agent command one node runs: torchrun's agent, then the workload.
+
+    Without `rendezvous` the agent runs standalone (one node, a private port);
+    otherwise all nodes meet at the c10d store at `rendezvous` (host:port).
+    """
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+           f"--max-restarts={spec.max_restarts}"]
+    if rendezvous is None:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={spec.nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
+                f"--rdzv-id={rdzv_id}"]
+    return cmd + ["-m", "workloads", *spec.worker_args()]

@@ -1,0 +1,119 @@
+"""The embedded default: torch's elastic agent on this machine, no cluster needed.
+
+One `torch.distributed.run --standalone` agent starts the worker processes
+(gloo on CPU, NCCL on GPUs: the workload picks) and restarts the worker group on
+failure up to the job's restart budget. The agent runs in its own process group
+so that `cancel` can stop it and all its workers with one signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.errors import HarnessError
+from harness.launchers.base import JOB_FILE, Handle, JobState, Launcher, Request, agent_command
+from harness.spec import JobSpec
+
+CANCEL_GRACE_S = 30.0
+
+
+def visible_gpus() -> int:
+    """GPUs torch can use here (importing torch only when the default is needed)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class LocalLauncher(Launcher):
+    name = "local"
+
+    def __init__(self) -> None:
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    def render(self, spec: JobSpec) -> Request:
+        if spec.nodes != 1:
+            raise HarnessError(f"the local backend runs on this machine only, so --nodes must be 1 "
+                               f"(got {spec.nodes}); use --backend slurm or k8s for more nodes")
+        gpus = visible_gpus() if spec.procs_per_node is None else 0
+        nproc = spec.procs_per_node or gpus or 2
+        env = dict(spec.env)
+        if not gpus:
+            # Split the cores between CPU workers instead of letting each oversubscribe them.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // nproc)))
+        argv = agent_command(spec, sys.executable, nproc)
+        text = shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + argv) if env else shlex.join(argv)
+        return Request(backend=self.name, spec=spec, text=text, payload={"argv": argv, "env": env})
+
+    def submit(self, request: Request) -> Handle:
+        out_dir = request.spec.out_dir
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(request.payload["argv"], env={**os.environ, **request.payload["env"]},
+                                start_new_session=True)
+        handle = Handle(backend=self.name, job_id=str(proc.pid), out_dir=out_dir)
+        self._procs[handle.job_id] = proc
+        handle.save(request, state=JobState.RUNNING.value)
+        return handle
+
+    def status(self, handle: Handle) -> JobState:
+        proc = self._procs.get(handle.job_id)
+        if proc is None:  # submitted by another harness process
+            if _agent_alive(int(handle.job_id)):
+                return JobState.RUNNING
+            return JobState(_read_job(handle).get("state", JobState.UNKNOWN.value))
+        code = proc.poll()
+        if code is None:
+            return JobState.RUNNING
+        state = JobState.SUCCEEDED if code == 0 else JobState.CANCELLED if code < 0 else JobState.FAILED
+        _update_job(handle, state=state.value, exit_code=code)
+        return state
+
+    def logs(self, handle: Handle) -> str:
+        files = sorted((handle.out_dir / "logs").glob("*.log"))
+        return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files)
+
+    def cancel(self, handle: Handle) -> None:
+        pid = int(handle.job_id)
+        if not _agent_alive(pid):
+            return
+        os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while _agent_alive(pid) and time.monotonic() < deadline:
+            proc = self._procs.get(handle.job_id)
+            if proc is not None:
+                proc.poll()  # reap, so a finished agent stops looking alive
+            time.sleep(0.2)
+        if _agent_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        _update_job(handle, state=JobState.CANCELLED.value)
+
+
+def _agent_alive(pid: int) -> bool:
+    """True if `pid` is still our elastic agent (not a zombie, not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        return b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _read_job(handle: Handle) -> dict:
+    return json.loads((handle.out_dir / JOB_FILE).read_text())
+
+
+def _update_job(handle: Handle, **fields) -> None:
+    record = _read_job(handle)
+    record.update(fields)
+    (handle.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")

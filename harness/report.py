@@ -1,0 +1,71 @@
+"""Render a ResultSet as a table, JSON or CSV: the time-to-train report.
+
+JSON is a list of groups, one per (system, benchmark):
+  {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
+   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "seed"}]}
+`score_min` is the MLPerf score when the group has the runs the rules require, else null.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from harness.results import Group, ResultSet, Run
+
+FORMATS = ("table", "json", "csv")
+RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "seed")
+
+
+def run_record(run: Run) -> dict:
+    return {name: getattr(run, name) for name in RUN_FIELDS}
+
+
+def group_record(group: Group) -> dict:
+    divisions = {r.division for r in group.runs}
+    return {"submitter": group.submitter, "system": group.system, "benchmark": group.benchmark,
+            "division": divisions.pop() if len(divisions) == 1 else None, "score_min": group.score_min,
+            "required_runs": group.required_runs, "runs": [run_record(r) for r in group.runs]}
+
+
+def _number(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table(results: ResultSet) -> str:
+    lines = []
+    for group in results.groups:
+        score = group.score_min
+        verdict = (f"score {score:.4f} min" if score is not None else
+                   f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
+                   if len(group.runs) < (group.required_runs or 0) else "no score (too many failed runs)")
+        lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
+        rows = [("run", "status", "time-to-train (min)", "quality", "samples/s", "file")]
+        for i, run in enumerate(group.runs):
+            rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
+                         _number(run.samples_per_s, 1), run.file))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
+        for row in rows:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return "\n".join(lines) if lines else "no result files found"
+
+
+def _csv(results: ResultSet) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(("submitter", "system", "benchmark", "score_min") + RUN_FIELDS)
+    for group in results.groups:
+        for run in group.runs:
+            record = run_record(run)
+            writer.writerow((group.submitter, group.system, group.benchmark, group.score_min,
+                             *(record[f] for f in RUN_FIELDS)))
+    return out.getvalue().rstrip("\n")
+
+
+def render(results: ResultSet, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps([group_record(g) for g in results.groups], indent=2)
+    if fmt == "csv":
+        return _csv(results)
+    return _table(results)

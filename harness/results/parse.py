@@ -1,0 +1,155 @@
+"""Read MLPerf result logs (ours and anyone's) into Run records.
+
+A line counts when it holds `:::MLLOG {json}` anywhere, so prefixes such as
+srun's `-l` rank labels are ignored, as are all other lines. A file that cannot
+be used is reported through `on_error(path, reason)` and left out; it never
+stops the others. This module must not import torch: reports run anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import orjson
+from mlperf_logging.mllog import constants as C
+
+from workloads.common.mlperf import TRACKED_STATS  # the writer's key names (torch-free module)
+
+MARKER = b":::MLLOG "
+
+ErrorSink = Callable[[Path, str], None]
+
+
+class LogError(ValueError):
+    """Why a result file cannot be scored."""
+
+
+@dataclass
+class Run:
+    """One timed run: the facts a report needs, taken from one result file."""
+
+    file: str
+    benchmark: str | None
+    system: str | None
+    submitter: str | None
+    division: str | None
+    status: str | None
+    seed: int | None
+    run_start_ms: float
+    run_stop_ms: float
+    quality: float | None  # the last eval_accuracy
+    samples_per_s: float | None  # mean logged throughput
+    global_batch_size: int | None
+    evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy)
+
+    @property
+    def time_to_train_min(self) -> float:
+        return (self.run_stop_ms - self.run_start_ms) / 60000
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == C.SUCCESS
+
+
+def iter_events(data: bytes) -> Iterable[dict]:
+    """Every MLLOG event in a log, in file order. Raises LogError on a damaged MLLOG line."""
+    for number, line in enumerate(data.splitlines(), 1):
+        at = line.find(MARKER)
+        if at < 0:
+            continue
+        try:
+            event = orjson.loads(line[at + len(MARKER):])
+        except orjson.JSONDecodeError as exc:
+            raise LogError(f"line {number}: damaged MLLOG record ({exc})") from None
+        if not isinstance(event, dict) or "key" not in event or "time_ms" not in event:
+            raise LogError(f"line {number}: MLLOG record without key or time_ms")
+        yield event
+
+
+def parse_file(path: Path, system: str | None = None, submitter: str | None = None) -> Run:
+    """One result file -> Run. `system` and `submitter` override the logged values (submission trees)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise LogError(f"cannot read: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise LogError("empty file")
+    first: dict[str, dict] = {}
+    run_start = run_stop = None
+    evals: list[tuple[float, float]] = []
+    throughputs: list[float] = []
+    for event in iter_events(data):
+        key = event["key"]
+        first.setdefault(key, event)
+        # The official summarizer's rule: the last run_start seen before the first run_stop.
+        if run_stop is None:
+            if key == C.RUN_START:
+                run_start = event
+            elif key == C.RUN_STOP and run_start is not None:
+                run_stop = event
+        if key == C.EVAL_ACCURACY and isinstance(event.get("value"), (int, float)):
+            evals.append((float(event["time_ms"]), float(event["value"])))
+        elif key == TRACKED_STATS and isinstance(event.get("value"), dict):
+            value = event["value"].get("throughput")
+            if isinstance(value, (int, float)):
+                throughputs.append(float(value))
+    if not first:
+        raise LogError("no MLLOG records")
+    if run_start is None:
+        raise LogError("run_start not recorded")
+    if run_stop is None:
+        raise LogError("run_stop not recorded")
+    start_ms, stop_ms = float(run_start["time_ms"]), float(run_stop["time_ms"])
+
+    def value(key: str):
+        return first[key].get("value") if key in first else None
+
+    metadata = run_stop.get("metadata") or {}
+    evals.sort()
+    return Run(
+        file=str(path), benchmark=value(C.SUBMISSION_BENCHMARK), system=system or value(C.SUBMISSION_PLATFORM),
+        submitter=submitter or value(C.SUBMISSION_ORG), division=value(C.SUBMISSION_DIVISION),
+        status=metadata.get(C.STATUS) if isinstance(metadata, dict) else None, seed=value(C.SEED),
+        run_start_ms=start_ms, run_stop_ms=stop_ms, quality=evals[-1][1] if evals else None,
+        samples_per_s=sum(throughputs) / len(throughputs) if throughputs else None,
+        global_batch_size=value(C.GLOBAL_BATCH_SIZE),
+        evals=[(t - start_ms, acc) for t, acc in evals],
+    )
+
+
+def result_files(paths: Iterable[Path]) -> list[Path]:
+    """result_*.txt files under the given files and folders, sorted, each once."""
+    found: set[Path] = set()
+    for path in map(Path, paths):
+        if path.is_dir():
+            found.update(p for p in path.rglob("result_*.txt") if p.is_file())
+        else:
+            found.add(path)
+    return sorted(found)
+
+
+def submission_context(path: Path) -> tuple[str | None, str | None]:
+    """(system, submitter) for a file at <org>/results/<system>/<benchmark>/result_*.txt
+    beside <org>/systems/<system>.json; (None, None) elsewhere, so the log's own keys count."""
+    parts = path.absolute().parts
+    if len(parts) < 5 or parts[-4] != "results":
+        return None, None
+    system = parts[-3]
+    try:
+        description = json.loads((Path(*parts[:-4]) / "systems" / f"{system}.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    return system, description.get("submitter") if isinstance(description, dict) else None
+
+
+def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
+    runs = []
+    for path in result_files(paths):
+        try:
+            runs.append(parse_file(path, *submission_context(path)))
+        except LogError as exc:
+            on_error(path, str(exc))
+    return runs

@@ -1,0 +1,41 @@
+"""MLPerf scoring, in one place: required run counts and the olympic mean.
+
+The rules follow MLCommons' result_summarizer: a run that did not converge is
+dropped as if it were the slowest; with more than one such run the score is
+invalid (None); otherwise the fastest and the slowest remaining runs are
+dropped and the rest averaged, then multiplied by the scaling factor.
+"""
+
+from __future__ import annotations
+
+from mlperf_logging.benchmark_meta import get_result_file_counts
+
+MAX_DROPPED = {"unet3d": 4}  # every other benchmark: 1
+
+
+def required_runs(benchmark: str) -> int | None:
+    """Runs the rules require for a training benchmark (resnet 5, bert 10, gpt3 3), None if unknown."""
+    return get_result_file_counts("training").get(benchmark)
+
+
+def olympic_score(converged_minutes: list[float], not_converged: int, benchmark: str,
+                  scaling_factor: float = 1.0) -> float | None:
+    """The benchmark score in minutes, or None when the runs cannot make one."""
+    max_dropped = MAX_DROPPED.get(benchmark, 1)
+    if not_converged > max_dropped:
+        return None
+    scores = sorted(converged_minutes)
+    countable = scores[max_dropped:len(scores) - (max_dropped - not_converged)]
+    if not countable:
+        return None
+    return sum(countable) / len(countable) * scaling_factor
+
+
+def benchmark_score(minutes: list[float], converged: list[bool], benchmark: str,
+                    scaling_factor: float = 1.0) -> float | None:
+    """Score a (system, benchmark) group, or None while it has fewer runs than the rules require."""
+    needed = required_runs(benchmark)
+    if needed is None or len(minutes) < needed:
+        return None
+    kept = [m for m, ok in zip(minutes, converged) if ok]
+    return olympic_score(kept, len(minutes) - len(kept), benchmark, scaling_factor)

@@ -1,0 +1,150 @@
+"""The job spec: one dataclass that every launcher turns into a request.
+
+It is built from the command line, validated here with messages that name the
+problem and the valid choices, and saved beside the results (job.json) so that a
+run folder always says how it was produced. Nothing here imports torch: the CLI
+must answer `--help` and reject bad input instantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+# Benchmark name -> presets. The first preset is the default when no dataset is given.
+BENCHMARKS: dict[str, tuple[str, ...]] = {
+    "resnet": ("tiny", "full"),
+    "bert": ("tiny", "full"),
+    "gpt3": ("tiny", "full"),
+}
+# Benchmarks whose workload ships in this version; the others are named so that
+# users see the roadmap, and refused with a clear message.
+AVAILABLE = ("resnet",)
+# Presets that read a real dataset unless --synthetic is given.
+DATASET_PRESETS = ("full",)
+
+DEFAULT_RUNS_ROOT = Path("results") / "runs"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class JobSpec:
+    """Everything a launcher needs to start one benchmark campaign (K runs)."""
+
+    benchmark: str
+    preset: str = "tiny"
+    nodes: int = 1
+    procs_per_node: int | None = None  # None: 2 processes on CPU, one per GPU otherwise
+    runs: int = 1
+    seed: int | None = None  # None: each run draws and logs its own random seed
+    out_dir: Path | None = None  # None: results/runs/<benchmark>-<preset>-<time>
+    max_restarts: int = 0  # restart budget for infrastructure failures
+    env: dict[str, str] = field(default_factory=dict)
+    data: Path | None = None
+    synthetic: bool = False
+    max_steps: int | None = None  # stop early (smoke tests, throughput runs)
+    batch_size: int | None = None  # per-process batch; None: the preset's
+    submitter: str = "harness"
+    system: str | None = None  # the logged submission_platform; None: derived from the machine
+
+    def resolved(self) -> "JobSpec":
+        """Fill in defaults that depend on the time or the machine, once, before rendering."""
+        spec = dataclasses.replace(self)
+        if spec.out_dir is None:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
+        spec.out_dir = Path(spec.out_dir).absolute()
+        if spec.data is not None:
+            spec.data = Path(spec.data).absolute()
+        return spec
+
+    def seeds(self) -> list[int | None]:
+        """Distinct seeds, one per run: seed, seed+1, ...; None lets each run draw its own."""
+        if self.seed is None:
+            return [None] * self.runs
+        return [self.seed + i for i in range(self.runs)]
+
+    def worker_args(self) -> list[str]:
+        """Arguments of `python -m workloads`, the program every rank runs on every backend."""
+        args = [self.benchmark, "--preset", self.preset, "--out", str(self.out_dir),
+                "--runs", str(self.runs), "--submitter", self.submitter]
+        if self.seed is not None:
+            args += ["--seed", str(self.seed)]
+        if self.system:
+            args += ["--system", self.system]
+        if self.data is not None:
+            args += ["--data", str(self.data)]
+        if self.synthetic:
+            args.append("--synthetic")
+        if self.max_steps is not None:
+            args += ["--max-steps", str(self.max_steps)]
+        if self.batch_size is not None:
+            args += ["--batch-size", str(self.batch_size)]
+        return args
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for key in ("out_dir", "data"):
+            if d[key] is not None:
+                d[key] = str(d[key])
+        return d
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """Turn repeated `--env KEY=VALUE` options into a dict, refusing malformed names."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not _ENV_NAME.match(key):
+            raise HarnessError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and _")
+        env[key] = value
+    return env
+
+
+def validate(spec: JobSpec) -> None:
+    """Reject a spec that cannot run, with one line naming the problem and the valid choices."""
+    if spec.benchmark not in BENCHMARKS:
+        raise HarnessError(f"unknown benchmark {spec.benchmark!r}; choose one of: {', '.join(BENCHMARKS)}")
+    if spec.benchmark not in AVAILABLE:
+        raise HarnessError(f"the {spec.benchmark} workload is not in this version yet; "
+                           f"available now: {', '.join(AVAILABLE)}")
+    presets = BENCHMARKS[spec.benchmark]
+    if spec.preset not in presets:
+        raise HarnessError(f"unknown preset {spec.preset!r} for {spec.benchmark}; choose one of: {', '.join(presets)}")
+    for name in ("nodes", "runs"):
+        if getattr(spec, name) < 1:
+            raise HarnessError(f"--{name} must be at least 1, got {getattr(spec, name)}")
+    for name in ("procs_per_node", "max_steps", "batch_size"):
+        value = getattr(spec, name)
+        if value is not None and value < 1:
+            raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if spec.max_restarts < 0:
+        raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if spec.seed is not None and not 0 <= spec.seed < 2**31 - spec.runs:
+        raise HarnessError(f"--seed must be between 0 and {2**31 - 1 - spec.runs}, got {spec.seed}")
+    if not spec.submitter.strip():
+        raise HarnessError("--submitter must not be empty")
+    if spec.data is not None and spec.synthetic:
+        raise HarnessError("--data and --synthetic exclude each other: pick a dataset or synthetic input")
+    if spec.data is not None and not spec.data.is_dir():
+        raise HarnessError(f"dataset path {spec.data} does not exist or is not a folder")
+    if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
+        raise HarnessError(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
+                           "or --synthetic to measure throughput on generated input")
+
+
+def check_writable(out_dir: Path) -> None:
+    """Create the output folder now, so an unwritable path fails before any process starts."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise HarnessError(f"cannot write to output folder {out_dir}: {exc.strerror or exc}") from None
+

@@ -1,0 +1,136 @@
+"""The benchmark-independent part of a campaign: K runs, each a complete MLPerf timed run.
+
+For every run this module owns what the rules fix (cache_clear, init_start/stop,
+the submission keys, the seed, run_start, run_stop with its status); the
+workload owns its model, data, hyperparameters and training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import random
+import re
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mlperf_logging.mllog import constants as C
+
+from workloads.common.distributed import DistContext, broadcast_object, init_distributed
+from workloads.common.mlperf import ResultLog, submission_keys
+from workloads.common.progress import announce
+
+log = logging.getLogger("workloads")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The worker's command line, shared by every benchmark (see harness.spec.JobSpec.worker_args)."""
+
+    benchmark: str
+    preset: str
+    out: Path
+    runs: int
+    seed: int | None
+    submitter: str
+    system: str | None
+    data: Path | None
+    synthetic: bool
+    max_steps: int | None
+    batch_size: int | None
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> "RunOptions":
+        p = argparse.ArgumentParser(prog="python -m workloads",
+                                    description="One rank of a benchmark campaign (started by `harness run`).")
+        p.add_argument("benchmark")
+        p.add_argument("--preset", default="tiny")
+        p.add_argument("--out", type=Path, required=True)
+        p.add_argument("--runs", type=int, default=1)
+        p.add_argument("--seed", type=int)
+        p.add_argument("--submitter", default="harness")
+        p.add_argument("--system")
+        p.add_argument("--data", type=Path)
+        p.add_argument("--synthetic", action="store_true")
+        p.add_argument("--max-steps", type=int)
+        p.add_argument("--batch-size", type=int)
+        return cls(**vars(p.parse_args(argv)))
+
+    @property
+    def division(self) -> str:
+        """Tiny presets change the benchmark, so they are open division; full presets are closed."""
+        return C.CLOSED if self.preset == "full" else C.OPEN
+
+
+class Workload(ABC):
+    """One run of one benchmark. Built during the untimed init phase, trained during the timed run."""
+
+    def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
+        self.opts, self.ctx, self.seed = opts, ctx, seed
+
+    @abstractmethod
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keys the rules ask this benchmark to log, by mllog constant."""
+
+    @abstractmethod
+    def train(self, mlog: ResultLog, progress_desc: str) -> bool:
+        """Train until the quality target or the epoch/step limit; True if the target was reached."""
+
+
+def default_platform(ctx: DistContext) -> str:
+    """A system name such as `cpu_n1x2` or `nvidia_h100_80gb_hbm3_n448x8`."""
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    device = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    return f"{device}_n{ctx.nodes}x{ctx.local_world_size}"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_logging(out: Path, rank: int) -> None:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "logs" / f"rank_{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
+    """Run opts.runs timed runs, each logged to its own result file."""
+    ctx = init_distributed()
+    setup_logging(opts.out, ctx.rank)
+    system = opts.system or default_platform(ctx)
+    log.info("rank %d/%d on %s (%s), %s", ctx.rank, ctx.world_size, platform.node(), ctx.device,
+             dist.get_backend())
+    for index in range(opts.runs):
+        path = opts.out / f"result_{index}.txt"
+        mlog = ResultLog(path if ctx.is_main else None)
+        mlog.event(C.CACHE_CLEAR, True)
+        mlog.start(C.INIT_START)
+        mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
+        seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
+        mlog.event(C.SEED, seed)
+        seed_everything(seed + ctx.rank)
+        workload = workload_cls(opts, ctx, seed)
+        mlog.events(workload.hyperparameters())
+        dist.barrier()
+        mlog.end(C.INIT_STOP)
+        mlog.start(C.RUN_START)
+        reached = workload.train(mlog, progress_desc=f"run {index + 1}/{opts.runs}")
+        status = C.SUCCESS if reached else C.ABORTED
+        mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
+        mlog.close()
+        announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
+        dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""Process-group setup from the environment every launcher sets (torchrun's RANK, WORLD_SIZE, ...).
+
+Workloads never import a launcher: they only read this standard environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def init_distributed() -> DistContext:
+    """Join the process group: NCCL when this rank has a GPU, gloo on CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device=device)
+
+
+def all_sum(values: list[float], ctx: DistContext) -> list[float]:
+    """Sum a few numbers over all ranks (eval counts, losses)."""
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj, ctx: DistContext):
+    """Rank 0's value of `obj` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=ctx.device)
+    return box[0]

@@ -1,0 +1,72 @@
+"""The MLPerf result log: one `result_<i>.txt` per run, written by rank 0 through mllog.
+
+Key names come from `mlperf_logging.mllog.constants`. The few keys that module
+lacks are spelled once, below, exactly as the compliance checker's rule files
+(or, for `tracked_stats`, NVIDIA's logs) spell them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mlperf_logging.mllog.mllog import MLLogger
+from mlperf_logging.mllog import constants as C
+
+TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
+# ResNet's SGD keys (compliance_checker/training_*/closed_resnet_sgd.yaml).
+SGD_OPT_BASE_LR = "sgd_opt_base_learning_rate"
+SGD_OPT_END_LR = "sgd_opt_end_learning_rate"
+SGD_OPT_LR_DECAY_POLY_POWER = "sgd_opt_learning_rate_decay_poly_power"
+SGD_OPT_LR_DECAY_STEPS = "sgd_opt_learning_rate_decay_steps"
+SGD_OPT_WEIGHT_DECAY = "sgd_opt_weight_decay"
+SGD_OPT_MOMENTUM = "sgd_opt_momentum"
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class ResultLog:
+    """mllog bound to one result file. On ranks other than 0 every call is a no-op."""
+
+    def __init__(self, path: Path | None):
+        self._handler = None
+        self._logger = None
+        if path is None:
+            return
+        logger = logging.Logger(f"mlperf:{path}")  # private: never shared with other runs or libraries
+        self._handler = logging.FileHandler(path, mode="a")
+        logger.addHandler(self._handler)
+        # Stack offset 2 reports our caller, not this wrapper, as the logging site.
+        self._logger = MLLogger(logger=logger, default_stack_offset=2, root_dir=_PROJECT_ROOT)
+
+    def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._logger:
+            self._logger.event(key=key, value=value, metadata=metadata)
+
+    def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._logger:
+            self._logger.start(key=key, value=value, metadata=metadata)
+
+    def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._logger:
+            self._logger.end(key=key, value=value, metadata=metadata)
+
+    def events(self, values: dict[str, Any]) -> None:
+        """Log a dict of hyperparameters, one POINT_IN_TIME line each."""
+        for key, value in values.items():
+            if self._logger:
+                self._logger.event(key=key, value=value)
+
+    def close(self) -> None:
+        if self._handler:
+            self._handler.close()
+
+
+def submission_keys(benchmark: str, division: str, org: str, platform: str, status: str = C.ONPREM) -> dict:
+    return {
+        C.SUBMISSION_BENCHMARK: benchmark,
+        C.SUBMISSION_DIVISION: division,
+        C.SUBMISSION_ORG: org,
+        C.SUBMISSION_PLATFORM: platform,
+        C.SUBMISSION_STATUS: status,
+    }

@@ -1,0 +1,161 @@
+"""ImageNet input for ResNet: the real ImageFolder path, a generated tiny dataset in the same layout, and synthetic batches.
+
+The tiny preset writes its dataset as PNG files in ImageNet's folder layout
+(train/<class>/*.png, val/<class>/*.png) so that it runs through exactly the
+loader and the MLPerf preprocessing the full preset uses on real ImageNet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision import datasets, transforms
+
+from workloads.common.distributed import DistContext
+
+# ImageNet statistics, as in the MLPerf reference.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+IMAGENET_TRAIN_SAMPLES = 1_281_167
+IMAGENET_EVAL_SAMPLES = 50_000
+
+
+def train_transform(crop: int) -> transforms.Compose:
+    """MLPerf training preprocessing: random-resized crop and horizontal flip."""
+    return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
+                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+
+
+def eval_transform(crop: int) -> transforms.Compose:
+    """MLPerf eval preprocessing: resize to crop*256/224 (256 for 224), center crop."""
+    return transforms.Compose([transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop),
+                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+
+
+@dataclass
+class Loaders:
+    train: object  # an iterable of (images, labels) batches with len()
+    eval: object
+    train_samples: int
+    eval_samples: int
+    sampler: DistributedSampler | None  # needs set_epoch() each epoch; None for synthetic input
+
+
+def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, ctx: DistContext) -> Loaders:
+    """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...)."""
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise FileNotFoundError(f"{root} has no {split}/ folder: expected ImageNet's layout "
+                                    f"{root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG")
+    train_set = datasets.ImageFolder(str(root / "train"), train_transform(crop))
+    eval_set = datasets.ImageFolder(str(root / "val"), eval_transform(crop))
+    sampler = DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, drop_last=True)
+    # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
+    eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
+    common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
+                  persistent_workers=workers > 0)
+    return Loaders(train=DataLoader(train_set, sampler=sampler, drop_last=True, **common),
+                   eval=DataLoader(eval_shard, shuffle=False, **common),
+                   train_samples=len(train_set), eval_samples=len(eval_set), sampler=sampler)
+
+
+class SyntheticBatches:
+    """The same random batch, already on the device, `steps` times: measures the model, not the input pipeline."""
+
+    def __init__(self, steps: int, batch_size: int, crop: int, classes: int, device: torch.device):
+        self.steps = steps
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randn(batch_size, 3, crop, crop, generator=generator).to(device)
+        self.labels = torch.randint(0, classes, (batch_size,), generator=generator).to(device)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for _ in range(self.steps):
+            yield self.images, self.labels
+
+
+def synthetic_loaders(crop: int, batch_size: int, classes: int, ctx: DistContext) -> Loaders:
+    """An ImageNet-sized epoch of synthetic batches; eval is one batch per rank (its accuracy means nothing)."""
+    steps = IMAGENET_TRAIN_SAMPLES // (batch_size * ctx.world_size)
+    return Loaders(train=SyntheticBatches(steps, batch_size, crop, classes, ctx.device),
+                   eval=SyntheticBatches(1, batch_size, crop, classes, ctx.device),
+                   train_samples=steps * batch_size * ctx.world_size,
+                   eval_samples=batch_size * ctx.world_size, sampler=None)
+
+
+# --- the tiny dataset -------------------------------------------------------------------------
+
+TINY_VERSION = 1
+TINY_CLASSES = 10
+TINY_SIZE = 32
+TINY_TRAIN_PER_CLASS = 500
+TINY_EVAL_PER_CLASS = 100
+
+
+def tiny_dataset_root() -> Path:
+    """Where the generated tiny dataset is cached ($HARNESS_DATA_DIR, else ~/.cache/mlperf-harness)."""
+    base = os.environ.get("HARNESS_DATA_DIR") or Path.home() / ".cache" / "mlperf-harness"
+    return Path(base) / f"tiny-imagenet-v{TINY_VERSION}"
+
+
+def ensure_tiny_dataset(root: Path) -> Path:
+    """Generate the tiny dataset once. Safe when several processes race: each writes a private
+    temporary folder and renames it into place; the content is identical whoever wins."""
+    if (root / "val").is_dir():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
+    try:
+        _write_tiny_dataset(tmp)
+        os.rename(tmp, root)
+    except OSError:
+        if not (root / "val").is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _class_patterns() -> list[dict]:
+    """Each class is two coloured sine gratings with their own orientation and frequency."""
+    patterns = []
+    for c in range(TINY_CLASSES):
+        rng = np.random.default_rng(1000 + c)
+        patterns.append({"theta": rng.uniform(0, math.pi, 2), "freq": rng.uniform(1.5, 4.5, 2),
+                         "color": rng.uniform(0.2, 1.0, (2, 3))})
+    return patterns
+
+
+def _tiny_image(pattern: dict, rng: np.random.Generator) -> np.ndarray:
+    """One sample: the class's gratings at a random phase and jittered angle, random contrast, heavy noise."""
+    yy, xx = np.mgrid[0:TINY_SIZE, 0:TINY_SIZE] / TINY_SIZE
+    img = np.zeros((TINY_SIZE, TINY_SIZE, 3))
+    for g in range(2):
+        theta = pattern["theta"][g] + rng.normal(0, 0.15)
+        wave = np.sin(2 * math.pi * pattern["freq"][g] * (xx * math.cos(theta) + yy * math.sin(theta))
+                      + rng.uniform(0, 2 * math.pi))
+        img += wave[..., None] * pattern["color"][g]
+    img = img * rng.uniform(0.5, 1.0) + rng.normal(0, 1.3, img.shape)
+    return (np.clip((img + 2) / 4, 0, 1) * 255).astype(np.uint8)
+
+
+def _write_tiny_dataset(root: Path) -> None:
+    patterns = _class_patterns()
+    for split, per_class, seed in (("train", TINY_TRAIN_PER_CLASS, 1), ("val", TINY_EVAL_PER_CLASS, 2)):
+        rng = np.random.default_rng(seed)
+        for c, pattern in enumerate(patterns):
+            folder = root / split / f"class_{c:02d}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(_tiny_image(pattern, rng)).save(folder / f"{i:05d}.png")
