@@ -67,15 +67,14 @@ class LocalLauncher(Launcher):
 
     def status(self, handle: Handle) -> JobState:
         proc = self._procs.get(handle.job_id)
-        if proc is None:  # submitted by another harness process
-            if _agent_alive(int(handle.job_id)):
-                return JobState.RUNNING
-            return JobState(_read_job(handle).get("state", JobState.UNKNOWN.value))
-        code = proc.poll()
-        if code is None:
+        running = proc.poll() is None if proc is not None else _agent_alive(int(handle.job_id))
+        if running:
             return JobState.RUNNING
-        state = JobState.SUCCEEDED if code == 0 else JobState.CANCELLED if code < 0 else JobState.FAILED
-        _update_job(handle, state=state.value, exit_code=code)
+        recorded = JobState(_read_job(handle).get("state", JobState.UNKNOWN.value))
+        if proc is None or recorded is JobState.CANCELLED:  # another process saw it end, or we stopped it
+            return recorded
+        state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
+        _update_job(handle, state=state.value, exit_code=proc.returncode)
         return state
 
     def logs(self, handle: Handle) -> str:
@@ -86,6 +85,7 @@ class LocalLauncher(Launcher):
         pid = int(handle.job_id)
         if not _agent_alive(pid):
             return
+        _update_job(handle, state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         deadline = time.monotonic() + CANCEL_GRACE_S
         while _agent_alive(pid) and time.monotonic() < deadline:
@@ -95,7 +95,6 @@ class LocalLauncher(Launcher):
             time.sleep(0.2)
         if _agent_alive(pid):
             os.killpg(pid, signal.SIGKILL)
-        _update_job(handle, state=JobState.CANCELLED.value)
 
 
 def _agent_alive(pid: int) -> bool:

@@ -1,0 +1,57 @@
+"""Shared fixtures: one real tiny campaign per test session, and the official compliance checker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def harness(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> Completed:
+    """Run the real CLI in a fresh interpreter, as a user would."""
+    proc = subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def compliance(path: Path, ruleset: str, cwd: Path) -> Completed:
+    """MLCommons' checker, exactly as a submitter runs it."""
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                           "--ruleset", ruleset, str(path)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def failed_checks(result: Completed) -> list[str]:
+    text = result.stdout + result.stderr
+    return [line for line in text.splitlines() if "Failed" in line or "ERROR" in line and "FAILED" not in line]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_data_dir(tmp_path_factory) -> Path:
+    """Generate the tiny dataset privately for this session instead of in the user's cache."""
+    path = tmp_path_factory.mktemp("data")
+    os.environ["HARNESS_DATA_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
+    """`harness run resnet --runs 2` on the local default: two processes, gloo, the tiny preset."""
+    out = tmp_path_factory.mktemp("campaign") / "run"
+    result = harness("run", "resnet", "--runs", "2", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, result

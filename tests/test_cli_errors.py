@@ -1,0 +1,61 @@
+"""Bad input ends with one clear line naming the problem and the valid choices, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cli import main
+from tests.conftest import harness
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["run", "nosuchbench"], ["nosuchbench", "resnet", "bert", "gpt3"]),
+    (["run", "bert"], ["bert", "not in this version", "resnet"]),
+    (["run", "resnet", "--preset", "huge"], ["huge", "tiny", "full"]),
+    (["run", "resnet", "--backend", "aws"], ["aws", "local", "slurm", "k8s"]),
+    (["run", "resnet", "--backend", "slurm"], ["slurm", "not in this version", "local"]),
+    (["run", "resnet", "--nodes", "0"], ["--nodes", "at least 1"]),
+    (["run", "resnet", "--nodes", "2"], ["--nodes must be 1", "slurm or k8s"]),
+    (["run", "resnet", "--runs", "0"], ["--runs", "at least 1"]),
+    (["run", "resnet", "--nodes", "two"], ["--nodes", "invalid int value"]),
+    (["run", "resnet", "--data", "/no/such/imagenet"], ["/no/such/imagenet", "does not exist"]),
+    (["run", "resnet", "--preset", "full"], ["--data", "--synthetic"]),
+    (["run", "resnet", "--env", "NOEQUALS"], ["KEY=VALUE"]),
+    (["run", "resnet", "--out", "/proc/harness-cannot-write-here"], ["cannot write", "/proc/harness"]),
+    (["report", "/no/such/results"], ["no such file or folder", "/no/such/results"]),
+    (["logs", "/"], ["not a run folder", "job.json"]),
+    (["frobnicate"], ["invalid choice", "run", "report"]),
+])
+def test_bad_input_is_one_clear_line(argv, expected, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("harness")
+    for word in expected:
+        assert word in err
+
+
+def test_unwritable_out_leaves_existing_results_alone(tmp_path, capsys):
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "result_0.txt").write_text("precious\n")
+    assert main(["run", "resnet", "--out", str(out)]) == 2
+    assert "already holds results" in capsys.readouterr().err
+    assert (out / "result_0.txt").read_text() == "precious\n"
+
+
+def test_unknown_benchmark_from_the_real_entry_point():
+    result = harness("run", "nosuchbench")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert all(name in result.stderr for name in ("resnet", "bert", "gpt3"))
+
+
+def test_help_explains_every_run_option():
+    result = harness("run", "--help")
+    assert result.returncode == 0
+    for option in ("--preset", "--backend", "--nodes", "--procs-per-node", "--runs", "--seed", "--out",
+                   "--max-restarts", "--env", "--data", "--synthetic", "--max-steps", "--batch-size",
+                   "--dry-run", "(default: local)", "(default: 1)"):
+        assert option in result.stdout

@@ -1,0 +1,132 @@
+"""Parsing MLPerf logs and scoring them by the official rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.results import load
+from harness.results.parse import LogError, parse_file
+from harness.results.score import benchmark_score, olympic_score, required_runs
+from tests.conftest import SHARED, harness
+
+COREWEAVE = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave"
+# The official scores, from ../shared/mlperf-results/README.md (MLCommons' result_summarizer).
+OFFICIAL = {
+    ("coreweave_hgxh100_n96_ngc23.04_pytorch", "gpt3"): 45.60585,
+    ("coreweave_hgxh100_n192_ngc23.04_pytorch", "gpt3"): 23.611233333333335,
+    ("coreweave_hgxh100_n448_ngc23.04_pytorch", "gpt3"): 10.940416666666666,
+    ("coreweave_hgxh100_n384_ngc23.04_pytorch", "bert"): 0.13380625000000002,
+    ("coreweave_hgxh100_n448_ngc23.04_mxnet", "resnet"): 0.18298333333333336,
+}
+needs_shared = pytest.mark.skipif(not COREWEAVE.is_dir(), reason=f"shared MLPerf results not found at {COREWEAVE}")
+
+
+def mllog(key, value=None, t=0, **metadata) -> str:
+    return ":::MLLOG " + json.dumps({"namespace": "", "time_ms": t, "event_type": "POINT_IN_TIME", "key": key,
+                                     "value": value, "metadata": metadata})
+
+
+def write_run(path: Path, minutes: float, status: str = "success", prefix: str = "") -> Path:
+    lines = [mllog("submission_benchmark", "resnet"), mllog("submission_org", "ACME"),
+             mllog("submission_platform", "box"), "plain noise from a worker",
+             mllog("run_start", t=1000), mllog("eval_accuracy", 0.5, t=2000, epoch_num=1),
+             mllog("tracked_stats", {"throughput": 100.0}, t=2000, step=1),
+             mllog("eval_accuracy", 0.8, t=3000, epoch_num=2),
+             mllog("run_stop", t=1000 + minutes * 60000, status=status)]
+    path.write_text("".join(prefix + line + "\n" for line in lines))
+    return path
+
+
+def test_parse_ignores_noise_and_rank_prefixes(tmp_path):
+    run = parse_file(write_run(tmp_path / "result_0.txt", 2.0, prefix="17: "))
+    assert run.time_to_train_min == pytest.approx(2.0)
+    assert run.quality == 0.8 and run.samples_per_s == 100.0 and run.status == "success"
+    assert run.evals == [(1000.0, 0.5), (2000.0, 0.8)]
+
+
+def test_parse_takes_the_first_run_stop_among_duplicates(tmp_path):
+    path = write_run(tmp_path / "result_0.txt", 1.0)
+    with path.open("a") as f:
+        for rank in range(1000):  # per-rank duplicates, later and out of order
+            f.write(mllog("run_stop", t=999_999 - rank, status="success") + "\n")
+    assert parse_file(path).time_to_train_min == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"", "empty"),
+    (b"just text\n", "no MLLOG"),
+    (b':::MLLOG {"key": "run_start", "time_ms": 1\n', "damaged"),
+    (b"\x00\xff\xfe:::MLLOG \x81\x82\n", "damaged"),
+    (mllog("run_start", t=1).encode() + b"\n", "run_stop not recorded"),
+])
+def test_unusable_files_are_named_with_a_reason(tmp_path, content, reason):
+    path = tmp_path / "result_0.txt"
+    path.write_bytes(content)
+    with pytest.raises(LogError, match=reason):
+        parse_file(path)
+
+
+def test_load_reports_bad_files_and_keeps_the_rest(tmp_path):
+    for i in range(5):
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i)
+    (tmp_path / "result_9.txt").write_text(mllog("run_start")[:30])
+    errors = []
+    results = load([tmp_path], on_error=lambda path, why: errors.append((path.name, why)))
+    assert [name for name, _ in errors] == ["result_9.txt"]
+    assert len(results.runs) == 5
+    assert results.groups[0].score_min == pytest.approx(3.0)  # mean of 2, 3, 4
+
+
+def test_olympic_score_rules():
+    assert required_runs("resnet") == 5 and required_runs("bert") == 10 and required_runs("gpt3") == 3
+    assert olympic_score([1, 2, 3, 4, 5], 0, "resnet") == pytest.approx(3.0)
+    # One failed run counts as the slowest: drop it and the fastest.
+    assert olympic_score([1, 2, 3, 4], 1, "resnet") == pytest.approx(3.0)
+    assert olympic_score([1, 2, 3], 2, "resnet") is None  # more than one failure: no score
+    assert olympic_score([1, 2, 3, 4, 5], 0, "resnet", scaling_factor=2.0) == pytest.approx(6.0)
+    assert benchmark_score([1.0] * 4, [True] * 4, "resnet") is None  # fewer runs than required
+
+
+def test_scaling_json_is_applied_and_never_written(tmp_path):
+    for i in range(5):
+        write_run(tmp_path / f"result_{i}.txt", 2.0)
+    (tmp_path / "scaling.json").write_text('{"scaling_factor": 1.5}')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert load([tmp_path]).groups[0].score_min == pytest.approx(3.0)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@needs_shared
+def test_coreweave_scores_equal_the_official_ones(tmp_path):
+    groups = json.loads(harness("report", str(COREWEAVE), "--format", "json").stdout)
+    scores = {(g["system"], g["benchmark"]): g["score_min"] for g in groups}
+    assert scores.keys() == OFFICIAL.keys()
+    for key, official in OFFICIAL.items():
+        assert scores[key] == pytest.approx(official, rel=1e-9), key
+    assert {g["submitter"] for g in groups} == {"NVIDIA+CoreWeave"}
+
+
+@needs_shared
+def test_a_corrupt_log_beside_real_ones_is_named_and_scores_stand(tmp_path):
+    tree = tmp_path / "NVIDIA_CoreWeave"
+    shutil.copytree(COREWEAVE, tree)
+    bad = tree / "results" / "coreweave_hgxh100_n448_ngc23.04_pytorch" / "gpt3" / "result_9.txt"
+    bad.write_bytes(b':::MLLOG {"key": "run_start", "ti')
+    result = harness("report", str(tree), "--format", "json")
+    assert result.returncode == 0
+    assert str(bad) in result.stderr
+    scores = {(g["system"], g["benchmark"]): g["score_min"] for g in json.loads(result.stdout)}
+    for key, official in OFFICIAL.items():
+        assert scores[key] == pytest.approx(official, rel=1e-9), key
+
+
+def test_report_path_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, harness.report, harness.results; harness.results.load([]); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

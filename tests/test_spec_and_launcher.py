@@ -1,0 +1,107 @@
+"""The job spec and the local launcher: what is rendered, and a real job's submit/watch/logs/cancel."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.launchers import Handle, JobState, get_launcher
+from harness.launchers.base import agent_command
+from harness.spec import JobSpec, parse_env, validate
+
+
+def test_seeds_are_distinct_per_run():
+    assert JobSpec("resnet", runs=3, seed=7).seeds() == [7, 8, 9]
+    assert JobSpec("resnet", runs=2).seeds() == [None, None]  # each run draws its own
+
+
+def test_worker_args_round_trip_through_the_worker_parser(tmp_path):
+    from workloads.common.campaign import RunOptions
+
+    spec = JobSpec("resnet", preset="full", runs=5, seed=1, out_dir=tmp_path, synthetic=True, max_steps=3,
+                   batch_size=2, submitter="ACME", system="box").resolved()
+    opts = RunOptions.parse(spec.worker_args())
+    assert (opts.benchmark, opts.preset, opts.runs, opts.seed, opts.out) == ("resnet", "full", 5, 1, tmp_path)
+    assert (opts.synthetic, opts.max_steps, opts.batch_size, opts.submitter, opts.system) == (True, 3, 2, "ACME", "box")
+    assert opts.data is None and opts.division == "closed"
+
+
+def test_default_out_dir_is_under_results_runs():
+    spec = JobSpec("resnet").resolved()
+    assert spec.out_dir.is_absolute()
+    assert spec.out_dir.parent.parts[-2:] == ("results", "runs")
+    assert spec.out_dir.name.startswith("resnet-tiny-")
+
+
+def test_env_parsing():
+    assert parse_env(["A=1", "B_2=x=y"]) == {"A": "1", "B_2": "x=y"}
+    with pytest.raises(HarnessError):
+        parse_env(["=1"])
+
+
+def test_validate_rejects_data_with_synthetic(tmp_path):
+    with pytest.raises(HarnessError, match="exclude each other"):
+        validate(JobSpec("resnet", data=tmp_path, synthetic=True))
+
+
+def test_agent_command_standalone_and_rendezvous(tmp_path):
+    spec = JobSpec("resnet", nodes=4, max_restarts=2, out_dir=tmp_path)
+    local = agent_command(spec, "py", 2)
+    assert local[:3] == ["py", "-m", "torch.distributed.run"]
+    assert "--standalone" in local and "--max-restarts=2" in local and "--nproc-per-node=2" in local
+    assert local[local.index("-m", 3) + 1] == "workloads"
+    cluster = agent_command(spec, "py", 8, rendezvous="node0:29500", rdzv_id="job1")
+    assert "--standalone" not in cluster
+    assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=job1"} <= set(cluster)
+
+
+def test_local_render_is_the_exact_command(tmp_path):
+    spec = JobSpec("resnet", procs_per_node=2, out_dir=tmp_path, env={"FOO": "a b"}).resolved()
+    request = get_launcher("local").render(spec)
+    words = shlex.split(request.text)
+    assert "FOO=a b" in words
+    assert any(w.startswith("OMP_NUM_THREADS=") for w in words)  # CPU workers share the cores
+    assert words[-len(request.payload["argv"]):] == request.payload["argv"]
+    assert request.payload["argv"][0] == sys.executable
+
+
+def test_dry_run_prints_the_command_and_starts_nothing(tmp_path, capsys):
+    from harness.cli import main
+
+    out = tmp_path / "never"
+    assert main(["run", "resnet", "--out", str(out), "--dry-run", "--procs-per-node", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "torch.distributed.run" in printed and "--nproc-per-node=2" in printed and str(out) in printed
+    assert not out.exists()
+
+
+def _wait_for(predicate, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_submit_watch_logs_cancel_a_real_job(tmp_path):
+    """Start a real tiny job, see it run, read its logs, cancel it: its agent and workers are gone."""
+    launcher = get_launcher("local")
+    spec = JobSpec("resnet", procs_per_node=2, out_dir=tmp_path / "job").resolved()
+    request = launcher.render(spec)
+    handle = launcher.submit(request)
+    assert launcher.status(handle) is JobState.RUNNING
+    assert Handle.load(spec.out_dir) == handle  # another process can find the job again
+    assert _wait_for(lambda: "rank 1/2" in launcher.logs(handle)), launcher.logs(handle)
+    assert "rank_0.log" in launcher.logs(handle)
+    launcher.cancel(handle)
+    assert launcher.status(handle) is JobState.CANCELLED
+    # A fresh launcher (as in `harness cancel` from another shell) sees the recorded end state.
+    assert get_launcher("local").status(handle) is JobState.CANCELLED
+    assert not Path(f"/proc/{handle.job_id}").exists() or b"torch.distributed.run" not in \
+        Path(f"/proc/{handle.job_id}/cmdline").read_bytes()
