@@ -7,6 +7,7 @@ Only rank 0 shows progress; every rank's messages also go to its log file
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -29,7 +30,7 @@ class Progress:
         self.stats: dict[str, str] = {}
         self.started = time.monotonic()
         self._last_line = self.started
-        live = show and self.stream.isatty()
+        live = show and _terminal_columns(self.stream) > 0
         self._bar = tqdm(total=total_steps, desc=desc, unit="step", file=self.stream, dynamic_ncols=True,
                          leave=True) if live else None
 
@@ -71,6 +72,14 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _terminal_columns(stream) -> int:
+    """Width of the terminal behind `stream`; 0 for files, pipes and size-less terminals."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def announce(text: str, show: bool = True, stream=None) -> None:
