@@ -55,12 +55,12 @@ def main() -> int:
             walls.append(time.perf_counter() - t0)
             overheads.append((run_start_ms(out / "result_0.txt") - launched_ms) / 1000)
             outs.append(out)
-        runs = load(outs).runs
+        runs = load(outs).records
 
     figures = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
         "runs": len(runs),
-        "succeeded": sum(r.succeeded for r in runs),
+        "succeeded": sum(r.converged for r in runs),
         "dataset_generation_s": round(generate_s, 2),
         "launch_to_run_start_s": {"median": round(statistics.median(overheads), 2),
                                   "all": [round(x, 2) for x in overheads]},

@@ -77,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "score per system and benchmark.")
     report.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="result files or folders")
     from harness.report import FORMATS
+    from harness.results.rules import DEFAULT_RULESET
 
     report.add_argument("--format", default="table", choices=FORMATS, help="output format")
+    report.add_argument("--ruleset", default=DEFAULT_RULESET,
+                        help="MLPerf Training ruleset whose quality targets decide which runs converged")
     report.set_defaults(func=cmd_report)
 
     for name, helptext in (("logs", "print the worker logs of a run"), ("cancel", "stop a running job")):
@@ -134,8 +137,8 @@ def _summarize(out_dir: Path, job_ok: bool, runs: int) -> int:
     if not job_ok:
         print(f"harness: error: the job failed; worker logs: harness logs {out_dir}", file=sys.stderr)
         return 1
-    missed = [r for r in results.runs if not r.succeeded]
-    if missed or len(results.runs) < runs:
+    missed = [r for r in results.records if not r.converged]
+    if missed or len(results.records) < runs:
         print(f"harness: {len(missed)} of {runs} run(s) did not reach the quality target", file=sys.stderr)
         return 1
     return 0
@@ -148,8 +151,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.paths if not p.exists()]
     if missing:
         raise HarnessError(f"no such file or folder: {', '.join(missing)}")
-    results = load(args.paths)
-    if not results.runs:
+    results = load(args.paths, ruleset=args.ruleset)
+    if not results.records:
         raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, args.paths))}", exit_code=1)
     print(render(results, args.format))
     return 0

@@ -30,12 +30,14 @@ def mllog(key, value=None, t=0, **metadata) -> str:
                                      "value": value, "metadata": metadata})
 
 
-def write_run(path: Path, minutes: float, status: str = "success", prefix: str = "") -> Path:
-    lines = [mllog("submission_benchmark", "resnet"), mllog("submission_org", "ACME"),
+def write_run(path: Path, minutes: float, status: str = "success", prefix: str = "", division: str = "closed",
+              accuracy: float = 0.8) -> Path:
+    lines = [mllog("submission_benchmark", "resnet"), mllog("submission_division", division),
+             mllog("submission_org", "ACME"),
              mllog("submission_platform", "box"), "plain noise from a worker",
              mllog("run_start", t=1000), mllog("eval_accuracy", 0.5, t=2000, epoch_num=1),
              mllog("tracked_stats", {"throughput": 100.0}, t=2000, step=1),
-             mllog("eval_accuracy", 0.8, t=3000, epoch_num=2),
+             mllog("eval_accuracy", accuracy, t=3000, epoch_num=2),
              mllog("run_stop", t=1000 + minutes * 60000, status=status)]
     path.write_text("".join(prefix + line + "\n" for line in lines))
     return path
@@ -72,12 +74,12 @@ def test_unusable_files_are_named_with_a_reason(tmp_path, content, reason):
 
 def test_load_reports_bad_files_and_keeps_the_rest(tmp_path):
     for i in range(5):
-        write_run(tmp_path / f"result_{i}.txt", 1.0 + i)
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
     (tmp_path / "result_9.txt").write_text(mllog("run_start")[:30])
     errors = []
     results = load([tmp_path], on_error=lambda path, why: errors.append((path.name, why)))
     assert [name for name, _ in errors] == ["result_9.txt"]
-    assert len(results.runs) == 5
+    assert len(results.records) == 5
     assert results.groups[0].score_min == pytest.approx(3.0)  # mean of 2, 3, 4
 
 
@@ -93,7 +95,7 @@ def test_olympic_score_rules():
 
 def test_scaling_json_is_applied_and_never_written(tmp_path):
     for i in range(5):
-        write_run(tmp_path / f"result_{i}.txt", 2.0)
+        write_run(tmp_path / f"result_{i}.txt", 2.0, accuracy=0.76)
     (tmp_path / "scaling.json").write_text('{"scaling_factor": 1.5}')
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert load([tmp_path]).groups[0].score_min == pytest.approx(3.0)
@@ -102,7 +104,7 @@ def test_scaling_json_is_applied_and_never_written(tmp_path):
 
 @needs_shared
 def test_coreweave_scores_equal_the_official_ones(tmp_path):
-    groups = json.loads(harness("report", str(COREWEAVE), "--format", "json").stdout)
+    groups = json.loads(harness("report", str(COREWEAVE), "--ruleset", "3.0.0", "--format", "json").stdout)
     scores = {(g["system"], g["benchmark"]): g["score_min"] for g in groups}
     assert scores.keys() == OFFICIAL.keys()
     for key, official in OFFICIAL.items():
@@ -116,7 +118,7 @@ def test_a_corrupt_log_beside_real_ones_is_named_and_scores_stand(tmp_path):
     shutil.copytree(COREWEAVE, tree)
     bad = tree / "results" / "coreweave_hgxh100_n448_ngc23.04_pytorch" / "gpt3" / "result_9.txt"
     bad.write_bytes(b':::MLLOG {"key": "run_start", "ti')
-    result = harness("report", str(tree), "--format", "json")
+    result = harness("report", str(tree), "--ruleset", "3.0.0", "--format", "json")
     assert result.returncode == 0
     assert str(bad) in result.stderr
     scores = {(g["system"], g["benchmark"]): g["score_min"] for g in json.loads(result.stdout)}
@@ -130,3 +132,33 @@ def test_report_path_does_not_import_torch():
 
     code = "import sys, harness.report, harness.results; harness.results.load([]); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_rulesets_target_check_decides_convergence(tmp_path):
+    from harness.results.rules import target_check
+
+    assert target_check("4.0.0", "closed", "resnet")(0.759) and not target_check("4.0.0", "closed", "resnet")(0.75)
+    assert target_check("4.1.0", "closed", "gpt3")(2.69) and not target_check("4.1.0", "closed", "gpt3")(2.7)
+    assert target_check("5.0.0", "closed", "bert")(0.72) and not target_check("5.0.0", "closed", "bert")(0.71)
+    for i, accuracy in enumerate([0.76, 0.77, 0.75, 0.78, 0.79]):  # run 2 logged success below the target
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=accuracy)
+    results = load([tmp_path], ruleset="4.0.0")
+    assert list(results.runs.converged) == [True, True, False, True, True]
+    # The unconverged run is the dropped slowest, the fastest (1.0) goes too: mean of 2, 4, 5.
+    assert results.groups[0].score_min == pytest.approx((2 + 4 + 5) / 3)
+    write_run(tmp_path / "result_0.txt", 1.0, status="aborted", accuracy=0.76)
+    assert load([tmp_path], ruleset="4.0.0").groups[0].score_min is None  # two runs failed
+
+
+def test_frames_of_a_result_set(tmp_path):
+    for i in range(5):
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+    results = load([tmp_path])
+    assert list(results.runs.columns[:6]) == ["submitter", "system", "benchmark", "division", "status", "converged"]
+    assert len(results.runs) == 5 and results.runs.time_to_train_min.tolist() == pytest.approx([1, 2, 3, 4, 5])
+    events = results.events
+    assert set(events.key) >= {"run_start", "run_stop", "eval_accuracy", "tracked_stats"}
+    assert events[events.key == "eval_accuracy"].epoch.tolist() == [1, 2] * 5
+    scores = results.scores
+    assert scores.loc[0, "score_min"] == pytest.approx(3.0) and scores.loc[0, "runs"] == 5
+    assert (scores.loc[0, "min_min"], scores.loc[0, "max_min"]) == pytest.approx((1.0, 5.0))

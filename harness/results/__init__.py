@@ -1,8 +1,10 @@
-"""Results as data: `load(paths)` parses MLPerf logs into runs grouped and scored per (system, benchmark).
+"""Results as data: `load(paths)` parses MLPerf logs into runs, grouped and scored per (system, benchmark).
 
     from harness.results import load
-    rs = load(["results/runs"])
-    for group in rs.groups: print(group.system, group.benchmark, group.score_min)
+    rs = load(["results/runs"], ruleset="4.0.0")
+    rs.runs     # pandas: one row per run
+    rs.events   # pandas: every MLLOG event of every run
+    rs.scores   # pandas: one row per (submitter, system, benchmark)
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
-from harness.results.parse import ErrorSink, LogError, Run, load_runs, parse_file
+from harness.results.parse import ErrorSink, LogError, Run, iter_events, load_runs, parse_file
+from harness.results.rules import DEFAULT_RULESET, check_ruleset, converged, target_check
 from harness.results.score import benchmark_score, required_runs
 
 
@@ -29,7 +33,7 @@ class Group:
 
     @property
     def score_min(self) -> float | None:
-        return benchmark_score([r.time_to_train_min for r in self.runs], [r.succeeded for r in self.runs],
+        return benchmark_score([r.time_to_train_min for r in self.runs], [r.converged for r in self.runs],
                                self.benchmark or "", self.scaling_factor)
 
     @property
@@ -39,8 +43,54 @@ class Group:
 
 @dataclass
 class ResultSet:
-    runs: list[Run]
+    records: list[Run]
     groups: list[Group] = field(default_factory=list)
+    ruleset: str = DEFAULT_RULESET
+
+    @cached_property
+    def runs(self):
+        """One row per run."""
+        import pandas as pd
+
+        return pd.DataFrame([{
+            "submitter": r.submitter, "system": r.system, "benchmark": r.benchmark, "division": r.division,
+            "status": r.status, "converged": r.converged, "seed": r.seed, "accelerators": r.accelerators,
+            "time_to_train_min": r.time_to_train_min, "quality": r.quality, "samples_per_s": r.samples_per_s,
+            "global_batch_size": r.global_batch_size, "file": r.file} for r in self.records],
+            columns=["submitter", "system", "benchmark", "division", "status", "converged", "seed", "accelerators",
+                     "time_to_train_min", "quality", "samples_per_s", "global_batch_size", "file"])
+
+    @cached_property
+    def events(self):
+        """Every MLLOG event: file, key, value, time (ms since run_start), epoch, samples."""
+        import pandas as pd
+
+        rows = []
+        for run in self.records:
+            for e in iter_events(Path(run.file).read_bytes()):
+                metadata = e.get("metadata") if isinstance(e.get("metadata"), dict) else {}
+                rows.append({"file": run.file, "system": run.system, "benchmark": run.benchmark, "key": e["key"],
+                             "value": e.get("value"), "time_ms": e["time_ms"] - run.run_start_ms,
+                             "epoch": metadata.get("epoch_num"), "samples": metadata.get("samples_count")})
+        return pd.DataFrame(rows, columns=["file", "system", "benchmark", "key", "value", "time_ms", "epoch",
+                                           "samples"])
+
+    @cached_property
+    def scores(self):
+        """One row per (submitter, system, benchmark): the score and the spread of its runs."""
+        import pandas as pd
+
+        rows = []
+        for g in self.groups:
+            minutes = [r.time_to_train_min for r in g.runs]
+            accelerators = {r.accelerators for r in g.runs} - {None}
+            rows.append({"submitter": g.submitter, "system": g.system, "benchmark": g.benchmark,
+                         "accelerators": accelerators.pop() if len(accelerators) == 1 else None,
+                         "runs": len(g.runs), "required_runs": g.required_runs,
+                         "converged": sum(r.converged for r in g.runs), "score_min": g.score_min,
+                         "min_min": min(minutes), "max_min": max(minutes)})
+        return pd.DataFrame(rows, columns=["submitter", "system", "benchmark", "accelerators", "runs",
+                                           "required_runs", "converged", "score_min", "min_min", "max_min"])
 
 
 def _scaling_factor(folder: Path) -> float:
@@ -55,16 +105,23 @@ def _report_to_stderr(path: Path, reason: str) -> None:
     print(f"harness: skipping {path}: {reason}", file=sys.stderr)
 
 
-def load(paths: Iterable[str | Path], on_error: ErrorSink = _report_to_stderr) -> ResultSet:
-    """Parse every result_*.txt under `paths`; unusable files go to `on_error` and are left out."""
+def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
+         on_error: ErrorSink = _report_to_stderr) -> ResultSet:
+    """Parse every result_*.txt under `paths` and judge convergence by `ruleset`'s targets.
+
+    Unusable files go to `on_error` and are left out; nothing under `paths` is written.
+    """
+    check_ruleset(ruleset)
     runs = load_runs([Path(p) for p in paths], on_error)
     grouped: dict[tuple, Group] = {}
     for run in runs:
+        run.converged = converged(run.status, [acc for _, acc in run.evals],
+                                  target_check(ruleset, run.division, run.benchmark))
         key = (run.submitter, run.system, run.benchmark)
         if key not in grouped:
             grouped[key] = Group(*key, runs=[], scaling_factor=_scaling_factor(Path(run.file).parent))
         grouped[key].runs.append(run)
-    return ResultSet(runs=runs, groups=list(grouped.values()))
+    return ResultSet(records=runs, groups=list(grouped.values()), ruleset=ruleset)
 
 
 __all__ = ["Group", "LogError", "ResultSet", "Run", "load", "parse_file"]

@@ -44,14 +44,12 @@ class Run:
     samples_per_s: float | None  # mean logged throughput
     global_batch_size: int | None
     evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy)
+    accelerators: int | None = None  # from the submission's system description, where there is one
+    converged: bool = False  # set by harness.results.load under a ruleset's target check
 
     @property
     def time_to_train_min(self) -> float:
         return (self.run_stop_ms - self.run_start_ms) / 60000
-
-    @property
-    def succeeded(self) -> bool:
-        return self.status == C.SUCCESS
 
 
 def iter_events(data: bytes) -> Iterable[dict]:
@@ -131,25 +129,37 @@ def result_files(paths: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
-def submission_context(path: Path) -> tuple[str | None, str | None]:
-    """(system, submitter) for a file at <org>/results/<system>/<benchmark>/result_*.txt
-    beside <org>/systems/<system>.json; (None, None) elsewhere, so the log's own keys count."""
+def system_description(path: Path) -> tuple[str, dict] | None:
+    """(system, description) for a file at <org>/results/<system>/<benchmark>/result_*.txt beside
+    <org>/systems/<system>.json; None elsewhere, so the log's own keys count."""
     parts = path.absolute().parts
     if len(parts) < 5 or parts[-4] != "results":
-        return None, None
+        return None
     system = parts[-3]
     try:
         description = json.loads((Path(*parts[:-4]) / "systems" / f"{system}.json").read_text())
     except (OSError, ValueError):
-        return None, None
-    return system, description.get("submitter") if isinstance(description, dict) else None
+        return None
+    return (system, description) if isinstance(description, dict) else None
+
+
+def _accelerators(description: dict) -> int | None:
+    try:
+        return int(description["number_of_nodes"]) * max(1, int(description["accelerators_per_node"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
     runs = []
     for path in result_files(paths):
+        found = system_description(path)
+        system, description = found if found else (None, {})
         try:
-            runs.append(parse_file(path, *submission_context(path)))
+            run = parse_file(path, system, description.get("submitter"))
         except LogError as exc:
             on_error(path, str(exc))
+            continue
+        run.accelerators = _accelerators(description)
+        runs.append(run)
     return runs
