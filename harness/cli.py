@@ -84,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MLPerf Training ruleset whose quality targets decide which runs converged")
     report.set_defaults(func=cmd_report)
 
+    compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline beyond noise?",
+                             formatter_class=_Help, description=(
+                                 "Compare a candidate's time-to-train with a baseline's, per benchmark.\n"
+                                 "Regression: candidate > baseline x (1 + max slowdown + baseline noise), where\n"
+                                 "noise is the baseline's (slowest - fastest) / median run; or a candidate run\n"
+                                 "that did not converge where all baseline runs did.\n"
+                                 "Exit 0: pass, 1: regression, 2: unusable input."))
+    compare.add_argument("baseline", type=Path, help="baseline result files or folder (e.g. results/baselines/...)")
+    compare.add_argument("candidate", type=Path, help="candidate result files or folder")
+    compare.add_argument("--max-slowdown", type=float, default=10.0, metavar="PCT",
+                         help="slowdown allowed beyond noise, in percent")
+    compare.add_argument("--ruleset", default=DEFAULT_RULESET, help="ruleset whose targets decide convergence")
+    compare.set_defaults(func=cmd_compare)
+
     for name, helptext in (("logs", "print the worker logs of a run"), ("cancel", "stop a running job")):
         p = sub.add_parser(name, help=helptext, formatter_class=_Help, description=helptext)
         p.add_argument("run_dir", type=Path, metavar="RUN", help="the run's output folder")
@@ -156,6 +170,26 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, args.paths))}", exit_code=1)
     print(render(results, args.format))
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from harness.compare import REGRESSION, compare
+    from harness.results import load
+
+    if args.max_slowdown < 0:
+        raise HarnessError(f"--max-slowdown must be 0 or more, got {args.max_slowdown}")
+    sets = []
+    for role, path in (("baseline", args.baseline), ("candidate", args.candidate)):
+        if not path.exists():
+            raise HarnessError(f"{role} {path} does not exist")
+        results = load([path], ruleset=args.ruleset)
+        if not results.records:
+            raise HarnessError(f"{role} {path} holds no readable result_*.txt files")
+        sets.append(results)
+    verdicts = compare(*sets, max_slowdown=args.max_slowdown / 100)
+    for verdict in verdicts:
+        print(verdict.line())
+    return REGRESSION if any(v.regressed for v in verdicts) else 0
 
 
 def _launcher_and_handle(run_dir: Path):

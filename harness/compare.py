@@ -1,0 +1,87 @@
+"""The CI regression verdict: is a candidate campaign slower than its baseline beyond noise?
+
+For each benchmark present in both, the compared figure is the MLPerf score
+when both sides have the runs the rules require, else the median time-to-train
+of the converged runs. Run-to-run noise is the baseline's own relative spread,
+(slowest - fastest) / median over its converged runs. The candidate regresses when
+
+    candidate > baseline * (1 + max_slowdown + noise)
+
+or when any candidate run failed to converge while every baseline run did.
+Exit codes: 0 pass, 1 regression, 2 unusable input.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from harness.errors import HarnessError
+from harness.results import Group, ResultSet
+
+PASS, REGRESSION, UNUSABLE = 0, 1, 2
+
+
+@dataclass
+class Verdict:
+    benchmark: str
+    metric: str  # "score" or "median"
+    baseline_min: float
+    candidate_min: float
+    noise: float
+    limit_min: float
+    unconverged: int  # candidate runs that did not converge
+    regressed: bool
+
+    def line(self) -> str:
+        change = self.candidate_min / self.baseline_min - 1
+        verdict = "REGRESSION" if self.regressed else "pass"
+        text = (f"{self.benchmark}: {verdict}: {self.metric} {self.candidate_min:.4f} min vs baseline "
+                f"{self.baseline_min:.4f} min ({change:+.1%}); limit {self.limit_min:.4f} min "
+                f"(max slowdown + baseline noise {self.noise:.1%})")
+        if self.unconverged:
+            text += f"; {self.unconverged} candidate run(s) did not converge"
+        return text
+
+
+def _minutes(group: Group) -> list[float]:
+    return [r.time_to_train_min for r in group.runs if r.converged]
+
+
+def _merge(results: ResultSet) -> dict[str, Group]:
+    """One group per benchmark, so a baseline and a candidate from differently named systems still meet."""
+    merged: dict[str, Group] = {}
+    for group in results.groups:
+        key = group.benchmark or "?"
+        if key in merged:
+            merged[key].runs.extend(group.runs)
+        else:
+            merged[key] = Group(group.submitter, group.system, group.benchmark, list(group.runs),
+                                group.scaling_factor)
+    return merged
+
+
+def compare(baseline: ResultSet, candidate: ResultSet, max_slowdown: float) -> list[Verdict]:
+    """Verdicts for every benchmark in both sets; `max_slowdown` is a fraction (0.1 = 10%)."""
+    base, cand = _merge(baseline), _merge(candidate)
+    common = sorted(base.keys() & cand.keys())
+    if not common:
+        raise HarnessError(f"no benchmark in common: baseline has {', '.join(sorted(base)) or 'none'}, "
+                           f"candidate has {', '.join(sorted(cand)) or 'none'}")
+    verdicts = []
+    for name in common:
+        b, c = base[name], cand[name]
+        b_times = _minutes(b)
+        if not b_times:
+            raise HarnessError(f"{name}: no baseline run converged, so there is nothing to compare against")
+        noise = (max(b_times) - min(b_times)) / statistics.median(b_times)
+        if b.score_min is not None and c.score_min is not None:
+            metric, b_value, c_value = "score", b.score_min, c.score_min
+        else:
+            c_times = _minutes(c) or [float("inf")]
+            metric, b_value, c_value = "median", statistics.median(b_times), statistics.median(c_times)
+        limit = b_value * (1 + max_slowdown + noise)
+        unconverged = sum(not r.converged for r in c.runs)
+        regressed = c_value > limit or (unconverged > 0 and len(b_times) == len(b.runs))
+        verdicts.append(Verdict(name, metric, b_value, c_value, noise, limit, unconverged, regressed))
+    return verdicts

@@ -1,0 +1,74 @@
+"""`harness compare`: the CI regression verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.results.parse import MARKER
+from tests.conftest import REPO, harness
+
+BASELINE = REPO / "results" / "baselines" / "resnet-tiny"
+
+
+def slowed_copy(src: Path, dst: Path, factor: float) -> Path:
+    """Copy a run folder's logs with every run's time-to-train multiplied by `factor`."""
+    dst.mkdir(parents=True)
+    for log in sorted(src.glob("result_*.txt")):
+        lines, start = [], None
+        for line in log.read_bytes().splitlines():
+            at = line.find(MARKER)
+            if at >= 0:
+                event = json.loads(line[at + len(MARKER):])
+                if event["key"] == "run_start":
+                    start = event["time_ms"]
+                elif event["key"] == "run_stop":
+                    event["time_ms"] = start + (event["time_ms"] - start) * factor
+                line = MARKER + json.dumps(event).encode()
+            lines.append(line)
+        (dst / log.name).write_bytes(b"\n".join(lines) + b"\n")
+    return dst
+
+
+def test_a_run_passes_against_itself(tiny_campaign):
+    out, _ = tiny_campaign
+    result = harness("compare", str(out), str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resnet: pass" in result.stdout and "+0.0%" in result.stdout
+
+
+def test_a_30_percent_slower_copy_regresses(tiny_campaign, tmp_path):
+    out, _ = tiny_campaign
+    slow = slowed_copy(out, tmp_path / "slow", 1.3)
+    result = harness("compare", str(out), str(slow), "--max-slowdown", "10")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "resnet: REGRESSION" in result.stdout and "+30.0%" in result.stdout
+
+
+def test_noise_widens_the_limit(tmp_path):
+    from tests.test_results import write_run
+
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    base.mkdir(), cand.mkdir()
+    for i, minutes in enumerate([1.0, 1.2]):  # 20% run-to-run spread
+        write_run(base / f"result_{i}.txt", minutes, accuracy=0.76)
+    write_run(cand / "result_0.txt", 1.25, accuracy=0.76)  # median 1.1 -> +13.6%: inside 10% + 18% noise
+    assert harness("compare", str(base), str(cand), "--max-slowdown", "10").returncode == 0
+    write_run(cand / "result_0.txt", 1.25, accuracy=0.70)  # below the closed target: did not converge
+    result = harness("compare", str(base), str(cand))
+    assert result.returncode == 1 and "did not converge" in result.stdout
+
+
+def test_unusable_input_exits_2(tiny_campaign, tmp_path):
+    out, _ = tiny_campaign
+    assert harness("compare", str(tmp_path / "missing"), str(out)).returncode == 2
+    (tmp_path / "empty").mkdir()
+    result = harness("compare", str(out), str(tmp_path / "empty"))
+    assert result.returncode == 2 and "no readable result" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_project_ci_gate_against_the_committed_tiny_baseline(tiny_campaign):
+    """What the project's CI enforces: this machine's tiny ResNet is not wildly slower than the baseline."""
+    out, _ = tiny_campaign
+    result = harness("compare", str(BASELINE), str(out), "--max-slowdown", "200")
+    assert result.returncode == 0, result.stdout + result.stderr
