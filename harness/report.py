@@ -1,4 +1,4 @@
-"""Render a ResultSet as a table, JSON or CSV: the time-to-train report.
+"""Render a ResultSet as a table, JSON, CSV, Markdown or HTML: the time-to-train report.
 
 JSON is a list of groups, one per (system, benchmark):
   {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
@@ -14,7 +14,7 @@ import json
 
 from harness.results import Group, ResultSet, Run
 
-FORMATS = ("table", "json", "csv")
+FORMATS = ("table", "json", "csv", "markdown", "html")
 RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "seed")
 
 
@@ -63,7 +63,23 @@ def _csv(results: ResultSet) -> str:
     return out.getvalue().rstrip("\n")
 
 
+def _documents(results: ResultSet, fmt: str) -> str:
+    """Scores side by side (one row per system and benchmark, with GPUs and spread), then every run."""
+    scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
+                                            "max_min": "slowest_min"})
+    runs = results.runs[["system", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
+                         "samples_per_s", "file"]]
+    title = f"MLPerf Training results (ruleset {results.ruleset})"
+    if fmt == "markdown":
+        return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"
+                f"## Runs\n\n{runs.to_markdown(index=False, floatfmt='.4f')}")
+    return (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}"
+            f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}")
+
+
 def render(results: ResultSet, fmt: str) -> str:
+    if fmt in ("markdown", "html"):
+        return _documents(results, fmt)
     if fmt == "json":
         return json.dumps([group_record(g) for g in results.groups], indent=2)
     if fmt == "csv":

@@ -162,3 +162,16 @@ def test_frames_of_a_result_set(tmp_path):
     scores = results.scores
     assert scores.loc[0, "score_min"] == pytest.approx(3.0) and scores.loc[0, "runs"] == 5
     assert (scores.loc[0, "min_min"], scores.loc[0, "max_min"]) == pytest.approx((1.0, 5.0))
+
+
+def test_markdown_and_html_reports(tmp_path):
+    folder = tmp_path / "<b>odd"
+    folder.mkdir()
+    for i in range(5):
+        write_run(folder / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+    markdown = harness("report", str(folder), "--format", "markdown")
+    assert markdown.returncode == 0
+    assert "## Scores" in markdown.stdout and "| ACME" in markdown.stdout and "3.0000" in markdown.stdout
+    html = harness("report", str(folder), "--format", "html").stdout
+    assert "<h2>Scores</h2>" in html and "<td>ACME</td>" in html
+    assert "<b>odd" not in html and "&lt;b&gt;odd" in html  # names are escaped, not markup
