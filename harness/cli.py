@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--format", default="table", choices=FORMATS, help="output format")
     report.add_argument("--ruleset", default=DEFAULT_RULESET,
                         help="MLPerf Training ruleset whose quality targets decide which runs converged")
+    report.add_argument("--plot", type=Path, metavar="DIR",
+                        help="also write quality.png and throughput.png (vs time, one line per run) into DIR")
     report.set_defaults(func=cmd_report)
 
     compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline beyond noise?",
@@ -169,6 +171,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not results.records:
         raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, args.paths))}", exit_code=1)
     print(render(results, args.format))
+    if args.plot:
+        from harness.plots import plot
+
+        check_writable(args.plot)
+        for path in plot(results, args.plot):
+            print(f"harness: wrote {path}", file=sys.stderr)
     return 0
 
 

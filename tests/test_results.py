@@ -175,3 +175,16 @@ def test_markdown_and_html_reports(tmp_path):
     html = harness("report", str(folder), "--format", "html").stdout
     assert "<h2>Scores</h2>" in html and "<td>ACME</td>" in html
     assert "<b>odd" not in html and "&lt;b&gt;odd" in html  # names are escaped, not markup
+
+
+def test_plot_writes_quality_and_throughput_pictures(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for i in range(2):
+        write_run(runs / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+    result = harness("report", str(runs), "--plot", str(tmp_path / "plots"))
+    assert result.returncode == 0, result.stderr
+    for name in ("quality.png", "throughput.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    assert sorted(p.name for p in runs.iterdir()) == ["result_0.txt", "result_1.txt"]  # input untouched
