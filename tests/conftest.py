@@ -37,7 +37,7 @@ def compliance(path: Path, ruleset: str, cwd: Path) -> Completed:
 
 def failed_checks(result: Completed) -> list[str]:
     text = result.stdout + result.stderr
-    return [line for line in text.splitlines() if "Failed" in line or "ERROR" in line and "FAILED" not in line]
+    return [line for line in text.splitlines() if "Failed" in line or ("ERROR" in line and "FAILED" not in line)]
 
 
 @pytest.fixture(scope="session", autouse=True)
