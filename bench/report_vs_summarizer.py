@@ -2,8 +2,9 @@
 
     python bench/report_vs_summarizer.py [SUBMISSION] [--ruleset 3.0.0] [--repeat 3]
 
-The summarizer rewrites files in its input (scaling.json), so it runs on a
-throw-away copy; ours reads the original. Both are timed as fresh processes, the
+The summarizer rewrites files in its input (scaling.json) and writes
+summary.json into its working folder, so it runs on a throw-away copy from a
+throw-away folder; ours reads the original. Both are timed as fresh processes, the
 way a user runs them, and the best of `--repeat` tries is kept for each.
 """
 
@@ -21,11 +22,11 @@ from pathlib import Path
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave"
 
 
-def best_time(cmd: list[str], repeat: int) -> float:
+def best_time(cmd: list[str], repeat: int, cwd: Path) -> float:
     best = float("inf")
     for _ in range(repeat):
         started = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -40,13 +41,14 @@ def main() -> int:
         print(f"no submission folder at {args.submission}", file=sys.stderr)
         return 2
     size_mb = sum(p.stat().st_size for p in args.submission.rglob("*") if p.is_file()) / 1e6
-    ours = best_time([sys.executable, "-m", "harness", "report", str(args.submission), "--ruleset", args.ruleset,
-                      "--format", "json"], args.repeat)
     with tempfile.TemporaryDirectory() as tmp:
+        ours = best_time([sys.executable, "-m", "harness", "report", str(args.submission.absolute()), "--ruleset",
+                          args.ruleset, "--format", "json"], args.repeat, cwd=Path(tmp))
         copy = Path(tmp) / args.submission.name
         shutil.copytree(args.submission, copy)
+        # The summarizer also writes summary.json (and more) into its working folder: the throw-away one.
         theirs = best_time([sys.executable, "-m", "mlperf_logging.result_summarizer", str(copy), "training",
-                            args.ruleset], args.repeat)
+                            args.ruleset], args.repeat, cwd=Path(tmp))
     print(json.dumps({"submission": str(args.submission), "log_mb": round(size_mb, 1),
                       "harness_report_s": round(ours, 2), "result_summarizer_s": round(theirs, 2),
                       "speedup": round(theirs / ours, 1)}, indent=2))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from harness.errors import HarnessError
 from harness.results import Group, ResultSet
 
-PASS, REGRESSION, UNUSABLE = 0, 1, 2
+PASS, REGRESSION = 0, 1  # unusable input raises HarnessError (exit 2)
 
 
 @dataclass

@@ -46,10 +46,9 @@ def plot(results: ResultSet, out_dir: Path) -> list[Path]:
             ax.set_title(f"{benchmark or 'no benchmark'}: {ylabel} vs time")
             ax.set_xlabel("minutes since run_start")
             ax.set_ylabel(ylabel)
-            if ax.lines:
-                ax.set_yscale(scale)
             ax.grid(alpha=0.3)
             if ax.lines:
+                ax.set_yscale(scale)
                 ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / name

@@ -20,6 +20,10 @@ from harness.results.parse import ErrorSink, LogError, Run, iter_events, load_ru
 from harness.results.rules import DEFAULT_RULESET, check_ruleset, converged, target_check
 from harness.results.score import benchmark_score, required_runs
 
+# Columns of ResultSet.runs, each an attribute of Run.
+RUN_COLUMNS = ["submitter", "system", "benchmark", "division", "status", "converged", "seed", "accelerators",
+               "time_to_train_min", "quality", "samples_per_s", "global_batch_size", "file"]
+
 
 @dataclass
 class Group:
@@ -52,13 +56,7 @@ class ResultSet:
         """One row per run."""
         import pandas as pd
 
-        return pd.DataFrame([{
-            "submitter": r.submitter, "system": r.system, "benchmark": r.benchmark, "division": r.division,
-            "status": r.status, "converged": r.converged, "seed": r.seed, "accelerators": r.accelerators,
-            "time_to_train_min": r.time_to_train_min, "quality": r.quality, "samples_per_s": r.samples_per_s,
-            "global_batch_size": r.global_batch_size, "file": r.file} for r in self.records],
-            columns=["submitter", "system", "benchmark", "division", "status", "converged", "seed", "accelerators",
-                     "time_to_train_min", "quality", "samples_per_s", "global_batch_size", "file"])
+        return pd.DataFrame([[getattr(r, c) for c in RUN_COLUMNS] for r in self.records], columns=RUN_COLUMNS)
 
     @cached_property
     def events(self):
