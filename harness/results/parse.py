@@ -62,9 +62,15 @@ def iter_events(data: bytes) -> Iterable[dict]:
             event = orjson.loads(line[at + len(MARKER):])
         except orjson.JSONDecodeError as exc:
             raise LogError(f"line {number}: damaged MLLOG record ({exc})") from None
-        if not isinstance(event, dict) or "key" not in event or "time_ms" not in event:
-            raise LogError(f"line {number}: MLLOG record without key or time_ms")
+        if not isinstance(event, dict) or not isinstance(event.get("key"), str):
+            raise LogError(f"line {number}: MLLOG record without a text key")
+        if not _is_number(event.get("time_ms")):
+            raise LogError(f"line {number}: MLLOG record whose time_ms is not a number")
         yield event
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_file(path: Path, system: str | None = None, submitter: str | None = None) -> Run:
@@ -88,11 +94,11 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
                 run_start = event
             elif key == C.RUN_STOP and run_start is not None:
                 run_stop = event
-        if key == C.EVAL_ACCURACY and isinstance(event.get("value"), (int, float)):
+        if key == C.EVAL_ACCURACY and _is_number(event.get("value")):
             evals.append((float(event["time_ms"]), float(event["value"])))
         elif key == TRACKED_STATS and isinstance(event.get("value"), dict):
             value = event["value"].get("throughput")
-            if isinstance(value, (int, float)):
+            if _is_number(value):
                 throughputs.append(float(value))
     if not first:
         raise LogError("no MLLOG records")
@@ -102,18 +108,21 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
         raise LogError("run_stop not recorded")
     start_ms, stop_ms = float(run_start["time_ms"]), float(run_stop["time_ms"])
 
-    def value(key: str):
-        return first[key].get("value") if key in first else None
+    def value(key: str, kind: type):
+        """The first logged value of `key`, or None where it is missing or of the wrong type."""
+        found = first[key].get("value") if key in first else None
+        return found if isinstance(found, kind) and not isinstance(found, bool) else None
 
-    metadata = run_stop.get("metadata") or {}
+    metadata = run_stop.get("metadata") if isinstance(run_stop.get("metadata"), dict) else {}
+    status = metadata.get(C.STATUS)
     evals.sort()
     return Run(
-        file=str(path), benchmark=value(C.SUBMISSION_BENCHMARK), system=system or value(C.SUBMISSION_PLATFORM),
-        submitter=submitter or value(C.SUBMISSION_ORG), division=value(C.SUBMISSION_DIVISION),
-        status=metadata.get(C.STATUS) if isinstance(metadata, dict) else None, seed=value(C.SEED),
-        run_start_ms=start_ms, run_stop_ms=stop_ms, quality=evals[-1][1] if evals else None,
+        file=str(path), benchmark=value(C.SUBMISSION_BENCHMARK, str),
+        system=system or value(C.SUBMISSION_PLATFORM, str), submitter=submitter or value(C.SUBMISSION_ORG, str),
+        division=value(C.SUBMISSION_DIVISION, str), status=status if isinstance(status, str) else None,
+        seed=value(C.SEED, int), run_start_ms=start_ms, run_stop_ms=stop_ms, quality=evals[-1][1] if evals else None,
         samples_per_s=sum(throughputs) / len(throughputs) if throughputs else None,
-        global_batch_size=value(C.GLOBAL_BATCH_SIZE),
+        global_batch_size=value(C.GLOBAL_BATCH_SIZE, int),
         evals=[(t - start_ms, acc) for t, acc in evals],
     )
 

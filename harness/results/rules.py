@@ -40,8 +40,8 @@ def check_ruleset(ruleset: str) -> str:
 @functools.cache
 def target_check(ruleset: str, division: str | None, benchmark: str | None) -> TargetCheck | None:
     """The ruleset's target test for one accuracy value, or None where its rule files state none."""
-    if division not in (C.CLOSED, C.OPEN) or not benchmark:
-        return None
+    if division not in (C.CLOSED, C.OPEN) or not benchmark or not benchmark.replace("_", "").isalnum():
+        return None  # a logged name that is no rule file's (and no path)
     rule_file = (resources.files("mlperf_logging") / "compliance_checker" / f"training_{ruleset}"
                  / f"{division}_{benchmark}.yaml")
     if not rule_file.is_file():
