@@ -177,14 +177,21 @@ def test_markdown_and_html_reports(tmp_path):
     assert "<b>odd" not in html and "&lt;b&gt;odd" in html  # names are escaped, not markup
 
 
-def test_plot_writes_quality_and_throughput_pictures(tmp_path):
+def test_plot_writes_quality_throughput_and_time_to_train_pictures(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     for i in range(2):
         write_run(runs / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
     result = harness("report", str(runs), "--plot", str(tmp_path / "plots"))
     assert result.returncode == 0, result.stderr
-    for name in ("quality.png", "throughput.png"):
+    for name in ("quality.png", "throughput.png", "time_to_train.png"):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
     assert sorted(p.name for p in runs.iterdir()) == ["result_0.txt", "result_1.txt"]  # input untouched
+
+
+@needs_shared
+def test_compare_systems_names_the_known_systems_on_a_typo():
+    results = load([COREWEAVE], ruleset="3.0.0")
+    with pytest.raises(ValueError, match="no system 'n96'.*coreweave_hgxh100_n96_ngc23.04_pytorch"):
+        results.compare_systems("n96", "coreweave_hgxh100_n448_ngc23.04_pytorch")

@@ -91,6 +91,27 @@ class ResultSet:
                                            "required_runs", "converged", "score_min", "min_min", "max_min"])
 
 
+    def compare_systems(self, a: str, b: str):
+        """Two systems side by side, one row per benchmark both ran.
+
+        `speedup` is how many times faster b trains than a (score a / score b), and
+        `scaling_efficiency` is that speedup over the ratio of their accelerators:
+        1.0 means b's extra GPUs pay off in full.
+        """
+        scores = self.scores
+        known = sorted(set(scores.system.dropna()))
+        for name in (a, b):
+            if name not in known:
+                raise ValueError(f"no system {name!r} in these results; they have: {', '.join(known)}")
+        columns = ["benchmark", "accelerators", "score_min"]
+        side = scores[scores.system == a][columns].merge(scores[scores.system == b][columns], on="benchmark",
+                                                         suffixes=("_a", "_b"))
+        side["speedup"] = side.score_min_a / side.score_min_b
+        side["accelerator_ratio"] = side.accelerators_b / side.accelerators_a
+        side["scaling_efficiency"] = side.speedup / side.accelerator_ratio
+        return side.set_index("benchmark")
+
+
 def _scaling_factor(folder: Path) -> float:
     """The factor in <benchmark folder>/scaling.json, as the summarizer applies it (read, never written)."""
     try:

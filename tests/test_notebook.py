@@ -1,0 +1,55 @@
+"""notebooks/analysis.ipynb, executed top to bottom by a real Jupyter kernel (nbclient + ipykernel)."""
+
+from __future__ import annotations
+
+import os
+
+import nbclient
+import nbformat
+
+from tests.conftest import REPO
+from tests.test_results import COREWEAVE, OFFICIAL, needs_shared
+
+NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
+
+
+def execute(monkeypatch, paths: list, ruleset: str) -> list[dict]:
+    """Run the notebook on `paths` (through its environment parameters); return every output, in order."""
+    monkeypatch.setenv("HARNESS_RESULTS", os.pathsep.join(map(str, paths)))
+    monkeypatch.setenv("HARNESS_RULESET", ruleset)
+    monkeypatch.delenv("HARNESS_SYSTEMS", raising=False)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+
+
+def text(outputs: list[dict]) -> str:
+    return "\n".join(o.get("text") or o.get("data", {}).get("text/plain", "") for o in outputs)
+
+
+def pictures(outputs: list[dict]) -> int:
+    return sum("image/png" in o.get("data", {}) for o in outputs)
+
+
+def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
+    out, _ = tiny_campaign
+    outputs = execute(monkeypatch, [out], "4.0.0")
+    shown = text(outputs)
+    assert "2 runs in 1 (system, benchmark) groups" in shown
+    assert "resnet" in shown and pictures(outputs) == 3
+    assert "nothing to compare yet" in shown  # two runs are fewer than the five a resnet score needs
+
+
+@needs_shared
+def test_notebook_on_coreweave_and_a_tiny_run(monkeypatch, tiny_campaign):
+    out, _ = tiny_campaign
+    outputs = execute(monkeypatch, [COREWEAVE, out], "3.0.0")
+    shown = text(outputs)
+    assert "26 runs in 6 (system, benchmark) groups" in shown and pictures(outputs) == 3
+    for score in OFFICIAL.values():
+        assert f"{score:.6f}" in shown  # pandas shows six decimals
+    # The default comparison: the smallest and largest GPT-3 systems, 768 and 3,584 H100s.
+    assert "**coreweave_hgxh100_n96_ngc23.04_pytorch** against **coreweave_hgxh100_n448_ngc23.04_pytorch**" in \
+        "\n".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert "4.168566" in shown and "0.893264" in shown  # speedup and scaling efficiency
