@@ -26,6 +26,7 @@ from mlperf_logging.mllog import constants as C
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed
 from workloads.common.mlperf import ResultLog, submission_keys
 from workloads.common.progress import announce
+from workloads.common.system_facts import write_facts
 
 log = logging.getLogger("workloads")
 
@@ -111,6 +112,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
     system = opts.system or default_platform(ctx)
+    if ctx.is_main:
+        write_facts(opts.out, ctx)
     log.info("rank %d/%d on %s (%s), %s", ctx.rank, ctx.world_size, platform.node(), ctx.device,
              dist.get_backend())
     for index in range(opts.runs):
