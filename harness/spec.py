@@ -87,6 +87,32 @@ class JobSpec:
             args += ["--batch-size", str(self.batch_size)]
         return args
 
+    def command_line(self, backend: str) -> list[str]:
+        """The `harness run` invocation that builds this spec again (for READMEs of exported packages)."""
+        args = ["harness", "run", self.benchmark, "--backend", backend, "--preset", self.preset,
+                "--nodes", str(self.nodes), "--runs", str(self.runs), "--max-restarts", str(self.max_restarts),
+                "--submitter", self.submitter]
+        for flag, value in (("--procs-per-node", self.procs_per_node), ("--seed", self.seed),
+                            ("--out", self.out_dir), ("--data", self.data), ("--max-steps", self.max_steps),
+                            ("--batch-size", self.batch_size), ("--system", self.system)):
+            if value is not None:
+                args += [flag, str(value)]
+        for key, value in self.env.items():
+            args += ["--env", f"{key}={value}"]
+        if self.synthetic:
+            args.append("--synthetic")
+        return args
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "JobSpec":
+        """The inverse of to_dict (job.json's "spec")."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        spec = cls(**{key: value for key, value in record.items() if key in known})
+        for key in ("out_dir", "data"):
+            if getattr(spec, key) is not None:
+                setattr(spec, key, Path(getattr(spec, key)))
+        return spec
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         for key in ("out_dir", "data"):
