@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ruleset", default=DEFAULT_RULESET,
                         help="MLPerf Training ruleset whose quality targets decide which runs converged")
     report.add_argument("--plot", type=Path, metavar="DIR",
-                        help="also write quality.png and throughput.png (vs time, one line per run) into DIR")
+                        help="also write quality.png, throughput.png (vs time, one line per run) and "
+                             "time_to_train.png (per run and system) into DIR")
     report.set_defaults(func=cmd_report)
 
     compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline beyond noise?",
@@ -99,6 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
                          help="slowdown allowed beyond noise, in percent")
     compare.add_argument("--ruleset", default=DEFAULT_RULESET, help="ruleset whose targets decide convergence")
     compare.set_defaults(func=cmd_compare)
+
+    export = sub.add_parser("export", help="write an MLPerf submission package and check it with MLCommons' "
+                                           "package checker", formatter_class=_Help, description=(
+                                "Write the MLPerf training package layout into DIR: systems/<system>.json,\n"
+                                "results/<system>/<benchmark>/result_<i>.txt and the workload code under\n"
+                                "benchmarks/<benchmark>/implementations/. System facts recorded by the runs\n"
+                                "(CPU, GPUs, memory, OS, software versions) fill the description; the rest\n"
+                                "comes from --system-desc. Then MLCommons' package checker judges DIR.\n"
+                                "Exit 0: package written and accepted, 1: the checker found errors,\n"
+                                "2: refused (nothing written)."))
+    export.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="run folders or result files; each benchmark needs exactly the runs the rules "
+                             "require (resnet 5, bert 10, gpt3 3)")
+    export.add_argument("--submitter", required=True, metavar="ORG", help="the submitting organisation")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR", help="the package folder (new or empty)")
+    export.add_argument("--system-desc", type=Path, metavar="FILE.json",
+                        help="system description fields that cannot be detected (they win over detected ones)")
+    export.add_argument("--system", help="system name (default: --system-desc's system_name, else the logged "
+                                         "submission_platform)")
+    export.add_argument("--ruleset", default=DEFAULT_RULESET, help="MLPerf Training ruleset to check against")
+    export.set_defaults(func=cmd_export)
 
     for name, helptext in (("logs", "print the worker logs of a run"), ("cancel", "stop a running job")):
         p = sub.add_parser(name, help=helptext, formatter_class=_Help, description=helptext)
@@ -198,6 +220,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for verdict in verdicts:
         print(verdict.line())
     return REGRESSION if any(v.regressed for v in verdicts) else PASS
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from harness.export import plan, run_package_checker, write
+
+    package = plan(args.run_dirs, args.submitter, system=args.system, system_desc=args.system_desc,
+                   ruleset=args.ruleset)
+    written = write(package, args.out)
+    counts = ", ".join(f"{benchmark} {len(files)} runs" for benchmark, files in package.results.items())
+    print(f"harness: wrote {len(written)} files to {args.out}: system {package.system}, {counts}", flush=True)
+    for note in package.notes:
+        print(f"harness: note: {note}", file=sys.stderr, flush=True)
+    print(f"harness: running mlperf_logging.package_checker {args.out} training {args.ruleset} ...", flush=True)
+    verdict = run_package_checker(args.out, args.ruleset)
+    if verdict.passed:
+        print("harness: package checker: no errors")
+        return 0
+    print("\n".join(verdict.problems or verdict.output.splitlines()[-20:]))
+    print(f"harness: package checker found errors; the package stays in {args.out} for a look", file=sys.stderr)
+    return 1
 
 
 def _launcher_and_handle(run_dir: Path):

@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+TINY_RUNS = 5  # a whole MLPerf ResNet campaign: enough runs for a score and a submission package
 
 
 @dataclass
@@ -50,8 +51,8 @@ def tiny_data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
-    """`harness run resnet --runs 2` on the local default: two processes, gloo, the tiny preset."""
+    """`harness run resnet --runs 5` on the local default: two processes, gloo, the tiny preset."""
     out = tmp_path_factory.mktemp("campaign") / "run"
-    result = harness("run", "resnet", "--runs", "2", "--out", str(out))
+    result = harness("run", "resnet", "--runs", str(TINY_RUNS), "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result

@@ -7,7 +7,7 @@ import os
 import nbclient
 import nbformat
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_RUNS
 from tests.test_results import COREWEAVE, OFFICIAL, needs_shared
 
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
@@ -36,9 +36,9 @@ def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
     out, _ = tiny_campaign
     outputs = execute(monkeypatch, [out], "4.0.0")
     shown = text(outputs)
-    assert "2 runs in 1 (system, benchmark) groups" in shown
+    assert f"{TINY_RUNS} runs in 1 (system, benchmark) groups" in shown
     assert "resnet" in shown and pictures(outputs) == 3
-    assert "nothing to compare yet" in shown  # two runs are fewer than the five a resnet score needs
+    assert "nothing to compare yet" in shown  # one system only
 
 
 @needs_shared
@@ -46,7 +46,7 @@ def test_notebook_on_coreweave_and_a_tiny_run(monkeypatch, tiny_campaign):
     out, _ = tiny_campaign
     outputs = execute(monkeypatch, [COREWEAVE, out], "3.0.0")
     shown = text(outputs)
-    assert "26 runs in 6 (system, benchmark) groups" in shown and pictures(outputs) == 3
+    assert f"{24 + TINY_RUNS} runs in 6 (system, benchmark) groups" in shown and pictures(outputs) == 3
     for score in OFFICIAL.values():
         assert f"{score:.6f}" in shown  # pandas shows six decimals
     # The default comparison: the smallest and largest GPT-3 systems, 768 and 3,584 H100s.

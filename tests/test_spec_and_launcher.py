@@ -111,7 +111,8 @@ def test_submit_watch_logs_cancel_a_real_job(tmp_path):
     assert _wait_for(lambda: "rank 1/2" in launcher.logs(handle)), launcher.logs(handle)
     assert "rank_0.log" in launcher.logs(handle)
     launcher.cancel(handle)
-    assert launcher.status(handle) is JobState.CANCELLED
+    state = launcher.status(handle)
+    assert state is JobState.CANCELLED, (state, (spec.out_dir / "job.json").read_text(), launcher.logs(handle))
     # A fresh launcher (as in `harness cancel` from another shell) sees the recorded end state.
     assert get_launcher("local").status(handle) is JobState.CANCELLED
     assert not Path(f"/proc/{handle.job_id}").exists() or b"torch.distributed.run" not in \
