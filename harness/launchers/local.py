@@ -87,14 +87,21 @@ class LocalLauncher(Launcher):
             return
         _update_job(handle, state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
-        deadline = time.monotonic() + CANCEL_GRACE_S
-        while _agent_alive(pid) and time.monotonic() < deadline:
-            proc = self._procs.get(handle.job_id)
-            if proc is not None:
-                proc.poll()  # reap, so a finished agent stops looking alive
-            time.sleep(0.2)
-        if _agent_alive(pid):
+        if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)
+            self._wait_gone(handle, CANCEL_GRACE_S)  # so that cancel returns with the job gone
+
+    def _wait_gone(self, handle: Handle, timeout: float) -> bool:
+        pid, proc = int(handle.job_id), self._procs.get(handle.job_id)
+
+        def alive() -> bool:
+            # Our own child is gone once reaped; /proc alone can look empty while it is still exiting.
+            return proc.poll() is None if proc is not None else _agent_alive(pid)
+
+        deadline = time.monotonic() + timeout
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not alive()
 
 
 def _agent_alive(pid: int) -> bool:
