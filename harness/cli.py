@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")
     run.add_argument("--system", help="system name logged as submission_platform (default: e.g. cpu_n1x2)")
+    run.add_argument("--name", help="job name on the cluster (default: <benchmark>-<preset>); lowercase "
+                                    "letters, digits and '-'")
+    run.add_argument("--profile", default="local-cpu",
+                     help="cluster profile: a name from manifests/profiles/ (local-cpu, h100-ib, coreweave-h100) "
+                          "or a YAML file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one profile setting, e.g. slurm.partition=gpu or env.NCCL_DEBUG=INFO "
+                          "(repeatable)")
     run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
                                                             "manifest) and submit nothing")
     run.set_defaults(func=cmd_run)
@@ -130,11 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    from harness import profiles
+
     preset = args.preset or ("full" if args.data else "tiny")
+    profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
     return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), data=args.data, synthetic=args.synthetic, max_steps=args.max_steps,
-                   batch_size=args.batch_size, submitter=args.submitter, system=args.system)
+                   batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
+                   profile=profile)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from harness import profiles
 from harness.errors import HarnessError
+from harness.profiles import Profile
 
 # Benchmark name -> presets. The first preset is the default when no dataset is given.
 BENCHMARKS: dict[str, tuple[str, ...]] = {
@@ -30,6 +32,9 @@ DATASET_PRESETS = ("full",)
 
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Job names become Kubernetes object and pod names (RFC 1123 labels, with room for "-worker-447")
+# and Slurm job names; one rule for every backend keeps them safe everywhere.
+JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 
 
 @dataclass
@@ -51,10 +56,14 @@ class JobSpec:
     batch_size: int | None = None  # per-process batch; None: the preset's
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
+    name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
+    profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
     def resolved(self) -> "JobSpec":
         """Fill in defaults that depend on the time or the machine, once, before rendering."""
         spec = dataclasses.replace(self)
+        if spec.name is None:
+            spec.name = f"{spec.benchmark}-{spec.preset}"
         if spec.out_dir is None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
@@ -89,16 +98,19 @@ class JobSpec:
 
     def command_line(self, backend: str) -> list[str]:
         """The `harness run` invocation that builds this spec again (for READMEs of exported packages)."""
-        args = ["harness", "run", self.benchmark, "--backend", backend, "--preset", self.preset,
+        args = ["harness", "run", self.benchmark, "--backend", backend, "--profile", self.profile.name,
+                "--preset", self.preset,
                 "--nodes", str(self.nodes), "--runs", str(self.runs), "--max-restarts", str(self.max_restarts),
                 "--submitter", self.submitter]
         for flag, value in (("--procs-per-node", self.procs_per_node), ("--seed", self.seed),
                             ("--out", self.out_dir), ("--data", self.data), ("--max-steps", self.max_steps),
-                            ("--batch-size", self.batch_size), ("--system", self.system)):
+                            ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name)):
             if value is not None:
                 args += [flag, str(value)]
         for key, value in self.env.items():
             args += ["--env", f"{key}={value}"]
+        for pair in profiles.overrides(self.profile):
+            args += ["--set", pair]
         if self.synthetic:
             args.append("--synthetic")
         return args
@@ -108,6 +120,8 @@ class JobSpec:
         """The inverse of to_dict (job.json's "spec")."""
         known = {f.name for f in dataclasses.fields(cls)}
         spec = cls(**{key: value for key, value in record.items() if key in known})
+        if isinstance(spec.profile, dict):
+            spec.profile = profiles.from_dict(spec.profile)
         for key in ("out_dir", "data"):
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)))
@@ -155,6 +169,9 @@ def validate(spec: JobSpec) -> None:
         raise HarnessError(f"--seed must be between 0 and {2**31 - 1 - spec.runs}, got {spec.seed}")
     if not spec.submitter.strip():
         raise HarnessError("--submitter must not be empty")
+    if spec.name is not None and not JOB_NAME.match(spec.name):
+        raise HarnessError(f"job name {spec.name!r} is not usable on every backend: use 1 to 40 lowercase letters, "
+                           "digits and '-', starting and ending with a letter or digit (RFC 1123)")
     if spec.data is not None and spec.synthetic:
         raise HarnessError("--data and --synthetic exclude each other: pick a dataset or synthetic input")
     if spec.data is not None and not spec.data.is_dir():

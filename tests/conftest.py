@@ -56,3 +56,21 @@ def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
     result = harness("run", "resnet", "--runs", str(TINY_RUNS), "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real two-node Slurm cluster on loopback (see tests/slurm_cluster.py), when Slurm is installed."""
+    from tests.slurm_cluster import SlurmCluster, missing_programs
+
+    missing = missing_programs()
+    if missing:
+        pytest.skip(f"Slurm is not installed here (missing {', '.join(missing)}); the README's test command "
+                    "installs Debian's slurm-wlm and munge when run as root")
+    if os.geteuid() != 0:
+        pytest.skip("the private Slurm cluster runs its daemons as root; run the tests as root")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

@@ -34,9 +34,12 @@ def test_worker_args_round_trip_through_the_worker_parser(tmp_path):
 def test_command_line_and_job_json_round_trip_to_the_same_spec(tmp_path):
     from harness.cli import _spec_from_args, build_parser
 
+    from harness import profiles
+
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), ["slurm.partition=gpu", "env.NCCL_DEBUG=INFO"])
     spec = JobSpec("resnet", preset="full", nodes=4, procs_per_node=8, runs=5, seed=3, out_dir=tmp_path / "o",
                    max_restarts=2, env={"NCCL_DEBUG": "INFO"}, synthetic=True, max_steps=9, batch_size=16,
-                   submitter="ACME", system="box").resolved()
+                   submitter="ACME", system="box", name="rn50", profile=profile).resolved()
     args = build_parser().parse_args(spec.command_line("local")[1:])
     assert args.backend == "local" and _spec_from_args(args).resolved() == spec
     assert JobSpec.from_dict(spec.to_dict()) == spec

@@ -5,10 +5,11 @@ from __future__ import annotations
 from harness.errors import HarnessError
 from harness.launchers.base import Handle, JobState, Launcher, Request
 from harness.launchers.local import LocalLauncher
+from harness.launchers.slurm import SlurmLauncher
 
-LAUNCHERS: dict[str, type[Launcher]] = {"local": LocalLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {"local": LocalLauncher, "slurm": SlurmLauncher}
 # Backends on the roadmap: named so that a user who asks for one gets a clear answer.
-PLANNED = ("slurm", "k8s")
+PLANNED = ("k8s",)
 
 
 def get_launcher(name: str) -> Launcher:

@@ -61,6 +61,15 @@ class Handle:
                   "request": request.text, **extra}
         (self.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
+    def record(self) -> dict:
+        return json.loads((self.out_dir / JOB_FILE).read_text())
+
+    def update(self, **fields: Any) -> None:
+        """Record facts about the job (its state, exit code) in job.json."""
+        record = self.record()
+        record.update(fields)
+        (self.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
     @classmethod
     def load(cls, run_dir: Path) -> "Handle":
         path = Path(run_dir) / JOB_FILE
@@ -109,6 +118,11 @@ class Launcher(ABC):
             if state.terminal:
                 return
             time.sleep(poll_s)
+
+
+def cluster_procs_per_node(spec: JobSpec) -> int:
+    """Processes per node on a cluster: as asked, else one per GPU of the profile, else its CPU default."""
+    return spec.procs_per_node or spec.profile.gpus_per_node or spec.profile.procs_per_node or 1
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int,

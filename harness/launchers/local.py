@@ -8,7 +8,6 @@ so that `cancel` can stop it and all its workers with one signal.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import JOB_FILE, Handle, JobState, Launcher, Request, agent_command
+from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -47,7 +46,7 @@ class LocalLauncher(Launcher):
                                f"(got {spec.nodes}); use --backend slurm or k8s for more nodes")
         gpus = visible_gpus() if spec.procs_per_node is None else 0
         nproc = spec.procs_per_node or gpus or 2
-        env = dict(spec.env)
+        env = {**spec.profile.env, **spec.env}
         if not gpus:
             # Split the cores between CPU workers instead of letting each oversubscribe them.
             env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // nproc)))
@@ -70,11 +69,11 @@ class LocalLauncher(Launcher):
         running = proc.poll() is None if proc is not None else _agent_alive(int(handle.job_id))
         if running:
             return JobState.RUNNING
-        recorded = JobState(_read_job(handle).get("state", JobState.UNKNOWN.value))
+        recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))
         if proc is None or recorded is JobState.CANCELLED:  # another process saw it end, or we stopped it
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
-        _update_job(handle, state=state.value, exit_code=proc.returncode)
+        handle.update(state=state.value, exit_code=proc.returncode)
         return state
 
     def logs(self, handle: Handle) -> str:
@@ -85,7 +84,7 @@ class LocalLauncher(Launcher):
         pid = int(handle.job_id)
         if not _agent_alive(pid):
             return
-        _update_job(handle, state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
+        handle.update(state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)
@@ -113,13 +112,3 @@ def _agent_alive(pid: int) -> bool:
         return b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-
-
-def _read_job(handle: Handle) -> dict:
-    return json.loads((handle.out_dir / JOB_FILE).read_text())
-
-
-def _update_job(handle: Handle, **fields) -> None:
-    record = _read_job(handle)
-    record.update(fields)
-    (handle.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")

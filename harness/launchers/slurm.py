@@ -1,0 +1,170 @@
+"""Slurm: one sbatch script whose single `srun` starts one elastic agent per node.
+
+The agents meet at a c10d rendezvous on the first node of the allocation (its
+NodeAddr as Slurm knows it) and each starts one process per GPU. The same script
+works on a plain Slurm cluster and on Slurm-on-Kubernetes login nodes (SUNK,
+Slinky), since it only uses sbatch, srun and scontrol; with an `image` in the
+profile, pyxis runs each agent inside that container.
+
+User-supplied values reach the script in two ways only: #SBATCH directives,
+which Slurm reads without a shell (values are checked for control characters),
+and shell lines, where every value is quoted with shlex.quote.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from harness.errors import HarnessError
+from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node
+from harness.spec import JobSpec
+
+SCRIPT_FILE = "job.sbatch"
+OUTPUT_PATTERN = "slurm-%j.out"
+
+# Slurm's job states (squeue %T, scontrol JobState, sacct State) -> ours.
+STATES = {
+    "PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
+    "REQUEUE_HOLD": JobState.PENDING, "REQUEUE_FED": JobState.PENDING, "RESV_DEL_HOLD": JobState.PENDING,
+    "SUSPENDED": JobState.PENDING, "RUNNING": JobState.RUNNING, "COMPLETING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING, "SIGNALING": JobState.RUNNING, "RESIZING": JobState.RUNNING,
+    "COMPLETED": JobState.SUCCEEDED, "CANCELLED": JobState.CANCELLED, "FAILED": JobState.FAILED,
+    "TIMEOUT": JobState.FAILED, "NODE_FAIL": JobState.FAILED, "OUT_OF_MEMORY": JobState.FAILED,
+    "BOOT_FAIL": JobState.FAILED, "DEADLINE": JobState.FAILED, "PREEMPTED": JobState.FAILED,
+    "SPECIAL_EXIT": JobState.FAILED, "REVOKED": JobState.FAILED,
+}
+
+
+def _directive(option: str, value: object) -> str:
+    text = str(value)
+    if any(ord(c) < 32 for c in text) or (option == "output" and any(c.isspace() for c in text)):
+        raise HarnessError(f"the Slurm option --{option} cannot hold whitespace or control characters: {text!r}")
+    return f"#SBATCH --{option}={text}"
+
+
+def sbatch_script(spec: JobSpec) -> str:
+    """The whole batch script for a resolved spec: deterministic, so a dry run can be diffed."""
+    profile, slurm = spec.profile, spec.profile.slurm
+    nproc = cluster_procs_per_node(spec)
+    directives = [_directive("job-name", spec.name), _directive("nodes", spec.nodes),
+                  _directive("ntasks-per-node", 1)]
+    if profile.gpus_per_node:
+        directives.append(_directive("gres", f"gpu:{profile.gpus_per_node}") if slurm.use_gres
+                          else _directive("gpus-per-node", profile.gpus_per_node))
+    if slurm.exclusive:
+        directives.append("#SBATCH --exclusive")
+    directives.append(_directive("time", slurm.time))
+    if slurm.requeue:
+        directives.append("#SBATCH --requeue")
+    for option in ("partition", "account", "constraint"):
+        if getattr(slurm, option):
+            directives.append(_directive(option, getattr(slurm, option)))
+    directives += [_directive("output", spec.out_dir / OUTPUT_PATTERN), "#SBATCH --open-mode=append"]
+
+    env = {**profile.env, **spec.env}
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if profile.image:
+        srun.append(f"--container-image={profile.image}")
+        if slurm.container_mounts:
+            srun.append(f"--container-mounts={','.join(slurm.container_mounts)}")
+    # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
+    python = "python" if profile.image else sys.executable
+    # Two values exist only on the allocation, so they stay shell variables; every other word is quoted.
+    endpoint, job_id = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}"'
+    agent = agent_command(spec, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
+    expanded = {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
+    command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
+    lines = [
+        "#!/bin/bash",
+        f"# mlperf-harness: {spec.benchmark} ({spec.preset}), {spec.nodes} node(s) x {nproc} process(es), "
+        f"profile {profile.name}",
+        *directives,
+        "",
+        "set -euo pipefail",
+        *exports,
+        "# Threads per process: the CPUs Slurm gave this node, shared by its processes (unless set above).",
+        f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? '
+        f'${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))}}"',
+        "# The rendezvous host: the first node of the allocation, at the address Slurm uses for it.",
+        'head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
+        'head_addr=$(scontrol show node "${head_node}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        'head_addr=${head_addr:-${head_node}}',
+        command,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    if shutil.which(argv[0]) is None:
+        raise HarnessError(f"{argv[0]} not found: the slurm backend runs on a Slurm login node "
+                           "(plain Slurm, SUNK or Slinky) with the Slurm client commands on PATH")
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+class SlurmLauncher(Launcher):
+    name = "slurm"
+
+    def render(self, spec: JobSpec) -> Request:
+        script = sbatch_script(spec)
+        return Request(backend=self.name, spec=spec, text=script, payload={"script": script})
+
+    def submit(self, request: Request) -> Handle:
+        out_dir = request.spec.out_dir
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        script = out_dir / SCRIPT_FILE
+        script.write_text(request.payload["script"])
+        proc = _run(["sbatch", "--parsable", str(script)])
+        if proc.returncode != 0:
+            raise HarnessError(f"sbatch refused the job: {proc.stderr.strip() or proc.stdout.strip()}", 1)
+        job_id = proc.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+        if not job_id.isdigit():
+            raise HarnessError(f"sbatch answered {proc.stdout.strip()!r}, not a job id", 1)
+        handle = Handle(backend=self.name, job_id=job_id, out_dir=out_dir)
+        handle.save(request, state=JobState.PENDING.value, script=str(script))
+        return handle
+
+    def _slurm_state(self, job_id: str) -> str | None:
+        """The job's state from squeue, else scontrol (finished jobs, for MinJobAge), else sacct."""
+        proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.split()[0]
+        proc = _run(["scontrol", "show", "job", "-o", job_id])
+        found = re.search(r"\bJobState=(\S+)", proc.stdout)
+        if found:
+            return found.group(1)
+        if shutil.which("sacct"):
+            proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True,
+                                  text=True, timeout=60)
+            if proc.returncode == 0 and proc.stdout.strip():
+                return proc.stdout.split()[0]  # e.g. "CANCELLED by 0" -> CANCELLED
+        return None
+
+    def status(self, handle: Handle) -> JobState:
+        recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))
+        if recorded.terminal:
+            return recorded
+        slurm_state = self._slurm_state(handle.job_id)
+        state = STATES.get(slurm_state or "", JobState.UNKNOWN)
+        if state.terminal:
+            handle.update(state=state.value, slurm_state=slurm_state)
+        return state
+
+    def logs(self, handle: Handle) -> str:
+        files = [handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id),
+                 *sorted((handle.out_dir / "logs").glob("*.log"))]
+        return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files if f.is_file())
+
+    def cancel(self, handle: Handle) -> None:
+        if self.status(handle).terminal:
+            return
+        handle.update(state=JobState.CANCELLED.value)
+        proc = _run(["scancel", handle.job_id])
+        if proc.returncode != 0:
+            raise HarnessError(f"scancel {handle.job_id} failed: {proc.stderr.strip()}", 1)
+

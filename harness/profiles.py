@@ -1,0 +1,201 @@
+"""Cluster profiles: what a cluster needs from a job that the benchmark does not decide.
+
+A profile is a YAML file (`manifests/profiles/<name>.yaml`, or any path), loaded
+with yaml.safe_load and checked field by field against the dataclasses below, so
+a typo is an error naming the valid keys rather than a setting silently ignored.
+`--set key=value` overrides one field (dotted for nested ones:
+`--set slurm.partition=gpu`, `--set env.NCCL_DEBUG=INFO`); values are YAML, so
+`--set gpus_per_node=4` is a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from harness.errors import HarnessError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "manifests" / "profiles"
+DEFAULT_PROFILE = "local-cpu"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass
+class KubernetesSettings:
+    namespace: str = "default"
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict] = field(default_factory=list)  # as in a pod spec
+    priority_class: str | None = None
+    queue: str | None = None  # Volcano/scheduler-plugins queue and Kueue's queue-name label
+    results_pvc: str | None = None  # a ReadWriteMany claim mounted where rank 0 writes the logs
+    results_mount: str = "/results"
+    shm_size: str = "16Gi"  # the memory-backed /dev/shm that NCCL and data loaders need
+    service_account: str | None = None
+
+
+@dataclass
+class SlurmSettings:
+    partition: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    time: str = "04:00:00"
+    exclusive: bool = True
+    requeue: bool = True
+    use_gres: bool = False  # --gres=gpu:N instead of --gpus-per-node=N (older Slurm set-ups)
+    container_mounts: list[str] = field(default_factory=list)  # pyxis, with `image` below
+    rendezvous_port: int = 29500
+
+
+@dataclass
+class Profile:
+    name: str
+    description: str = ""
+    gpus_per_node: int = 0  # 0: CPU nodes (gloo)
+    procs_per_node: int | None = None  # processes per node when there are no GPUs; None: 1
+    gpu_resource: str = "nvidia.com/gpu"
+    rdma_resource: str | None = None  # e.g. rdma/ib, or an SR-IOV/hostdev resource name
+    rdma_count: int = 0
+    host_network: bool = False
+    image: str | None = None  # container image (pods; pyxis on Slurm)
+    env: dict[str, str] = field(default_factory=dict)  # NCCL and InfiniBand settings
+    kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def _check_value(value, kind, where: str):
+    """`value` as `kind` (a type hint of the dataclasses above), or an error naming `where`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _check_value(value, next(a for a in args if a is not type(None)), where)
+    if dataclasses.is_dataclass(kind):
+        return _build(kind, value, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise HarnessError(f"{where} must be a mapping, got {value!r}")
+        return {str(k): _text(v, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list) or not all(isinstance(v, args[0]) for v in value):
+            raise HarnessError(f"{where} must be a list of {args[0].__name__}, got {value!r}")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise HarnessError(f"{where} must be true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HarnessError(f"{where} must be a whole number, 0 or more, got {value!r}")
+        return value
+    return _text(value, where)
+
+
+def _text(value, where: str) -> str:
+    if isinstance(value, (dict, list)) or value is None:
+        raise HarnessError(f"{where} must be text, got {value!r}")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if any(ord(c) < 32 for c in text):
+        raise HarnessError(f"{where} must not hold control characters such as newlines")
+    return text
+
+
+def _build(cls, data, where: str):
+    if not isinstance(data, dict):
+        raise HarnessError(f"{where} must be a mapping of settings, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise HarnessError(f"{where + ': ' if where else ''}unknown setting(s) {', '.join(map(str, unknown))}; "
+                           f"valid: {', '.join(names)}")
+    return cls(**{key: _check_value(value, hints[key], f"{where}.{key}" if where else key)
+                  for key, value in data.items()})
+
+
+def _validate(profile: Profile) -> Profile:
+    for key in profile.env:
+        if not _ENV_NAME.match(key):
+            raise HarnessError(f"env name {key!r} must be letters, digits and _")
+    if profile.rdma_resource and profile.rdma_count < 1:
+        raise HarnessError(f"rdma_resource {profile.rdma_resource} needs rdma_count of 1 or more")
+    return profile
+
+
+def from_dict(data: dict, where: str = "profile") -> Profile:
+    if not isinstance(data, dict) or not data.get("name"):
+        raise HarnessError(f"{where} must be a mapping with a name")
+    try:
+        return _validate(_build(Profile, data, ""))
+    except HarnessError as exc:
+        raise HarnessError(f"{where}: {exc}") from None
+
+
+def load(name_or_path: str) -> Profile:
+    """A shipped profile by name, or a YAML file by path."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") or "/" in name_or_path):
+        if name_or_path not in available():
+            raise HarnessError(f"unknown profile {name_or_path!r}; choose one of: {', '.join(available())}, "
+                               "or give a YAML file's path")
+        path = PROFILES_DIR / f"{name_or_path}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise HarnessError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise HarnessError(f"profile {path} is not valid YAML: {exc}") from None
+    return from_dict(data, str(path))
+
+
+def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "tolerations" and (value or not prefix):
+            flat.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def overrides(profile: Profile) -> list[str]:
+    """The `--set` pairs that turn the shipped profile of this name into `profile` (for reproducing a job)."""
+    if profile.name not in available():
+        return []
+    base = _leaves(load(profile.name).to_dict())
+    return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, value in _leaves(profile.to_dict()).items() if base.get(key, object()) != value]
+
+
+def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:
+    """`--set key=value` overrides, each checked like the file's own settings."""
+    data = profile.to_dict()
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise HarnessError(f"--set {pair!r}: expected KEY=VALUE, e.g. slurm.partition=gpu")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        *parents, leaf = key.split(".")
+        target = data
+        for part in parents:
+            if not isinstance(target.get(part), dict):
+                raise HarnessError(f"--set {key}: {part!r} is not a group of settings; groups: env, kubernetes, "
+                                   "slurm, kubernetes.node_selector")
+            target = target[part]
+        target[leaf] = value
+    return from_dict(data, f"profile {profile.name} with --set")

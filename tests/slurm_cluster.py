@@ -1,0 +1,140 @@
+"""A private, real Slurm cluster on loopback for the tests: munged, one slurmctld, N slurmd.
+
+Each slurmd is started with `-N nodeK` on its own port, so one machine hosts a
+genuine multi-node cluster. Everything (keys, sockets, state, logs, config)
+lives in one temporary folder; nothing in /etc is read or written, and the
+daemons are stopped at the end. Client commands find the cluster through
+SLURM_CONF, which `env` carries.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+
+
+def missing_programs() -> list[str]:
+    return [name for name in DAEMONS if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
+
+
+def _program(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class SlurmCluster:
+    def __init__(self, root: Path, nodes: int = 2, cpus_per_node: int = 2):
+        self.root, self.nodes, self.cpus = Path(root), nodes, cpus_per_node
+        self.node_names = [f"node{i + 1}" for i in range(nodes)]
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self._pids: list[Path] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"SLURM_CONF": str(self.conf)}
+
+    def start(self) -> "SlurmCluster":
+        self._start_munge()
+        self._write_conf()
+        env = {**os.environ, **self.env}
+        subprocess.run([_program("slurmctld"), "-f", str(self.conf)], env=env, check=True, timeout=60)
+        self._pids.append(self.root / "slurmctld.pid")
+        for name in self.node_names:
+            subprocess.run([_program("slurmd"), "-N", name, "-f", str(self.conf)], env=env, check=True, timeout=60)
+            self._pids.append(self.root / f"slurmd-{name}.pid")
+        self._wait_idle()
+        return self
+
+    def _start_munge(self) -> None:
+        folder = self.munge_socket.parent
+        folder.mkdir(parents=True, mode=0o700)
+        key = folder / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        subprocess.run([_program("munged"), "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
+                        f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
+                        f"--seed-file={folder / 'munged.seed'}"], check=True, timeout=30)
+        self._pids.append(folder / "munged.pid")
+
+    def _write_conf(self) -> None:
+        ctld_port, *node_ports = _free_ports(1 + self.nodes)
+        (self.root / "state").mkdir()
+        nodes = "\n".join(
+            f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} State=UNKNOWN"
+            for name, port in zip(self.node_names, node_ports))
+        self.conf.write_text(f"""\
+ClusterName=harness-test
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket}
+StateSaveLocation={self.root / 'state'}
+SlurmdSpoolDir={self.root}/spool-%n
+SlurmctldPidFile={self.root}/slurmctld.pid
+SlurmdPidFile={self.root}/slurmd-%n.pid
+SlurmctldLogFile={self.root}/slurmctld.log
+SlurmdLogFile={self.root}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+InactiveLimit=0
+KillWait=5
+MinJobAge=300
+{nodes}
+PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+""")
+
+    def _wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        out = ""
+        while time.monotonic() < deadline:
+            proc = subprocess.run([_program("sinfo"), "-h", "-N", "-o", "%N %t"], env={**os.environ, **self.env},
+                                  capture_output=True, text=True)
+            out = proc.stdout + proc.stderr
+            states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
+            if len(states) == self.nodes and all(s == "idle" for s in states.values()):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the test Slurm cluster did not come up: {out}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"==> {p.name} <==\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(self.root.rglob("*.log")))
+
+    def stop(self) -> None:
+        for pid_file in reversed(self._pids):
+            try:
+                pid = int(pid_file.read_text().split()[0])
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError, IndexError):
+                continue
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+                time.sleep(0.1)

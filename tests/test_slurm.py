@@ -1,0 +1,109 @@
+"""The Slurm backend: the rendered sbatch script, and real jobs on a private two-node Slurm cluster."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from harness import profiles
+from harness.launchers import JobState, get_launcher
+from harness.results import parse_file
+from harness.spec import JobSpec
+from tests.conftest import compliance, harness
+
+
+def test_the_448_node_h100_script(tmp_path):
+    args = ("run", "resnet", "--backend", "slurm", "--profile", "coreweave-h100", "--nodes", "448",
+            "--gpus-per-node", "8", "--out", str(tmp_path / "out"), "--dry-run")
+    first, second = harness(*args), harness(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout  # deterministic: a dry run can be diffed and reviewed
+    script = first.stdout
+    for line in ("#SBATCH --nodes=448", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --partition=h100", "#SBATCH --time=02:00:00",
+                 "export NCCL_COLLNET_ENABLE=1", "export NCCL_IB_HCA=ibp", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert line in script.splitlines(), line
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.04-py3" in srun
+    assert "--container-mounts=/mnt/data:/data,/mnt/results:/results" in srun
+    assert "--nnodes=448" in srun and "--nproc-per-node=8" in srun
+    assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}"' in srun
+    assert not (tmp_path / "out").exists()  # a dry run starts and writes nothing
+
+
+def test_gres_and_overrides(tmp_path):
+    result = harness("run", "resnet", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "2",
+                     "--set", "slurm.use_gres=true", "--set", "slurm.account=mlperf", "--set", "env.NCCL_DEBUG=WARN",
+                     "--out", str(tmp_path), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "#SBATCH --gres=gpu:8" in lines and "#SBATCH --account=mlperf" in lines
+    assert "export NCCL_DEBUG=WARN" in lines
+
+
+@pytest.mark.parametrize("name", ["x$(touch pwned)", "a'b", 'a"b', "a\nb", "UPPER", "-lead", "x" * 41])
+def test_hostile_job_names_are_refused(tmp_path, name):
+    result = harness("run", "resnet", "--backend", "slurm", f"--name={name}", "--out", str(tmp_path), "--dry-run")
+    assert result.returncode == 2 and "RFC 1123" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_values_reach_the_shell_quoted(tmp_path):
+    """Everything user-supplied in a shell line is one quoted word: bash sees no command substitution."""
+    spec = JobSpec("resnet", nodes=2, out_dir=tmp_path / "o", submitter="a'b\"c $(touch pwned)",
+                   env={"EVIL": "$(touch pwned); `touch pwned`"}).resolved()
+    script = get_launcher("slurm").render(spec).text
+    # bash -n parses the script; then run just its export and srun words through bash with srun echoing.
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    body = script.replace("srun ", "printf '%s\\n' ", 1).replace("scontrol", "true")
+    out = subprocess.run(["bash", "-c", body + 'printf "%s\\n" "$EVIL"'], cwd=tmp_path, capture_output=True,
+                         text=True, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "PATH": "/usr/bin:/bin"})
+    words = out.stdout.splitlines()
+    assert "a'b\"c $(touch pwned)" in words and "$(touch pwned); `touch pwned`" in words
+    assert "--rdzv-id=7" in words
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slurm
+def test_tiny_resnet_across_two_slurm_nodes(slurm_cluster, tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--backend", "slurm", "--nodes", "2", "--out", str(out),
+                     "--submitter", "it's $(not) run", env=slurm_cluster.env)
+    assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
+    assert "time-to-train (min)" in result.stdout and "RUNNING" in result.stdout
+    run = parse_file(out / "result_0.txt")
+    assert run.status == "success" and run.submitter == "it's $(not) run"
+    assert compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path).returncode == 0
+    # One rank on each slurmd: the job ran on node1 and node2, a world of two.
+    job_id = re.search(r"job (\d+)", result.stdout).group(1)
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", **slurm_cluster.env}).stdout
+    assert "NodeList=node[1-2]" in shown and "NumNodes=2" in shown and "JobState=COMPLETED" in shown
+    logs = harness("logs", str(out)).stdout
+    assert "rank 0/2" in logs and "rank 1/2" in logs and f"slurm-{job_id}.out" in logs
+    assert (out / "job.sbatch").read_text().startswith("#!/bin/bash")
+
+
+@pytest.mark.slurm
+def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    launcher = get_launcher("slurm")
+    spec = JobSpec("resnet", nodes=2, runs=3, out_dir=tmp_path / "job", profile=profiles.load("local-cpu"))
+    handle = launcher.submit(launcher.render(spec.resolved()))
+    states = []
+    for state in launcher.watch(handle, poll_s=0.5):
+        states.append(state)
+        if state is JobState.RUNNING:
+            break
+    assert states[-1] is JobState.RUNNING
+    launcher.cancel(handle)
+    assert launcher.status(handle) is JobState.CANCELLED
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True,
+                                                         text=True).stdout.strip():
+        time.sleep(0.5)
+    assert not subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True).stdout.strip()
+    assert get_launcher("slurm").status(handle) is JobState.CANCELLED  # as another shell would see it
