@@ -7,14 +7,15 @@ and a non-zero exit status; never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from harness import __version__
 from harness.errors import HarnessError
+from harness.launchers import BACKENDS
 from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
 
-BACKENDS = ("local", "slurm", "k8s")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -284,3 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stdout = open(os.devnull, "w")
+        return 0

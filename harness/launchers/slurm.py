@@ -134,10 +134,14 @@ class SlurmLauncher(Launcher):
         proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
         if proc.returncode == 0 and proc.stdout.strip():
             return proc.stdout.split()[0]
+        squeue_error = proc.stderr.strip() if proc.returncode != 0 else ""
         proc = _run(["scontrol", "show", "job", "-o", job_id])
         found = re.search(r"\bJobState=(\S+)", proc.stdout)
         if found:
             return found.group(1)
+        if squeue_error and proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+            raise HarnessError(f"cannot reach the Slurm controller ({squeue_error}); job {job_id} may still "
+                               "run: check it with squeue, or stop it with `harness cancel`", 1)
         if shutil.which("sacct"):
             proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True,
                                   text=True, timeout=60)
