@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
 from workloads.common.distributed import DistContext
