@@ -175,7 +175,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         launcher.cancel(handle)
         print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
         return 130
-    return _summarize(spec.out_dir, job_ok=state is not None and state.value == "SUCCEEDED", runs=spec.runs)
+    job_ok = state is not None and state.value == "SUCCEEDED"
+    if not launcher.results_reach_out_dir:
+        kube = spec.profile.kubernetes
+        print(f"harness: the result files are on the results volume ({kube.results_pvc or 'none in the profile'}) "
+              f"under {kube.results_mount}/{spec.out_dir.name}; `harness report` reads them there")
+        return 0 if job_ok else 1
+    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs)
 
 
 def _summarize(out_dir: Path, job_ok: bool, runs: int) -> int:

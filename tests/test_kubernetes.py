@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from types import SimpleNamespace
 
 import jsonschema
@@ -142,3 +144,24 @@ def test_api_errors_are_one_line(fake_api, tmp_path):
                      "--name", "rn50", "--out", str(tmp_path / "again"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 1 and "409" in result.stderr and "already exists" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_harness_run_streams_the_job_states(fake_api, tmp_path):
+    """`harness run --backend k8s` end to end: submit, then Created -> Running -> Succeeded as the operator says."""
+    def operator():
+        deadline = time.monotonic() + 60
+        while ("default", "rn") not in fake_api.jobs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for condition in ("Created", "Running", "Succeeded"):
+            fake_api.set_condition("default", "rn", condition)
+            time.sleep(1.5)
+
+    thread = threading.Thread(target=operator)
+    thread.start()
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--name", "rn", "--nodes", "2",
+                     "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    thread.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "job default/rn PENDING" in result.stdout and "job default/rn RUNNING" in result.stdout
+    assert "job default/rn SUCCEEDED" in result.stdout and "on the results volume" in result.stdout
+    assert [e["reason"] for e in fake_api.events] == ["HarnessRunning", "HarnessSucceeded"]

@@ -86,6 +86,8 @@ class Launcher(ABC):
     """One backend. Subclasses stay small enough to read in one sitting."""
 
     name: ClassVar[str]
+    # False where result files stay on the cluster's storage instead of reaching spec.out_dir.
+    results_reach_out_dir: ClassVar[bool] = True
 
     @abstractmethod
     def render(self, spec: JobSpec) -> Request:

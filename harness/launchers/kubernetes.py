@@ -146,6 +146,7 @@ def _call(what: str, fn, *args, **kwargs):
 
 class KubernetesLauncher(Launcher):
     name = "k8s"
+    results_reach_out_dir = False  # rank 0 writes them to the profile's results volume
 
     def render(self, spec: JobSpec) -> Request:
         body = to_dict(pytorch_job(spec))
