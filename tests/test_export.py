@@ -71,7 +71,8 @@ def test_export_of_a_tiny_campaign_passes_mlcommons_checks(tiny_campaign, system
     implementation = package / "benchmarks" / "resnet" / "implementations" / "harness-pytorch"
     assert (implementation / "workloads" / "resnet" / "model.py").is_file()
     readme = (implementation / "README.md").read_text()
-    assert f"harness run resnet --backend local --preset tiny --nodes 1 --runs {TINY_RUNS}" in readme
+    assert f"harness run resnet --backend local --profile local-cpu --preset tiny --nodes 1 --runs {TINY_RUNS}" \
+        in readme
 
     # The official summarizer scores the package exactly as `harness report` does.
     submission = tmp_path / "summarizer" / "ACME"
