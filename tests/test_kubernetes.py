@@ -165,3 +165,13 @@ def test_harness_run_streams_the_job_states(fake_api, tmp_path):
     assert "job default/rn PENDING" in result.stdout and "job default/rn RUNNING" in result.stdout
     assert "job default/rn SUCCEEDED" in result.stdout and "on the results volume" in result.stdout
     assert [e["reason"] for e in fake_api.events] == ["HarnessRunning", "HarnessSucceeded"]
+
+
+def test_tolerations_as_in_a_pod_spec_or_refused(tmp_path):
+    job = yaml.safe_load(rendered("--profile", "coreweave-h100", "--out", str(tmp_path), "--set",
+                                  "kubernetes.tolerations=[{key: a, operator: Exists, tolerationSeconds: 30}]"))
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "a", "operator": "Exists", "tolerationSeconds": 30}]
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--dry-run",
+                     "--set", "kubernetes.tolerations=[{bogus: 1}]", "--out", str(tmp_path))
+    assert result.returncode == 2 and "unknown field(s) bogus" in result.stderr and "Traceback" not in result.stderr

@@ -66,8 +66,17 @@ def _pod_template(spec: JobSpec, nproc: int, out_dir: str) -> k8s.V1PodTemplateS
             containers=[container], volumes=volumes, host_network=profile.host_network or None,
             dns_policy="ClusterFirstWithHostNet" if profile.host_network else None,
             node_selector=kube.node_selector or None,
-            tolerations=[k8s.V1Toleration(**t) for t in kube.tolerations] or None,
+            tolerations=[_toleration(t) for t in kube.tolerations] or None,
             priority_class_name=kube.priority_class, service_account_name=kube.service_account))
+
+
+def _toleration(fields: dict) -> k8s.V1Toleration:
+    """A profile's toleration, written as in a pod spec (tolerationSeconds) or in the client's snake_case."""
+    names = {wire: attr for attr, wire in k8s.V1Toleration.attribute_map.items()}
+    unknown = sorted(set(fields) - set(names) - set(names.values()))
+    if unknown:
+        raise HarnessError(f"toleration {fields}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(names)}")
+    return k8s.V1Toleration(**{names.get(key, key): value for key, value in fields.items()})
 
 
 def _labels(spec: JobSpec) -> dict[str, str]:
