@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness import __version__
+from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
 from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
@@ -139,8 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
-    from harness import profiles
-
     preset = args.preset or ("full" if args.data else "tiny")
     profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
     return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
@@ -176,10 +174,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
         return 130
     job_ok = state is not None and state.value == "SUCCEEDED"
-    if not launcher.results_reach_out_dir:
-        kube = spec.profile.kubernetes
-        print(f"harness: the result files are on the results volume ({kube.results_pvc or 'none in the profile'}) "
-              f"under {kube.results_mount}/{spec.out_dir.name}; `harness report` reads them there")
+    elsewhere = launcher.results_elsewhere(spec)
+    if elsewhere:
+        print(f"harness: the result files are on {elsewhere}; `harness report` reads them there")
         return 0 if job_ok else 1
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs)
 

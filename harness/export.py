@@ -26,6 +26,7 @@ from pathlib import Path
 from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from harness.errors import HarnessError
+from harness.launchers.base import JOB_FILE
 from harness.results import load
 from harness.results.rules import check_ruleset
 from harness.results.score import required_runs
@@ -33,8 +34,7 @@ from harness.spec import JobSpec
 
 USAGE = "training"
 IMPLEMENTATION = "harness-pytorch"
-FACTS_FILE = "system.json"  # written by workloads.common.system_facts into each run folder
-JOB_FILE = "job.json"
+FACTS_FILE = "system.json"  # written by workloads.common.system_facts (a torch module, so not imported here)
 
 # The fields mlperf_logging.system_desc_checker requires (it keeps them in a local list).
 REQUIRED_FIELDS = (
@@ -118,6 +118,8 @@ def plan(paths: list[Path], submitter: str, system: str | None = None, system_de
          ruleset: str = "4.0.0") -> Package:
     """Decide the whole package, or raise HarnessError naming what is wrong. Writes nothing."""
     check_ruleset(ruleset)
+    if not submitter.strip():
+        raise HarnessError("--submitter must not be empty")
     missing = [str(p) for p in paths if not Path(p).exists()]
     if missing:
         raise HarnessError(f"no such file or folder: {', '.join(missing)}")
@@ -127,8 +129,6 @@ def plan(paths: list[Path], submitter: str, system: str | None = None, system_de
         raise HarnessError(f"cannot export unreadable result files: {'; '.join(unreadable)}")
     if not results.records:
         raise HarnessError(f"no result_*.txt files under {', '.join(map(str, paths))}")
-    if not submitter.strip():
-        raise HarnessError("--submitter must not be empty")
 
     allowed = get_allowed_benchmarks(USAGE, ruleset)
     by_benchmark: dict[str, list] = {}

@@ -77,7 +77,7 @@ def test_without_rdma_no_capability_is_added(tmp_path):
     jsonschema.validate(job, pytorchjob_schema())
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False}
-    assert "resources" not in container or not container["resources"]
+    assert "resources" not in container  # a CPU profile asks for no GPUs or RDMA devices
     assert job["spec"]["runPolicy"]["backoffLimit"] == 3
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
 
@@ -143,6 +143,7 @@ def test_api_errors_are_one_line(fake_api, tmp_path):
     result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--set", "kubernetes.namespace=mlperf",
                      "--name", "rn50", "--out", str(tmp_path / "again"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 1 and "409" in result.stderr and "already exists" in result.stderr
+    assert "pick another --name" in result.stderr
     assert "Traceback" not in result.stderr
 
 

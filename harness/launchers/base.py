@@ -86,8 +86,6 @@ class Launcher(ABC):
     """One backend. Subclasses stay small enough to read in one sitting."""
 
     name: ClassVar[str]
-    # False where result files stay on the cluster's storage instead of reaching spec.out_dir.
-    results_reach_out_dir: ClassVar[bool] = True
 
     @abstractmethod
     def render(self, spec: JobSpec) -> Request:
@@ -108,6 +106,10 @@ class Launcher(ABC):
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
         """Stop the job; results already written stay in place."""
+
+    def results_elsewhere(self, spec: JobSpec) -> str | None:
+        """Where the result files are when they do not reach spec.out_dir (cluster storage); None otherwise."""
+        return None
 
     def watch(self, handle: Handle, poll_s: float = 1.0) -> Iterator[JobState]:
         """Yield each state change until the job reaches a terminal state."""

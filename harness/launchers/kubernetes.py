@@ -56,7 +56,7 @@ def _pod_template(spec: JobSpec, nproc: int, out_dir: str) -> k8s.V1PodTemplateS
     container = k8s.V1Container(
         name=CONTAINER, image=profile.image, command=command[:1], args=command[1:],
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in sorted(env.items())],
-        resources=k8s.V1ResourceRequirements(limits=limits or None, requests=limits or None),
+        resources=k8s.V1ResourceRequirements(limits=limits, requests=limits) if limits else None,
         volume_mounts=mounts,
         security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
                                                capabilities=capabilities))
@@ -86,12 +86,16 @@ def _labels(spec: JobSpec) -> dict[str, str]:
     return labels
 
 
+def _pod_out_dir(spec: JobSpec) -> str:
+    """The run folder inside the pods: on the shared results volume."""
+    return f"{spec.profile.kubernetes.results_mount}/{spec.out_dir.name}"
+
+
 def pytorch_job(spec: JobSpec) -> kf.KubeflowOrgV1PyTorchJob:
     """The PyTorchJob for a resolved spec: `nodes` pods in all, gang-scheduled."""
     kube = spec.profile.kubernetes
     nproc = cluster_procs_per_node(spec)
-    out_dir = f"{kube.results_mount}/{spec.out_dir.name}"  # on the shared results volume
-    template = _pod_template(spec, nproc, out_dir)
+    template = _pod_template(spec, nproc, _pod_out_dir(spec))
     restart = "OnFailure" if spec.max_restarts else "Never"
     replicas = {"Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=restart, template=template)}
     if spec.nodes > 1:
@@ -148,14 +152,18 @@ def _call(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except k8s.ApiException as exc:
-        raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}", 1) from None
+        hint = "; pick another --name or delete the old job" if exc.status == 409 else ""
+        raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", 1) from None
     except OSError as exc:  # urllib3's connection errors
         raise HarnessError(f"cannot reach the Kubernetes API to {what}: {exc}", 1) from None
 
 
 class KubernetesLauncher(Launcher):
     name = "k8s"
-    results_reach_out_dir = False  # rank 0 writes them to the profile's results volume
+
+    def results_elsewhere(self, spec: JobSpec) -> str | None:
+        kube = spec.profile.kubernetes  # rank 0 writes them to the profile's results volume
+        return f"the results volume ({kube.results_pvc or 'none in the profile'}) under {_pod_out_dir(spec)}"
 
     def render(self, spec: JobSpec) -> Request:
         body = to_dict(pytorch_job(spec))
