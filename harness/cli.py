@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one profile setting, e.g. slurm.partition=gpu or env.NCCL_DEBUG=INFO "
                           "(repeatable)")
+    run.add_argument("--api", choices=profiles.KUBERNETES_APIS,
+                     help="job resource on --backend k8s: pytorchjob (Kubeflow Training v1) or trainjob (Kubeflow "
+                          "Trainer v2); same as --set kubernetes.api=... (default: the profile's, pytorchjob)")
     run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
                                                             "manifest) and submit nothing")
     run.set_defaults(func=cmd_run)
@@ -131,16 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--ruleset", default=DEFAULT_RULESET, help="MLPerf Training ruleset to check against")
     export.set_defaults(func=cmd_export)
 
-    for name, helptext in (("logs", "print the worker logs of a run"), ("cancel", "stop a running job")):
+    for name, helptext, func in (
+            ("logs", "print the worker logs of a run", cmd_logs),
+            ("cancel", "stop a running job", cmd_cancel),
+            ("collect", "copy a cluster job's result files into its run folder (done by `harness run` when the "
+                        "job ends; use it after watching was interrupted)", cmd_collect)):
         p = sub.add_parser(name, help=helptext, formatter_class=_Help, description=helptext)
         p.add_argument("run_dir", type=Path, metavar="RUN", help="the run's output folder")
-        p.set_defaults(func=cmd_logs if name == "logs" else cmd_cancel)
+        p.set_defaults(func=func)
     return parser
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     preset = args.preset or ("full" if args.data else "tiny")
-    profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
+    overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
+    profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
     return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), data=args.data, synthetic=args.synthetic, max_steps=args.max_steps,
@@ -155,6 +163,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     validate(spec)
     launcher = get_launcher(args.backend)
     request = launcher.render(spec)
+    for note in request.notes:
+        print(f"harness: note: {note}", file=sys.stderr)
     if args.dry_run:
         print(request.text)
         return 0
@@ -174,11 +184,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
         return 130
     job_ok = state is not None and state.value == "SUCCEEDED"
-    elsewhere = launcher.results_elsewhere(spec)
-    if elsewhere:
-        print(f"harness: the result files are on {elsewhere}; `harness report` reads them there")
-        return 0 if job_ok else 1
+    _collect(launcher, handle)
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs)
+
+
+def _collect(launcher, handle) -> None:
+    fetched = launcher.collect(handle)
+    if fetched:
+        print(f"harness: fetched {len(fetched)} file(s) from the cluster into {handle.out_dir}", flush=True)
 
 
 def _summarize(out_dir: Path, job_ok: bool, runs: int) -> int:
@@ -275,6 +288,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     launcher, handle = _launcher_and_handle(args.run_dir)
     launcher.cancel(handle)
     print(f"harness: cancelled job {handle.job_id}; results so far stay in {handle.out_dir}")
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    launcher, handle = _launcher_and_handle(args.run_dir)
+    _collect(launcher, handle)
+    print(f"harness: the run folder {handle.out_dir} is up to date")
     return 0
 
 

@@ -23,11 +23,14 @@ from harness.errors import HarnessError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "manifests" / "profiles"
 DEFAULT_PROFILE = "local-cpu"
+KUBERNETES_APIS = ("pytorchjob", "trainjob")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 @dataclass
 class KubernetesSettings:
+    api: str = "pytorchjob"  # pytorchjob (kubeflow.org/v1) or trainjob (Kubeflow Trainer v2); --api sets it
+    trainjob_runtime: str = "torch-distributed"  # the ClusterTrainingRuntime a TrainJob runs on
     namespace: str = "default"
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict] = field(default_factory=list)  # as in a pod spec
@@ -129,6 +132,8 @@ def _validate(profile: Profile) -> Profile:
     for key in profile.env:
         if not _ENV_NAME.match(key):
             raise HarnessError(f"env name {key!r} must be letters, digits and _")
+    if profile.kubernetes.api not in KUBERNETES_APIS:
+        raise HarnessError(f"kubernetes.api {profile.kubernetes.api!r} is not one of: {', '.join(KUBERNETES_APIS)}")
     if profile.rdma_resource and profile.rdma_count < 1:
         raise HarnessError(f"rdma_resource {profile.rdma_resource} needs rdma_count of 1 or more")
     return profile

@@ -1,30 +1,38 @@
 """FAKE Kubernetes API server, for tests only: no real API server can be installed offline.
 
 It speaks just the endpoints the k8s launcher uses, through the official client:
-PyTorchJob custom objects (create, get, delete), pods (list by label), pod logs,
-and events (create). Tests move a job through its life by editing `jobs` and
-`pods` directly, as the training operator and the kubelet would.
+PyTorchJob and TrainJob custom objects (create, get, delete), pods (list by
+label, create, get, delete), pod logs, and events (create). Tests move a job
+through its life by editing `jobs` and `pods` directly, as the operator and the
+kubelet would. A pod created through the API (the harness's results pod) is
+"run" as a fake kubelet would: its command runs here, with each volume claim
+named in `claims` standing for a local folder, and its stdout becomes its log.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-JOBS = re.compile(r"/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
+JOBS = re.compile(r"/apis/(kubeflow\.org/v1|trainer\.kubeflow\.org/v1alpha1)/namespaces/([^/]+)/"
+                  r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
 PODS = re.compile(r"/api/v1/namespaces/([^/]+)/pods$")
+POD = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 POD_LOG = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 EVENTS = re.compile(r"/api/v1/namespaces/([^/]+)/events$")
 
 
 class FakeKubeAPI:
     def __init__(self):
-        self.jobs: dict[tuple[str, str], dict] = {}
+        self.jobs: dict[tuple[str, str], dict] = {}  # (namespace, name) -> job, of either kind
+        self.claims: dict[str, Path] = {}  # PersistentVolumeClaim name -> the local folder standing for it
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
         self.requests: list[tuple[str, str]] = []
@@ -60,11 +68,32 @@ class FakeKubeAPI:
             condition["status"] = "False" if condition["type"] in ("Running", "Restarting") else condition["status"]
         conditions.append({"type": kind, "status": "True", "message": message or f"PyTorchJob {name} is {kind}"})
 
-    def add_pod(self, namespace: str, job: str, name: str, phase: str, log: str) -> None:
+    def set_jobs_status(self, namespace: str, name: str, active: int) -> None:
+        """What the TrainJob controller reports while its child jobs run."""
+        self.jobs[(namespace, name)].setdefault("status", {})["jobsStatus"] = [
+            {"name": "node", "active": active, "ready": active, "succeeded": 0, "failed": 0, "suspended": 0}]
+
+    def add_pod(self, namespace: str, job: str, name: str, phase: str, log: str,
+                label: str = "training.kubeflow.org/job-name") -> None:
         self.pods[(namespace, name)] = {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "labels": {"training.kubeflow.org/job-name": job}},
+            "metadata": {"name": name, "namespace": namespace, "labels": {label: job}},
             "status": {"phase": phase}, "log": log}
+
+    def _run_pod(self, pod: dict) -> dict:
+        """The fake kubelet: run the pod's one container here, claims mapped to local folders."""
+        spec = pod["spec"]
+        [container] = spec["containers"]
+        claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]] for v in spec.get("volumes", [])
+                  if "persistentVolumeClaim" in v and v["persistentVolumeClaim"]["claimName"] in self.claims}
+        mounts = {m["mountPath"]: claims[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in claims}
+        command = [sys.executable if part == "python" else part for part in container["command"]]
+        for mount, folder in mounts.items():
+            command = [str(folder) + part[len(mount):] if part.startswith(mount) else part for part in command]
+        done = subprocess.run(command, capture_output=True, text=True)
+        pod["status"] = {"phase": "Succeeded" if done.returncode == 0 else "Failed"}
+        pod["log"] = done.stdout + done.stderr
+        return pod
 
     def _handler(self):
         fake = self
@@ -88,7 +117,18 @@ class FakeKubeAPI:
                 url = urlparse(self.path)
                 fake.requests.append((method, url.path))
                 if m := JOBS.match(url.path):
-                    return self._jobs(method, m.group(1), m.group(2))
+                    return self._jobs(method, m.group(3), m.group(2), m.group(4))
+                if (m := PODS.match(url.path)) and method == "POST":
+                    pod = fake._run_pod(self._body())
+                    fake.pods[(m.group(1), pod["metadata"]["name"])] = pod
+                    return self._send(201, {k: v for k, v in pod.items() if k != "log"})
+                if m := POD.match(url.path):
+                    pod = fake.pods.get((m.group(1), m.group(2)))
+                    if pod is None:
+                        return self._not_found("pods", m.group(2))
+                    if method == "DELETE":
+                        fake.pods.pop((m.group(1), m.group(2)))
+                    return self._send(200, {k: v for k, v in pod.items() if k != "log"})
                 if (m := PODS.match(url.path)) and method == "GET":
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
                     key, _, value = selector.partition("=")
@@ -109,18 +149,18 @@ class FakeKubeAPI:
                 self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
                                  "message": f"{kind} {name!r} not found"})
 
-            def _jobs(self, method: str, namespace: str, name: str | None) -> None:
+            def _jobs(self, method: str, plural: str, namespace: str, name: str | None) -> None:
                 if method == "POST" and name is None:
                     job = self._body()
                     key = (namespace, job["metadata"]["name"])
                     if key in fake.jobs:
                         return self._send(409, {"kind": "Status", "status": "Failure", "reason": "AlreadyExists",
-                                                "code": 409, "message": f"pytorchjobs {key[1]!r} already exists"})
+                                                "code": 409, "message": f"{plural} {key[1]!r} already exists"})
                     job["metadata"]["uid"] = str(uuid.uuid4())
                     fake.jobs[key] = job
                     return self._send(201, job)
                 if name is None or (namespace, name) not in fake.jobs:
-                    return self._not_found("pytorchjobs", name or "")
+                    return self._not_found(plural, name or "")
                 if method == "GET":
                     return self._send(200, fake.jobs[(namespace, name)])
                 if method == "DELETE":

@@ -1,35 +1,51 @@
-"""The Kubernetes backend: the rendered PyTorchJob against its CRD schema, and its life on a FAKE API server."""
+"""The Kubernetes backend: rendered PyTorchJobs and TrainJobs against their CRD schemas, and their life on a
+FAKE API server (with a fake kubelet that runs the results pod here)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
+import shutil
+import tarfile
 import threading
 import time
 from types import SimpleNamespace
 
 import jsonschema
 import kubeflow.training
+import kubeflow_trainer_api.models as tj
 import pytest
 import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness import profiles
+from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
+from harness.launchers.kubernetes import unpack_run_folder
 from harness.spec import JobSpec
-from tests.conftest import SHARED, harness
+from tests.conftest import REPO, SHARED, harness
 from tests.fake_kube_api import FakeKubeAPI
 
 CRD = SHARED / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+TRAINJOB_CRD = SHARED / "kubeflow" / "trainer.kubeflow.org_trainjobs.v2.3.yaml"
 needs_crd = pytest.mark.skipif(not CRD.is_file(), reason=f"PyTorchJob CRD not found at {CRD} (../shared is absent)")
+needs_trainjob_crd = pytest.mark.skipif(not TRAINJOB_CRD.is_file(),
+                                        reason=f"TrainJob CRD not found at {TRAINJOB_CRD} (../shared is absent)")
 RFC_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+BASELINE_LOG = REPO / "results" / "baselines" / "resnet-tiny" / "result_0.txt"
+
+
+def crd_schema(path, version: str) -> dict:
+    crd = yaml.safe_load(path.read_text())
+    [found] = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return found["schema"]["openAPIV3Schema"]
 
 
 def pytorchjob_schema() -> dict:
-    crd = yaml.safe_load(CRD.read_text())
-    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+    return crd_schema(CRD, "v1")
 
 
 def rendered(*args: str) -> str:
@@ -89,8 +105,9 @@ def fake_api(tmp_path, monkeypatch):
         yield api
 
 
-def submitted(tmp_path, name: str = "rn50"):
-    profile = profiles.apply_overrides(profiles.load("h100-ib"), ["kubernetes.namespace=mlperf"])
+def submitted(tmp_path, name: str = "rn50", api: str = "pytorchjob"):
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), ["kubernetes.namespace=mlperf",
+                                                                  f"kubernetes.api={api}"])
     spec = JobSpec("resnet", nodes=2, name=name, out_dir=tmp_path / "run", profile=profile).resolved()
     launcher = get_launcher("k8s")
     return launcher, launcher.submit(launcher.render(spec))
@@ -147,13 +164,23 @@ def test_api_errors_are_one_line(fake_api, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_harness_run_streams_the_job_states(fake_api, tmp_path):
-    """`harness run --backend k8s` end to end: submit, then Created -> Running -> Succeeded as the operator says."""
+def test_harness_run_streams_the_job_states_and_collects_the_results(fake_api, tmp_path):
+    """`harness run --backend k8s` end to end: submit, Created -> Running -> Succeeded as the operator says,
+    then the result files come back from the results volume and the time-to-train is reported."""
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+
     def operator():
         deadline = time.monotonic() + 60
         while ("default", "rn") not in fake_api.jobs and time.monotonic() < deadline:
             time.sleep(0.1)
         for condition in ("Created", "Running", "Succeeded"):
+            if condition == "Succeeded":  # rank 0 wrote its log and rank files on the volume
+                (volume / "run" / "logs").mkdir(parents=True)
+                shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
+                (volume / "run" / "logs" / "rank_0.log").write_text("rank 0 log\n")
+                (volume / "run" / "checkpoints").mkdir()
+                (volume / "run" / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
             fake_api.set_condition("default", "rn", condition)
             time.sleep(1.5)
 
@@ -164,8 +191,15 @@ def test_harness_run_streams_the_job_states(fake_api, tmp_path):
     thread.join()
     assert result.returncode == 0, result.stdout + result.stderr
     assert "job default/rn PENDING" in result.stdout and "job default/rn RUNNING" in result.stdout
-    assert "job default/rn SUCCEEDED" in result.stdout and "on the results volume" in result.stdout
+    assert "job default/rn SUCCEEDED" in result.stdout and "fetched 2 file(s)" in result.stdout
+    run = tmp_path / "run"
+    assert (run / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+    assert (run / "logs" / "rank_0.log").read_text() == "rank 0 log\n"
+    assert not (run / "checkpoints").exists()  # checkpoints stay on the volume
+    assert "time-to-train (min)" in result.stdout and "0.2663" in result.stdout  # the fetched run's
     assert [e["reason"] for e in fake_api.events] == ["HarnessRunning", "HarnessSucceeded"]
+    collector = [p for (_, name), p in fake_api.pods.items() if "-collect-" in name]
+    assert not collector  # the results pod is deleted after use
 
 
 def test_tolerations_as_in_a_pod_spec_or_refused(tmp_path):
@@ -176,3 +210,112 @@ def test_tolerations_as_in_a_pod_spec_or_refused(tmp_path):
     result = harness("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--dry-run",
                      "--set", "kubernetes.tolerations=[{bogus: 1}]", "--out", str(tmp_path))
     assert result.returncode == 2 and "unknown field(s) bogus" in result.stderr and "Traceback" not in result.stderr
+
+
+@needs_trainjob_crd
+def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
+    args = ("--profile", "coreweave-h100", "--nodes", "448", "--gpus-per-node", "8", "--api", "trainjob",
+            "--out", str(tmp_path / "o"))
+    result = harness("run", "resnet", "--backend", "k8s", "--dry-run", *args)
+    assert result.returncode == 0, result.stderr
+    assert harness("run", "resnet", "--backend", "k8s", "--dry-run", *args).stdout == result.stdout
+    # What a TrainJob cannot carry is said, not dropped silently.
+    assert "priority_class from its ClusterTrainingRuntime 'torch-distributed'" in result.stderr
+    job = yaml.safe_load(result.stdout)
+    jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] == 448 and trainer["numProcPerNode"] == 8
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
+    assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in trainer["args"]
+    assert {e["name"]: e["value"] for e in trainer["env"]}["NCCL_COLLNET_ENABLE"] == "1"
+    assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
+                                         "name": "torch-distributed"}
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "mlperf"
+    [patch] = job["spec"]["runtimePatches"]
+    [node] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and pod["containers"][0]["name"] == "node"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
+    assert {"name": "results", "persistentVolumeClaim": {"claimName": "mlperf-results"}} in pod["volumes"]
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
+    assert pod["containers"][0]["securityContext"]["privileged"] is False
+    # The Trainer SDK's models read it back to the same object.
+    assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
+
+
+def test_trainjob_life_on_the_fake_api(fake_api, tmp_path):
+    launcher, handle = submitted(tmp_path, name="tj", api="trainjob")
+    assert ("POST", "/apis/trainer.kubeflow.org/v1alpha1/namespaces/mlperf/trainjobs") in fake_api.requests
+    seen = [launcher.status(handle)]
+    fake_api.set_jobs_status("mlperf", "tj", active=2)
+    seen.append(launcher.status(handle))
+    fake_api.set_condition("mlperf", "tj", "Complete", "TrainJob is completed")
+    seen.append(launcher.status(handle))
+    assert seen == [JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED]
+    assert [e["involvedObject"]["kind"] for e in fake_api.events] == ["TrainJob", "TrainJob"]
+    fake_api.add_pod("mlperf", "tj", "tj-node-0-0-abcde", "Succeeded", "rank 0 of tj\n",
+                     label="jobset.sigs.k8s.io/jobset-name")
+    assert "rank 0 of tj" in launcher.logs(handle)
+
+
+def test_trainjob_failed_and_cancelled(fake_api, tmp_path):
+    launcher, handle = submitted(tmp_path, name="tj", api="trainjob")
+    fake_api.set_condition("mlperf", "tj", "Failed", "jobset failed: node-0 backoff limit exceeded")
+    assert list(launcher.watch(handle, poll_s=0.01)) == [JobState.FAILED]
+    assert "backoff limit" in fake_api.events[-1]["message"]
+    launcher, handle = submitted(tmp_path / "second", name="tj2", api="trainjob")
+    launcher.cancel(handle)
+    assert ("DELETE", "/apis/trainer.kubeflow.org/v1alpha1/namespaces/mlperf/trainjobs/tj2") in fake_api.requests
+
+
+def test_submit_without_a_results_volume_is_refused(fake_api, tmp_path):
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--set", "kubernetes.results_pvc=",
+                     "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    assert result.returncode == 2 and "kubernetes.results_pvc" in result.stderr and not fake_api.jobs
+
+
+def _archive(members: dict[str, bytes]) -> str:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/etc/escape.txt", "logs/../../escape.txt"])
+def test_collected_archives_cannot_write_outside_the_run_folder(tmp_path, name):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(HarnessError, match="unreadable"):
+        unpack_run_folder(_archive({name: b"x"}), run)
+    assert not (tmp_path / "escape.txt").exists() and list(run.iterdir()) == []
+
+
+def test_collecting_keeps_local_files_that_differ(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result_0.txt").write_text("local\n")
+    fetched, kept = unpack_run_folder(_archive({"./result_0.txt": b"remote\n", "./result_1.txt": b"new\n"}), run)
+    assert fetched == [run / "result_1.txt"] and kept == ["./result_0.txt"]
+    assert (run / "result_0.txt").read_text() == "local\n" and (run / "result_1.txt").read_text() == "new\n"
+    assert sorted(p.name for p in run.iterdir()) == ["result_0.txt", "result_1.txt"]  # no staging left behind
+    with pytest.raises(HarnessError, match="unreadable"):
+        unpack_run_folder("not base64 !", run)
+
+
+def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    _, handle = submitted(tmp_path)
+    (volume / "run").mkdir(parents=True)
+    shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
+    result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    assert result.returncode == 0, result.stderr
+    assert "fetched 1 file(s)" in result.stdout and (handle.out_dir / "result_0.txt").is_file()
+    fake_api.claims["mlperf-results"] = tmp_path / "empty"  # a volume without the run folder
+    result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    assert result.returncode == 1 and "could not read /results/run" in result.stderr
+    assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()

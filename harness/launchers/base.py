@@ -46,6 +46,7 @@ class Request:
     spec: JobSpec
     text: str
     payload: Any
+    notes: tuple[str, ...] = ()  # what the user should know about the request (printed on stderr)
 
 
 @dataclass
@@ -107,9 +108,13 @@ class Launcher(ABC):
     def cancel(self, handle: Handle) -> None:
         """Stop the job; results already written stay in place."""
 
-    def results_elsewhere(self, spec: JobSpec) -> str | None:
-        """Where the result files are when they do not reach spec.out_dir (cluster storage); None otherwise."""
-        return None
+    def collect(self, handle: Handle) -> list[Path]:
+        """Bring the run's result files into handle.out_dir; returns the files fetched.
+
+        Local and Slurm ranks write there directly (Slurm needs a shared file system),
+        so only backends with their own storage override this.
+        """
+        return []
 
     def watch(self, handle: Handle, poll_s: float = 1.0) -> Iterator[JobState]:
         """Yield each state change until the job reaches a terminal state."""
