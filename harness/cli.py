@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment variable for the workers (repeatable)")
     run.add_argument("--data", type=Path, help="dataset folder (ImageNet layout for resnet: train/ and val/)")
+    run.add_argument("--init-checkpoint", type=Path, metavar="DIR",
+                     help="starting weights for bert and gpt3, as MLPerf starts them (a torch.distributed.checkpoint "
+                          "folder; default for tiny presets: one the harness trains once)")
     run.add_argument("--synthetic", action="store_true",
                      help="train on generated batches that stay on the device: measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
@@ -151,7 +154,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
     return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
-                   env=parse_env(args.env), data=args.data, synthetic=args.synthetic, max_steps=args.max_steps,
+                   env=parse_env(args.env), data=args.data, init_checkpoint=args.init_checkpoint,
+                   synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
                    profile=profile)
 
@@ -160,11 +164,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.launchers import get_launcher
 
     spec = _spec_from_args(args).resolved()
-    validate(spec)
     launcher = get_launcher(args.backend)
+    notes = validate(spec, dry_run=args.dry_run, paths_here=launcher.paths_here)
     request = launcher.render(spec)
-    for note in request.notes:
-        print(f"harness: note: {note}", file=sys.stderr)
+    for note in (*request.notes, *notes):
+        print(f"harness: {note}", file=sys.stderr)
     if args.dry_run:
         print(request.text)
         return 0

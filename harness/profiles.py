@@ -61,6 +61,7 @@ class Profile:
     description: str = ""
     gpus_per_node: int = 0  # 0: CPU nodes (gloo)
     procs_per_node: int | None = None  # processes per node when there are no GPUs; None: 1
+    gpu_memory_gib: int = 80  # per GPU; workloads refuse configs whose estimate exceeds it
     gpu_resource: str = "nvidia.com/gpu"
     rdma_resource: str | None = None  # e.g. rdma/ib, or an SR-IOV/hostdev resource name
     rdma_count: int = 0

@@ -26,9 +26,11 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
 }
 # Benchmarks whose workload ships in this version; the others are named so that
 # users see the roadmap, and refused with a clear message.
-AVAILABLE = ("resnet",)
+AVAILABLE = ("resnet", "gpt3")
 # Presets that read a real dataset unless --synthetic is given.
 DATASET_PRESETS = ("full",)
+# Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint).
+STARTS_FROM_CHECKPOINT = ("bert", "gpt3")
 
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -51,6 +53,7 @@ class JobSpec:
     max_restarts: int = 0  # restart budget for infrastructure failures
     env: dict[str, str] = field(default_factory=dict)
     data: Path | None = None
+    init_checkpoint: Path | None = None  # starting weights (bert, gpt3), as MLPerf's rules start them
     synthetic: bool = False
     max_steps: int | None = None  # stop early (smoke tests, throughput runs)
     batch_size: int | None = None  # per-process batch; None: the preset's
@@ -68,8 +71,9 @@ class JobSpec:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
         spec.out_dir = Path(spec.out_dir).absolute()
-        if spec.data is not None:
-            spec.data = Path(spec.data).absolute()
+        for key in ("data", "init_checkpoint"):
+            if getattr(spec, key) is not None:
+                setattr(spec, key, Path(getattr(spec, key)).absolute())
         return spec
 
     def seeds(self) -> list[int | None]:
@@ -88,6 +92,8 @@ class JobSpec:
             args += ["--system", self.system]
         if self.data is not None:
             args += ["--data", str(self.data)]
+        if self.init_checkpoint is not None:
+            args += ["--init-checkpoint", str(self.init_checkpoint)]
         if self.synthetic:
             args.append("--synthetic")
         if self.max_steps is not None:
@@ -103,7 +109,8 @@ class JobSpec:
                 "--nodes", str(self.nodes), "--runs", str(self.runs), "--max-restarts", str(self.max_restarts),
                 "--submitter", self.submitter]
         for flag, value in (("--procs-per-node", self.procs_per_node), ("--seed", self.seed),
-                            ("--out", self.out_dir), ("--data", self.data), ("--max-steps", self.max_steps),
+                            ("--out", self.out_dir), ("--data", self.data),
+                            ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name)):
             if value is not None:
                 args += [flag, str(value)]
@@ -122,14 +129,14 @@ class JobSpec:
         spec = cls(**{key: value for key, value in record.items() if key in known})
         if isinstance(spec.profile, dict):
             spec.profile = profiles.from_dict(spec.profile)
-        for key in ("out_dir", "data"):
+        for key in ("out_dir", "data", "init_checkpoint"):
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)))
         return spec
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for key in ("out_dir", "data"):
+        for key in ("out_dir", "data", "init_checkpoint"):
             if d[key] is not None:
                 d[key] = str(d[key])
         return d
@@ -146,8 +153,13 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def validate(spec: JobSpec) -> None:
-    """Reject a spec that cannot run, with one line naming the problem and the valid choices."""
+def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> list[str]:
+    """Reject a spec that cannot run, with one line naming the problem and the valid choices.
+
+    `paths_here`: the nodes see this machine's paths (local, Slurm's shared file system),
+    so dataset and checkpoint folders can be checked now; pods see their own volumes.
+    A dry run only shows the request, so missing inputs come back as notes instead of errors.
+    """
     if spec.benchmark not in BENCHMARKS:
         raise HarnessError(f"unknown benchmark {spec.benchmark!r}; choose one of: {', '.join(BENCHMARKS)}")
     if spec.benchmark not in AVAILABLE:
@@ -174,11 +186,19 @@ def validate(spec: JobSpec) -> None:
                            "digits and '-', starting and ending with a letter or digit (RFC 1123)")
     if spec.data is not None and spec.synthetic:
         raise HarnessError("--data and --synthetic exclude each other: pick a dataset or synthetic input")
-    if spec.data is not None and not spec.data.is_dir():
-        raise HarnessError(f"dataset path {spec.data} does not exist or is not a folder")
+    for flag, path in (("dataset", spec.data), ("--init-checkpoint", spec.init_checkpoint)):
+        if paths_here and path is not None and not path.is_dir():
+            raise HarnessError(f"{flag} path {path} does not exist or is not a folder")
+    missing = []
     if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
-        raise HarnessError(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
-                           "or --synthetic to measure throughput on generated input")
+        missing.append(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
+                       "or --synthetic to measure throughput on generated input")
+    if spec.benchmark in STARTS_FROM_CHECKPOINT and spec.preset == "full" and spec.init_checkpoint is None \
+            and not spec.synthetic:
+        missing.append(f"{spec.benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint DIR")
+    if missing and not dry_run:
+        raise HarnessError("; ".join(missing))
+    return [f"note: {line}" for line in missing]
 
 
 def check_writable(out_dir: Path) -> None:

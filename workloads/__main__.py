@@ -18,7 +18,11 @@ def workload_class(benchmark: str):
         from workloads.resnet.train import ResNetWorkload
 
         return ResNetWorkload
-    raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet)")
+    if benchmark == "gpt3":
+        from workloads.gpt3.train import GPT3Workload
+
+        return GPT3Workload
+    raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet, gpt3)")
 
 
 @record  # writes the exception to torchelastic's error file so the agent reports the real cause

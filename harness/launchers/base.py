@@ -11,6 +11,7 @@ Every backend starts the same program on every node: torch's elastic agent
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import time
@@ -87,6 +88,7 @@ class Launcher(ABC):
     """One backend. Subclasses stay small enough to read in one sitting."""
 
     name: ClassVar[str]
+    paths_here: ClassVar[bool] = True  # the nodes see this machine's files (see spec.validate)
 
     @abstractmethod
     def render(self, spec: JobSpec) -> Request:
@@ -127,6 +129,25 @@ class Launcher(ABC):
             if state.terminal:
                 return
             time.sleep(poll_s)
+
+
+def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
+    """What the workload will make of this many processes, shown with the request: for gpt3 the parallel
+    layout and the memory estimate per GPU. A config that cannot fit is refused here, with the numbers."""
+    if spec.benchmark != "gpt3":
+        return ()
+    from workloads.gpt3 import config as gpt3  # torch-free: sizes and arithmetic only
+
+    cfg = gpt3.PRESETS[spec.preset]
+    if spec.batch_size:
+        cfg = dataclasses.replace(cfg, micro_batch=spec.batch_size)
+    try:
+        layout = gpt3.plan_layout(cfg, spec.nodes * nproc_per_node, nproc_per_node)
+        if gpu_memory_gib:
+            gpt3.check_fits(cfg, layout, gpu_memory_gib)
+    except ValueError as exc:
+        raise HarnessError(str(exc)) from None
+    return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
 
 
 def cluster_procs_per_node(spec: JobSpec) -> int:

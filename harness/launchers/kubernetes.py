@@ -34,7 +34,8 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
-from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node,
+                                    workload_plan)
 from harness.spec import JobSpec
 
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -196,7 +197,7 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
                                        ("--max-restarts", spec.max_restarts)) if value]
     if not unsaid:
         return []
-    return [f"a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
+    return [f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
             "(podGroupPolicy, pod template, JobSet failurePolicy); set them there"]
 
 
@@ -347,12 +348,15 @@ def unpack_run_folder(archive_b64: str, out_dir: Path) -> tuple[list[Path], list
 
 class KubernetesLauncher(Launcher):
     name = "k8s"
+    paths_here = False  # --data and --init-checkpoint name paths inside the pods
 
     def render(self, spec: JobSpec) -> Request:
         api = APIS[spec.profile.kubernetes.api]
         body = api.build(spec)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
-        notes = tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
+        notes = workload_plan(spec, cluster_procs_per_node(spec),
+                              spec.profile.gpu_memory_gib if spec.profile.gpus_per_node else None)
+        notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
         return Request(backend=self.name, spec=spec, text=text, payload={"body": body}, notes=notes)
 
     def submit(self, request: Request) -> Handle:

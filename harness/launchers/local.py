@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command
+from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command, workload_plan
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -28,6 +28,12 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory_gib() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def cpu_count() -> int:
@@ -52,7 +58,8 @@ class LocalLauncher(Launcher):
             env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // nproc)))
         argv = agent_command(spec, sys.executable, nproc)
         text = shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + argv) if env else shlex.join(argv)
-        return Request(backend=self.name, spec=spec, text=text, payload={"argv": argv, "env": env})
+        plan = workload_plan(spec, nproc, gpu_memory_gib() if gpus else None)
+        return Request(backend=self.name, spec=spec, text=text, payload={"argv": argv, "env": env}, notes=plan)
 
     def submit(self, request: Request) -> Handle:
         out_dir = request.spec.out_dir

@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 from harness.errors import HarnessError
-from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node,
+                                    workload_plan)
 from harness.spec import JobSpec
 
 SCRIPT_FILE = "job.sbatch"
@@ -112,7 +113,9 @@ class SlurmLauncher(Launcher):
 
     def render(self, spec: JobSpec) -> Request:
         script = sbatch_script(spec)
-        return Request(backend=self.name, spec=spec, text=script, payload={"script": script})
+        plan = workload_plan(spec, cluster_procs_per_node(spec),
+                             spec.profile.gpu_memory_gib if spec.profile.gpus_per_node else None)
+        return Request(backend=self.name, spec=spec, text=script, payload={"script": script}, notes=plan)
 
     def submit(self, request: Request) -> Handle:
         out_dir = request.spec.out_dir

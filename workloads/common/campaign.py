@@ -46,6 +46,7 @@ class RunOptions:
     synthetic: bool
     max_steps: int | None
     batch_size: int | None
+    init_checkpoint: Path | None = None  # the starting weights (bert, gpt3)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -62,6 +63,7 @@ class RunOptions:
         p.add_argument("--synthetic", action="store_true")
         p.add_argument("--max-steps", type=int)
         p.add_argument("--batch-size", type=int)
+        p.add_argument("--init-checkpoint", type=Path)
         return cls(**vars(p.parse_args(argv)))
 
     @property

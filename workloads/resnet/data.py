@@ -8,9 +8,6 @@ loader and the MLPerf preprocessing the full preset uses on real ImageNet.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
+from workloads.common.cache import build_once, cache_root
 from workloads.common.distributed import DistContext
 
 # ImageNet statistics, as in the MLPerf reference.
@@ -104,27 +102,12 @@ TINY_EVAL_PER_CLASS = 100
 
 
 def tiny_dataset_root() -> Path:
-    """Where the generated tiny dataset is cached ($HARNESS_DATA_DIR, else ~/.cache/mlperf-harness)."""
-    base = os.environ.get("HARNESS_DATA_DIR") or Path.home() / ".cache" / "mlperf-harness"
-    return Path(base) / f"tiny-imagenet-v{TINY_VERSION}"
+    return cache_root() / f"tiny-imagenet-v{TINY_VERSION}"
 
 
 def ensure_tiny_dataset(root: Path) -> Path:
-    """Generate the tiny dataset once. Safe when several processes race: each writes a private
-    temporary folder and renames it into place; the content is identical whoever wins."""
-    if (root / "val").is_dir():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-    try:
-        _write_tiny_dataset(tmp)
-        os.rename(tmp, root)
-    except OSError:
-        if not (root / "val").is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
+    """Generate the tiny dataset once (see build_once)."""
+    return build_once(root, _write_tiny_dataset)
 
 
 def _class_patterns() -> list[dict]:

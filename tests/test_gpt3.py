@@ -1,0 +1,117 @@
+"""GPT-3: Megatron's .bin/.idx format, the tiny preset to its target through the official checker,
+training from real-format files, and the 448 x 8 H100 layout with its memory estimate."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import compliance, failed_checks, harness
+from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
+from workloads.gpt3.data import C4_EVAL, C4_TRAIN, BlendedSamples, IndexedDataset, SequenceSamples, \
+    write_indexed_dataset
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_indexed_dataset_round_trip(tmp_path, dtype):
+    docs = [np.arange(5, dtype=dtype), np.arange(100, 103, dtype=dtype), np.array([7], dtype=dtype)]
+    write_indexed_dataset(tmp_path / "c4", docs, dtype=dtype)
+    header = (tmp_path / "c4.idx").read_bytes()[:34]
+    assert header[:9] == b"MMIDIDX\x00\x00" and struct.unpack("<QBQQ", header[9:]) == (1, {np.uint16: 8,
+                                                                                              np.int32: 4}[dtype], 3, 4)
+    data = IndexedDataset(tmp_path / "c4")
+    assert len(data) == 3 and data.tokens.dtype == dtype
+    assert [data.document(i).tolist() for i in range(3)] == [d.tolist() for d in docs]
+    assert data.document_indices.tolist() == [0, 1, 2, 3]
+    samples = SequenceSamples(data, seq_len=4, seed=None)  # 9 tokens: windows of 5 at 0 and 4
+    assert len(samples) == 2 and samples[1].tolist() == [4, 100, 101, 102, 7]
+
+
+def test_damaged_indexed_datasets_are_named(tmp_path):
+    write_indexed_dataset(tmp_path / "c4", [np.arange(100, dtype=np.uint16)])
+    (tmp_path / "c4.bin").write_bytes((tmp_path / "c4.bin").read_bytes()[:50])
+    with pytest.raises(ValueError, match="shorter than its index"):
+        IndexedDataset(tmp_path / "c4")
+    (tmp_path / "c4.idx").write_bytes(b"NOTANIDX" + b"\x00" * 40)
+    with pytest.raises(ValueError, match="not a Megatron MMIDIDX index"):
+        IndexedDataset(tmp_path / "c4")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        IndexedDataset(tmp_path / "absent")
+
+
+def test_the_blend_keeps_its_proportions_everywhere():
+    blend = BlendedSamples([list(range(1000)), list(range(1000, 2000))], [0.5, 0.5], 1000)
+    sources = [blend.source(i) for i in range(1000)]
+    assert sum(sources) == 500
+    assert all(abs(sum(sources[i:i + 20]) - 10) <= 1 for i in range(0, 980, 20))  # every stretch of 20
+    assert sources[3:5] == [0, 1] and blend[3] == 3 and blend[4] == 1004  # sample i of the chosen dataset
+
+
+def _write_c4(folder, vocab: int = 128) -> None:
+    rng = np.random.default_rng(0)
+    for prefix in (*C4_TRAIN, C4_EVAL):
+        write_indexed_dataset(folder / prefix, [rng.integers(1, vocab, 3000).astype(np.uint16) for _ in range(4)])
+
+
+def test_trains_from_real_format_files(tmp_path):
+    data = tmp_path / "c4"
+    data.mkdir()
+    _write_c4(data)
+    result = harness("run", "gpt3", "--preset", "tiny", "--data", str(data), "--max-steps", "3",
+                     "--out", str(tmp_path / "run"))
+    log = (tmp_path / "run" / "result_0.txt").read_text()
+    assert '"key": "eval_accuracy"' in log and '"key": "train_samples", "value": 24576' in log, \
+        result.stdout + result.stderr
+    assert result.returncode == 1 and "did not reach the quality target" in result.stderr  # random tokens
+    result = harness("run", "gpt3", "--preset", "tiny", "--data", str(tmp_path), "--out", str(tmp_path / "r2"))
+    assert result.returncode != 0 and "lacks c4_en_6_c4_spm_text_document.idx/.bin" in result.stdout + result.stderr
+
+
+def test_tiny_gpt3_reaches_its_target_and_passes_the_checker(tmp_path):
+    result = harness("run", "gpt3", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "success" in result.stdout and "gpt3" in result.stdout
+    checked = compliance(tmp_path / "run" / "result_0.txt", "4.1.0", cwd=tmp_path)
+    assert "SUCCESS" in checked.stdout + checked.stderr and not failed_checks(checked), checked.stdout
+    log = (tmp_path / "run" / "result_0.txt").read_text()
+    for key in ("init_checkpoint_step", "opt_learning_rate_decay_schedule", "tracked_stats"):
+        assert f'"key": "{key}"' in log
+
+
+@pytest.mark.parametrize("backend", ["slurm", "k8s"])
+def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, backend):
+    args = ("run", "gpt3", "--preset", "full", "--backend", backend, "--profile", "coreweave-h100", "--nodes", "448",
+            "--gpus-per-node", "8", "--dry-run", "--out", str(tmp_path / "o"))
+    result = harness(*args)
+    assert result.returncode == 0, result.stderr
+    assert harness(*args).stdout == result.stdout  # deterministic
+    assert "tensor 8 x pipeline 1 x data (FSDP) 448" in result.stderr
+    assert "global batch 1792 = 448 x micro batch 1 x 4 accumulation steps" in result.stderr
+    assert "gpt3 memory per GPU: 10.3 GiB of 80 GiB" in result.stderr
+    assert "give --init-checkpoint DIR" in result.stderr  # a dry run names what a real run still needs
+    if backend == "slurm":
+        assert "#SBATCH --nodes=448" in result.stdout and "#SBATCH --gpus-per-node=8" in result.stdout
+        assert "srun " in result.stdout
+    else:
+        job = yaml.safe_load(result.stdout)
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 448
+
+
+def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
+    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "1",
+                     "--synthetic", "--dry-run", "--out", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "needs about 334.8 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
+
+
+def test_memory_estimate_shrinks_with_more_gpus():
+    cfg = PRESETS["full"]
+    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8)).total for world in (64, 3584))
+    assert small > large
+    no_checkpointing = estimate_memory(PRESETS["full"].__class__(**{**cfg.__dict__, "activation_checkpointing": False}),
+                                       plan_layout(cfg, 3584, 8))
+    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8)).activations

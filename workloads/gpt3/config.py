@@ -1,0 +1,171 @@
+"""GPT-3 presets, the parallel layout and the per-GPU memory estimate. No torch here: `harness run
+--dry-run` imports this to show the layout and to refuse a config that cannot fit, before anything starts.
+
+The full preset follows MLPerf's GPT-3 175B reference (ruleset 4.1.0): its hyperparameters are
+defined at a global batch of 1536 sequences and scale with the batch actually used, the way
+NVIDIA's logs show (e.g. at 2688: warmup 151 steps, decay 62057 steps, init_checkpoint_step 2286).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 2**30
+REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
+REFERENCE_WARMUP_STEPS = 265
+REFERENCE_DECAY_STEPS = 108_600
+REFERENCE_INIT_CHECKPOINT_STEP = 4000  # the step of MLPerf's starting checkpoint
+EVAL_INTERVAL_SAMPLES = 24_576  # evaluate every this many sequences (rounded up to whole steps)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The model's shape."""
+
+    vocab_size: int
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+
+    @property
+    def params(self) -> int:
+        """Parameters: tied token embedding, learned positions, 12 d^2 (+ biases, norms) per layer."""
+        d = self.d_model
+        per_layer = 12 * d * d + 13 * d  # q, k, v, proj (4d^2 + 4d), fc and fc2 (8d^2 + 5d), 2 LayerNorms (4d)
+        return self.vocab_size * d + self.seq_len * d + self.n_layer * per_layer + 2 * d
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 N for the matmuls plus 12 L T d for attention (PaLM's MFU formula)."""
+        return 6 * self.params + 12 * self.n_layer * self.seq_len * self.d_model
+
+
+@dataclass(frozen=True)
+class GPT3Config:
+    model: GPTConfig
+    global_batch: int  # sequences per optimizer step, before rounding to the layout
+    micro_batch: int  # sequences per process per forward pass
+    base_lr: float
+    end_lr_ratio: float  # end LR = base LR x this (MLPerf: 10%)
+    warmup_steps: int  # at `lr_batch`; scaled with the real global batch
+    decay_steps: int
+    lr_batch: int
+    eval_interval: int  # sequences between evaluations
+    eval_sequences: int | None  # None: the whole eval set
+    target: float  # log perplexity that ends the run
+    init_checkpoint_step: int  # steps the starting checkpoint trained, at `lr_batch`
+    weight_decay: float = 0.1
+    tensor_parallel: int = 1  # at most the GPUs of a node; 1 on CPU
+    activation_checkpointing: bool = False
+    max_steps: int = 100_000
+
+
+PRESETS = {
+    # MLPerf closed: GPT-3 175B on C4, target log perplexity 2.69, starting from the reference checkpoint.
+    "full": GPT3Config(
+        model=GPTConfig(vocab_size=50_304, seq_len=2048, n_layer=96, n_head=96, d_model=12_288),
+        global_batch=REFERENCE_BATCH, micro_batch=1, base_lr=2e-5, end_lr_ratio=0.1,
+        warmup_steps=REFERENCE_WARMUP_STEPS, decay_steps=REFERENCE_DECAY_STEPS, lr_batch=REFERENCE_BATCH,
+        eval_interval=EVAL_INTERVAL_SAMPLES, eval_sequences=5_760, target=2.69,
+        init_checkpoint_step=REFERENCE_INIT_CHECKPOINT_STEP, tensor_parallel=8, activation_checkpointing=True),
+    # A 2-layer GPT on generated Markov-chain text, same sequence length and optimizer keys, from a
+    # warm-start checkpoint the harness trains once (as MLPerf starts from its reference checkpoint).
+    "tiny": GPT3Config(
+        model=GPTConfig(vocab_size=128, seq_len=2048, n_layer=2, n_head=4, d_model=128),
+        global_batch=4, micro_batch=1, base_lr=3e-5, end_lr_ratio=0.1, warmup_steps=2, decay_steps=4000,
+        lr_batch=4, eval_interval=16, eval_sequences=16, target=2.69, init_checkpoint_step=30, max_steps=300),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `world` processes split the work: tensor x pipeline x data (FSDP) parallel."""
+
+    world: int
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.data * self.micro_batch * self.grad_accum
+
+
+def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
+    """Tensor parallel inside a node, FSDP across the rest; the global batch rounds up to whole micro batches."""
+    tensor = min(cfg.tensor_parallel, procs_per_node)
+    if world % tensor or cfg.model.n_head % tensor:
+        raise ValueError(f"tensor parallel {tensor} must divide the world size {world} and the "
+                         f"{cfg.model.n_head} attention heads")
+    data = world // tensor
+    grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
+    return Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
+                  grad_accum=grad_accum)
+
+
+def scaled_steps(steps: int, cfg: GPT3Config, layout: Layout) -> int:
+    """A step count defined at cfg.lr_batch, at the layout's real global batch (same number of samples)."""
+    return math.ceil(steps * cfg.lr_batch / layout.global_batch)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU at the peak of a training step."""
+
+    states: float  # fp32 master weights, gradients and Adam moments, sharded over every process
+    gathered: float  # bf16 weights of two layers, unsharded by FSDP (the current one and the prefetched one)
+    activations: float  # what backward keeps, plus one layer's working set
+    logits: float  # the output layer's logits and their gradient, in fp32
+    reserve: float = 4 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
+
+    @property
+    def total(self) -> float:
+        return self.states + self.gathered + self.activations + self.logits + self.reserve
+
+
+def estimate_memory(cfg: GPT3Config, layout: Layout, on_gpu: bool = True) -> MemoryEstimate:
+    """Korthikanti et al. (2022)'s activation counts with flash attention (no s^2 term), bf16 compute."""
+    m, tp = cfg.model, layout.tensor
+    s, b, h = m.seq_len, layout.micro_batch, m.d_model
+    layer_params = 12 * h * h + 13 * h
+    working = 34 * s * b * h / tp  # bytes of one layer's activations kept for backward
+    if cfg.activation_checkpointing:
+        activations = m.n_layer * 2 * s * b * h + working  # each layer's bf16 input, plus one layer recomputed
+    else:
+        activations = m.n_layer * working
+    return MemoryEstimate(states=16 * m.params / layout.world, gathered=2 * 2 * layer_params / tp,
+                          activations=activations, logits=2 * 4 * s * b * m.vocab_size / tp,
+                          reserve=4 * GIB if on_gpu else 0)
+
+
+def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> list[str]:
+    """The lines `--dry-run` shows: the layout, the batch, and the memory estimate against the GPU's."""
+    memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
+    parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}"
+                      for name in ("states", "gathered", "activations", "logits", "reserve"))
+    limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
+    return [
+        f"gpt3 model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {cfg.model.n_head} heads, "
+        f"sequence {cfg.model.seq_len}, {_count(cfg.model.params)} parameters",
+        f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline} "
+        f"x data (FSDP) {layout.data}; global batch {layout.global_batch} = {layout.data} x micro batch "
+        f"{layout.micro_batch} x {layout.grad_accum} accumulation steps",
+        f"gpt3 memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
+        f"{'on' if cfg.activation_checkpointing else 'off'})",
+    ]
+
+
+def check_fits(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float) -> None:
+    """Refuse, with the numbers, a config whose estimate exceeds the GPU's memory."""
+    total = estimate_memory(cfg, layout).total / GIB
+    if total > gpu_memory_gib:
+        raise ValueError(f"gpt3 needs about {total:.1f} GiB per GPU with tensor parallel {layout.tensor} over "
+                         f"{layout.world} GPUs, more than the {gpu_memory_gib:g} GiB each has: use more nodes "
+                         "or a smaller micro batch (--batch-size)")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

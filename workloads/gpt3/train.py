@@ -1,0 +1,251 @@
+"""One GPT-3 run: build and load the starting checkpoint (untimed init), then train until the eval
+log perplexity reaches the target (timed).
+
+MLPerf shape: training starts from a checkpoint (the reference's, at step 4000 of batch 1536;
+the tiny preset's is trained once by the harness), evaluates every 24,576 sequences (rounded
+up to whole steps) on the validation subset, and stops at the first evaluation at or below
+the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1, linear warmup then cosine decay to 10%
+of the base LR, gradient clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from mlperf_logging.mllog import constants as C
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from workloads.common import mlperf as K
+from workloads.common.cache import build_once, cache_root
+from workloads.common.campaign import RunOptions, Workload
+from workloads.common.distributed import DistContext, all_sum
+from workloads.common.progress import Progress
+from workloads.gpt3.config import PRESETS, GPT3Config, plan_layout, scaled_steps
+from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
+from workloads.gpt3.model import GPT
+from workloads.gpt3.parallel import build_mesh, parallelize
+
+INIT_INFO = "harness-init.json"  # beside a DCP checkpoint: the step and batch it was trained to
+# Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
+# preset's checkpoint is saved from one process: both by design, so torch's warnings about them are noise.
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# Dense bf16 peak FLOP/s per GPU, for MFU; GPUs not listed report no MFU rather than a guess.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class GPT3Workload(Workload):
+    def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
+        super().__init__(opts, ctx, seed)
+        cfg: GPT3Config = PRESETS[opts.preset]
+        if opts.batch_size:
+            cfg = replace(cfg, micro_batch=opts.batch_size)
+        self.cfg = cfg
+        self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
+        self.mesh = build_mesh(layout, ctx.device)
+        self.warmup_steps = scaled_steps(cfg.warmup_steps, cfg, layout)
+        self.decay_steps = scaled_steps(cfg.decay_steps, cfg, layout)
+        self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
+        self.total_steps = min(opts.max_steps or cfg.max_steps, self.decay_steps)
+
+        # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
+        with torch.device("meta"):
+            model = GPT(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
+        parallelize(model, self.mesh, ctx.device)
+        model.to_empty(device=ctx.device)
+        model.init_weights()
+        self.model = model
+        self.init_step = self._load_init_checkpoint()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, betas=(0.9, 0.95), eps=1e-8,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        data_rank = self.mesh["data"].get_local_rank()
+        samples = self.total_steps * layout.global_batch
+        if opts.synthetic:
+            self.loaders = synthetic_loaders(cfg.model.vocab_size, cfg.model.seq_len, cfg.micro_batch, samples,
+                                             cfg.eval_sequences or layout.data, seed, data_rank, layout.data)
+        else:
+            self.loaders = c4_loaders(opts.data or self._tiny_corpus(), cfg.model.seq_len, cfg.micro_batch,
+                                      train_samples=samples, eval_sequences=cfg.eval_sequences, seed=seed,
+                                      data_rank=data_rank, data_world=layout.data)
+
+    def _tiny_corpus(self) -> Path:
+        if self.ctx.local_rank == 0:
+            ensure_tiny_corpus()
+        dist.barrier()
+        return ensure_tiny_corpus()
+
+    def _load_init_checkpoint(self) -> int | None:
+        """Load the starting weights (a DCP folder); returns the step it was trained to, at the reference batch.
+        Synthetic throughput runs start from random weights and return None (and log no init_checkpoint_step)."""
+        path = self.opts.init_checkpoint
+        if path is None and self.opts.synthetic:
+            return None
+        if path is None:
+            if self.opts.preset != "tiny":
+                raise SystemExit("workloads: gpt3 starts from MLPerf's reference checkpoint: give --init-checkpoint "
+                                 "DIR (a torch.distributed.checkpoint folder)")
+            if self.ctx.local_rank == 0:
+                ensure_tiny_init_checkpoint(self.cfg)
+            dist.barrier()
+            path = tiny_init_root()
+        state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        info = Path(path, INIT_INFO)
+        if info.is_file():
+            return int(json.loads(info.read_text())["step"])
+        return self.cfg.init_checkpoint_step
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to end_lr_ratio x base LR."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        end = self.cfg.end_lr_ratio
+        return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def hyperparameters(self) -> dict[str, Any]:
+        cfg, layout = self.cfg, self.layout
+        return {
+            C.GLOBAL_BATCH_SIZE: layout.global_batch,
+            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
+            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
+            C.OPT_NAME: C.ADAM,
+            C.OPT_BASE_LR: cfg.base_lr,
+            C.OPT_END_LR: cfg.base_lr * cfg.end_lr_ratio,
+            C.OPT_LR_WARMUP_STEPS: self.warmup_steps,
+            C.OPT_LR_DECAY_STEPS: self.decay_steps,
+            C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
+            C.OPT_ADAM_BETA_1: 0.9,
+            C.OPT_ADAM_BETA_2: 0.95,
+            C.OPT_ADAM_EPSILON: 1e-8,
+            C.OPT_WEIGHT_DECAY: cfg.weight_decay,
+            C.OPT_GRADIENT_CLIP_NORM: 1.0,
+            **({C.INIT_CHECKPOINT_STEP: math.ceil(self.init_step * cfg.lr_batch / layout.global_batch)}
+               if self.init_step is not None else {}),
+            C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
+            "tensor_model_parallel_size": layout.tensor,
+            "pipeline_model_parallel_size": layout.pipeline,
+        }
+
+    def train(self, mlog: K.ResultLog, progress_desc: str) -> bool:
+        cfg, layout, ctx = self.cfg, self.layout, self.ctx
+        tokens_per_step = layout.global_batch * cfg.model.seq_len
+        progress = Progress(self.total_steps, progress_desc, show=ctx.is_main)
+        batches = iter(self.loaders.train)
+        reached, step = False, 0
+        try:
+            for step in range(1, self.total_steps + 1):
+                if (step - 1) % self.eval_every == 0:
+                    block_start, block_steps = (step - 1) * tokens_per_step, min(self.eval_every,
+                                                                                 self.total_steps - step + 1)
+                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: block_start,
+                                                        C.EPOCH_COUNT: block_steps * tokens_per_step})
+                    started = time.perf_counter()
+                loss = self._train_step(batches)
+                progress.advance(1, loss=loss)
+                if step % self.eval_every and step != self.total_steps:
+                    continue
+                seconds = time.perf_counter() - started
+                tokens = step * tokens_per_step
+                mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_start})
+                stats = self._throughput(block_steps * tokens_per_step / seconds)
+                mlog.event(K.TRACKED_STATS, stats, metadata={"step": tokens})
+                log_ppl = self._evaluate(mlog, tokens)
+                progress.set(log_ppl=log_ppl, **{"tok/s": stats["tokens_per_second"]})
+                progress.message(f"{progress_desc} step {step}: eval log perplexity {log_ppl:.4f} (target "
+                                 f"{cfg.target}), {stats['tokens_per_second']:.0f} tokens/s")
+                if log_ppl <= cfg.target:
+                    reached = True
+                    break
+        finally:
+            progress.close()
+        mlog.event(C.TRAIN_SAMPLES, step * tokens_per_step)  # tokens trained, as NVIDIA's logs count them
+        return reached
+
+    def _train_step(self, batches) -> float:
+        """One optimizer step over grad_accum micro batches; returns the mean loss."""
+        self.model.train()
+        total = 0.0
+        for micro in range(self.layout.grad_accum):
+            tokens = next(batches).to(self.ctx.device, non_blocking=True)
+            # Gradients are reduced across data ranks only after the last micro batch.
+            self.model.set_requires_gradient_sync(micro == self.layout.grad_accum - 1)
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / self.layout.grad_accum
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def _throughput(self, tokens_per_second: float) -> dict[str, float]:
+        stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
+        if self.ctx.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.ctx.device)
+            peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+            if peak:
+                stats["mfu"] = self.cfg.model.flops_per_token() * tokens_per_second / (self.ctx.world_size * peak)
+        return stats
+
+    @torch.no_grad()
+    def _evaluate(self, mlog: K.ResultLog, tokens_seen: int) -> float:
+        mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: tokens_seen})
+        self.model.eval()
+        loss_sum = count = 0.0
+        for tokens in self.loaders.eval:
+            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            logits = self.model(tokens[:, :-1])
+            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum").item()
+            count += tokens[:, 1:].numel()
+        # Every tensor-parallel rank saw the same sequences: the ratio is the same over the whole world.
+        loss_sum, count = all_sum([loss_sum, count], self.ctx)
+        log_ppl = loss_sum / count
+        mlog.event(C.EVAL_ACCURACY, log_ppl, metadata={C.EPOCH_NUM: tokens_seen})
+        mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: tokens_seen})
+        return log_ppl
+
+
+# The tiny preset's starting checkpoint: a few hundred thousand tokens at a high LR, trained once in one
+# process with a fixed seed, as MLPerf's reference checkpoint was trained once by someone else.
+TINY_INIT_VERSION = 3
+TINY_INIT_LR = 3e-3
+
+
+def tiny_init_root() -> Path:
+    return cache_root() / f"tiny-gpt3-init-v{TINY_INIT_VERSION}"
+
+
+def ensure_tiny_init_checkpoint(cfg: GPT3Config) -> Path:
+    return build_once(tiny_init_root(), lambda folder: _train_tiny_init(cfg, folder))
+
+
+def _train_tiny_init(cfg: GPT3Config, folder: Path) -> None:
+    torch.manual_seed(1234)
+    model = GPT(cfg.model)
+    loaders = c4_loaders(ensure_tiny_corpus(), cfg.model.seq_len, cfg.lr_batch,
+                         train_samples=cfg.init_checkpoint_step * cfg.lr_batch, eval_sequences=0, seed=1234,
+                         data_rank=0, data_world=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_INIT_LR, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=cfg.weight_decay)
+    for tokens in loaders.train:
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    (folder / INIT_INFO).write_text(json.dumps({"step": cfg.init_checkpoint_step, "global_batch": cfg.lr_batch}) + "\n")
