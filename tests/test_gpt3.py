@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import struct
 
+import jsonschema
 import numpy as np
 import pytest
 import yaml
 
 from tests.conftest import compliance, failed_checks, harness
+from tests.test_kubernetes import CRD, pytorchjob_schema
 from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, BlendedSamples, IndexedDataset, SequenceSamples, \
     write_indexed_dataset
@@ -97,6 +99,10 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
         assert "srun " in result.stdout
     else:
         job = yaml.safe_load(result.stdout)
+        if CRD.is_file():  # the same schema check as tests/test_kubernetes.py, where ../shared is present
+            jsonschema.validate(job, pytorchjob_schema())
+        container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
         replicas = job["spec"]["pytorchReplicaSpecs"]
         assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 448
 
