@@ -188,7 +188,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
         return 130
     job_ok = state is not None and state.value == "SUCCEEDED"
-    _collect(launcher, handle)
+    try:
+        _collect(launcher, handle)
+    except HarnessError as exc:
+        if job_ok:
+            raise
+        print(f"harness: {exc}", file=sys.stderr)  # a failed job may have written nothing; say why below
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs)
 
 

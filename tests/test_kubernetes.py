@@ -319,3 +319,21 @@ def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 1 and "could not read /results/run" in result.stderr
     assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+
+
+def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):
+    fake_api.claims["mlperf-results"] = tmp_path / "empty-pvc"
+
+    def operator():
+        deadline = time.monotonic() + 60
+        while ("default", "rn") not in fake_api.jobs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fake_api.set_condition("default", "rn", "Failed", "rn-master-0 OOMKilled")
+
+    thread = threading.Thread(target=operator)
+    thread.start()
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--name", "rn",
+                     "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    thread.join()
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "could not read /results/run" in result.stderr and "the job failed" in result.stderr
