@@ -33,6 +33,7 @@ DATASET_PRESETS = ("full",)
 STARTS_FROM_CHECKPOINT = ("bert", "gpt3")
 
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
+PATH_FIELDS = ("out_dir", "data", "init_checkpoint")  # JobSpec fields that hold paths (text in job.json)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Job names become Kubernetes object and pod names (RFC 1123 labels, with room for "-worker-447")
 # and Slurm job names; one rule for every backend keeps them safe everywhere.
@@ -70,8 +71,7 @@ class JobSpec:
         if spec.out_dir is None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
-        spec.out_dir = Path(spec.out_dir).absolute()
-        for key in ("data", "init_checkpoint"):
+        for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
         return spec
@@ -129,14 +129,14 @@ class JobSpec:
         spec = cls(**{key: value for key, value in record.items() if key in known})
         if isinstance(spec.profile, dict):
             spec.profile = profiles.from_dict(spec.profile)
-        for key in ("out_dir", "data", "init_checkpoint"):
+        for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)))
         return spec
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for key in ("out_dir", "data", "init_checkpoint"):
+        for key in PATH_FIELDS:
             if d[key] is not None:
                 d[key] = str(d[key])
         return d
