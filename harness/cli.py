@@ -61,12 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restarts of the worker group allowed after a failure")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment variable for the workers (repeatable)")
-    run.add_argument("--data", type=Path, help="dataset folder (ImageNet layout for resnet: train/ and val/)")
+    run.add_argument("--data", type=Path, help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's C4 .bin/.idx files "
+                                                   "for gpt3")
     run.add_argument("--init-checkpoint", type=Path, metavar="DIR",
-                     help="starting weights for bert and gpt3, as MLPerf starts them (a torch.distributed.checkpoint "
-                          "folder; default for tiny presets: one the harness trains once)")
+                     help="gpt3's starting weights, as MLPerf starts from its reference checkpoint (a "
+                          "torch.distributed.checkpoint folder; default for the tiny preset: one the harness trains once)")
     run.add_argument("--synthetic", action="store_true",
-                     help="train on generated batches that stay on the device: measures throughput only")
+                     help="train on generated input instead of a dataset (from random weights for gpt3): "
+                          "measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")

@@ -102,8 +102,12 @@ def _pod_template(spec: JobSpec, nproc: int) -> k8s.V1PodTemplateSpec:
             containers=[container], volumes=parts.volumes, host_network=profile.host_network or None,
             dns_policy="ClusterFirstWithHostNet" if profile.host_network else None,
             node_selector=kube.node_selector or None,
-            tolerations=[_toleration(t) for t in kube.tolerations] or None,
+            tolerations=_tolerations(kube),
             priority_class_name=kube.priority_class, service_account_name=kube.service_account))
+
+
+def _tolerations(kube) -> list[k8s.V1Toleration] | None:
+    return [_toleration(t) for t in kube.tolerations] or None
 
 
 def _toleration(fields: dict) -> k8s.V1Toleration:
@@ -162,7 +166,7 @@ def train_job(spec: JobSpec) -> dict:
     nproc = cluster_procs_per_node(spec)
     parts = _pod_parts(spec, nproc)
     pod = k8s.V1PodSpec(containers=[], volumes=parts.volumes, node_selector=kube.node_selector or None,
-                        tolerations=[_toleration(t) for t in kube.tolerations] or None,
+                        tolerations=_tolerations(kube),
                         service_account_name=kube.service_account)
     pod_patch = to_dict(pod)
     pod_patch["containers"] = [{"name": TRAINJOB.container, "volumeMounts": to_dict(parts.mounts),
@@ -224,14 +228,13 @@ def pytorchjob_state(job: dict) -> tuple[JobState, str]:
     return PYTORCHJOB_CONDITIONS.get(last.get("type"), JobState.UNKNOWN), last.get("message") or last.get("type", "")
 
 
-TRAINJOB_CONDITIONS = {"Complete": JobState.SUCCEEDED, "Failed": JobState.FAILED, "Suspended": JobState.PENDING,
-                       "Created": JobState.PENDING}
+TRAINJOB_CONDITIONS = {"Complete": JobState.SUCCEEDED, "Failed": JobState.FAILED, "Suspended": JobState.PENDING}
 
 
 def trainjob_state(job: dict) -> tuple[JobState, str]:
     """A TrainJob has conditions only at the ends (and when suspended); in between, its child Jobs say."""
     last = _last_true_condition(job)
-    if last is not None and last.get("type") in ("Complete", "Failed", "Suspended"):
+    if last is not None and last.get("type") in TRAINJOB_CONDITIONS:
         return TRAINJOB_CONDITIONS[last["type"]], last.get("message") or last["type"]
     jobs = (job.get("status") or {}).get("jobsStatus") or []
     if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
@@ -318,7 +321,7 @@ def collector_pod(spec: JobSpec, name: str) -> k8s.V1Pod:
                                   labels={"app.kubernetes.io/name": "mlperf-harness", "mlperf-harness/role": "collect"}),
         spec=k8s.V1PodSpec(containers=[container], volumes=[_results_volume(kube.results_pvc)],
                            restart_policy="Never", automount_service_account_token=False,
-                           tolerations=[_toleration(t) for t in kube.tolerations] or None))
+                           tolerations=_tolerations(kube)))
 
 
 def unpack_run_folder(archive_b64: str, out_dir: Path) -> tuple[list[Path], list[str]]:

@@ -119,7 +119,7 @@ class MemoryEstimate:
     gathered: float  # bf16 weights of two layers, unsharded by FSDP (the current one and the prefetched one)
     activations: float  # what backward keeps, plus one layer's working set
     logits: float  # the output layer's logits and their gradient, in fp32
-    reserve: float = 4 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
+    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only)
 
     @property
     def total(self) -> float:

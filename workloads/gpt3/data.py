@@ -126,13 +126,21 @@ class BlendedSamples(Dataset):
 class GPTLoaders:
     train: DataLoader
     eval: DataLoader
-    sampler: DistributedSampler
     eval_sequences: int
+
+
+def _loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int) -> GPTLoaders:
+    """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank."""
+    sampler = DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False, drop_last=True)
+    eval_sampler = DistributedSampler(eval_set, num_replicas=data_world, rank=data_rank, shuffle=False)
+    return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
+                      eval=DataLoader(eval_set, batch_size=micro_batch, sampler=eval_sampler),
+                      eval_sequences=len(eval_set))
 
 
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int | None,
                seed: int, data_rank: int, data_world: int, train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> GPTLoaders:
-    """Loaders over MLPerf's C4 layout in `root`; ranks of one tensor-parallel group read the same samples."""
+    """Loaders over MLPerf's C4 layout in `root`."""
     missing = [p for p in (*train_prefixes, eval_prefix) if not Path(root, f"{p}.idx").is_file()]
     if missing:
         found = sorted(p.stem for p in Path(root).glob("*.idx"))
@@ -143,11 +151,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
     eval_set: Dataset = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None)
     if eval_sequences is not None:
         eval_set = torch.utils.data.Subset(eval_set, range(min(eval_sequences, len(eval_set))))
-    sampler = DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False, drop_last=True)
-    eval_sampler = DistributedSampler(eval_set, num_replicas=data_world, rank=data_rank, shuffle=False)
-    return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
-                      eval=DataLoader(eval_set, batch_size=micro_batch, sampler=eval_sampler),
-                      sampler=sampler, eval_sequences=len(eval_set))
+    return _loaders(train, eval_set, micro_batch, data_rank, data_world)
 
 
 class RandomTokens(Dataset):
@@ -166,13 +170,8 @@ class RandomTokens(Dataset):
 
 def synthetic_loaders(vocab_size: int, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int,
                       seed: int, data_rank: int, data_world: int) -> GPTLoaders:
-    train, eval_set = RandomTokens(vocab_size, seq_len, train_samples, seed), \
-        RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1)
-    sampler = DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False, drop_last=True)
-    eval_sampler = DistributedSampler(eval_set, num_replicas=data_world, rank=data_rank, shuffle=False)
-    return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
-                      eval=DataLoader(eval_set, batch_size=micro_batch, sampler=eval_sampler),
-                      sampler=sampler, eval_sequences=eval_sequences)
+    return _loaders(RandomTokens(vocab_size, seq_len, train_samples, seed),
+                    RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1), micro_batch, data_rank, data_world)
 
 
 # The tiny preset's text: a Markov chain over a small vocabulary, where each token has a few likely

@@ -177,7 +177,7 @@ class GPT3Workload(Workload):
     def _train_step(self, batches) -> float:
         """One optimizer step over grad_accum micro batches; returns the mean loss."""
         self.model.train()
-        total = 0.0
+        total = torch.zeros((), device=self.ctx.device)
         for micro in range(self.layout.grad_accum):
             tokens = next(batches).to(self.ctx.device, non_blocking=True)
             # Gradients are reduced across data ranks only after the last micro batch.
@@ -185,12 +185,12 @@ class GPT3Workload(Workload):
             logits = self.model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / self.layout.grad_accum
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return total.item()  # the step's one wait for the device
 
     def _throughput(self, tokens_per_second: float) -> dict[str, float]:
         stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
@@ -205,14 +205,14 @@ class GPT3Workload(Workload):
     def _evaluate(self, mlog: K.ResultLog, tokens_seen: int) -> float:
         mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: tokens_seen})
         self.model.eval()
-        loss_sum = count = 0.0
+        loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
         for tokens in self.loaders.eval:
             tokens = tokens.to(self.ctx.device, non_blocking=True)
             logits = self.model(tokens[:, :-1])
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum").item()
+            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
             count += tokens[:, 1:].numel()
         # Every tensor-parallel rank saw the same sequences: the ratio is the same over the whole world.
-        loss_sum, count = all_sum([loss_sum, count], self.ctx)
+        loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
         log_ppl = loss_sum / count
         mlog.event(C.EVAL_ACCURACY, log_ppl, metadata={C.EPOCH_NUM: tokens_seen})
         mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: tokens_seen})
