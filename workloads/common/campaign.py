@@ -24,8 +24,10 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed
-from workloads.common.mlperf import ResultLog, submission_keys
+from workloads.common.mlperf import ResultLog, logged_run, submission_keys
 from workloads.common.progress import announce
+from workloads.common.resilience import Resilience
+from workloads.common.run_record import current_attempt
 from workloads.common.system_facts import write_facts
 
 log = logging.getLogger("workloads")
@@ -47,6 +49,10 @@ class RunOptions:
     max_steps: int | None
     batch_size: int | None
     init_checkpoint: Path | None = None  # the starting weights (bert, gpt3)
+    checkpoint_every: str | None = None  # "50" steps or "10m" (see resilience_options)
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = False
+    inject_failure: str | None = None  # RANK:STEP[:KIND]
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -64,6 +70,10 @@ class RunOptions:
         p.add_argument("--max-steps", type=int)
         p.add_argument("--batch-size", type=int)
         p.add_argument("--init-checkpoint", type=Path)
+        p.add_argument("--checkpoint-every")
+        p.add_argument("--keep-checkpoints", type=int, default=2)
+        p.add_argument("--async-checkpoint", action="store_true")
+        p.add_argument("--inject-failure")
         return cls(**vars(p.parse_args(argv)))
 
     @property
@@ -73,7 +83,16 @@ class RunOptions:
 
 
 class Workload(ABC):
-    """One run of one benchmark. Built during the untimed init phase, trained during the timed run."""
+    """One run of one benchmark. Built during the untimed init phase, trained during the timed run.
+
+    Subclasses set `model`, `optimizer` and `scheduler` (what a checkpoint saves); their
+    train() starts reading input at the step support.restore() returns, so that a restarted
+    attempt continues where the last checkpoint left off.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         self.opts, self.ctx, self.seed = opts, ctx, seed
@@ -83,8 +102,9 @@ class Workload(ABC):
         """The keys the rules ask this benchmark to log, by mllog constant."""
 
     @abstractmethod
-    def train(self, mlog: ResultLog, progress_desc: str) -> bool:
-        """Train until the quality target or the epoch/step limit; True if the target was reached."""
+    def train(self, mlog: ResultLog, progress_desc: str, support: Resilience) -> bool:
+        """Train until the quality target or the epoch/step limit; True if the target was reached.
+        Starts with support.restore() and calls support.after_step() after every step."""
 
 
 def default_platform(ctx: DistContext) -> str:
@@ -110,32 +130,51 @@ def setup_logging(out: Path, rank: int) -> None:
 
 
 def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
-    """Run opts.runs timed runs, each logged to its own result file."""
+    """Run opts.runs timed runs, each logged to its own result file.
+
+    A restarted attempt skips the runs that already stopped and continues the one under
+    way: same result file, same seed, from its newest checkpoint, without logging the
+    untimed init again. A run that failed before run_start starts over.
+    """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
     system = opts.system or default_platform(ctx)
     if ctx.is_main:
         write_facts(opts.out, ctx)
-    log.info("rank %d/%d on %s (%s), %s", ctx.rank, ctx.world_size, platform.node(), ctx.device,
-             dist.get_backend())
+    log.info("rank %d/%d on %s (%s), %s, attempt %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
+             dist.get_backend(), current_attempt())
     for index in range(opts.runs):
         path = opts.out / f"result_{index}.txt"
+        logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)
+        if logged.stopped:
+            continue
+        if ctx.is_main and not logged.started and path.exists():
+            path.unlink()  # only an untimed init was logged: the run starts over
         mlog = ResultLog(path if ctx.is_main else None)
-        mlog.event(C.CACHE_CLEAR, True)
-        mlog.start(C.INIT_START)
-        mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
-        seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
-        mlog.event(C.SEED, seed)
+        if logged.started:
+            seed = logged.seed
+            announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
+                     show=ctx.is_main)
+        else:
+            mlog.event(C.CACHE_CLEAR, True)
+            mlog.start(C.INIT_START)
+            mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
+            seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
+            mlog.event(C.SEED, seed)
         seed_everything(seed + ctx.rank)
         workload = workload_cls(opts, ctx, seed)
-        mlog.events(workload.hyperparameters())
-        dist.barrier()
-        mlog.end(C.INIT_STOP)
-        mlog.start(C.RUN_START)
-        reached = workload.train(mlog, progress_desc=f"run {index + 1}/{opts.runs}")
+        if not logged.started:
+            mlog.events(workload.hyperparameters())
+            dist.barrier()
+            mlog.end(C.INIT_STOP)
+            mlog.start(C.RUN_START)
+        support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
+                             opts.async_checkpoint, opts.inject_failure)
+        reached = workload.train(mlog, f"run {index + 1}/{opts.runs}", support)
         status = C.SUCCESS if reached else C.ABORTED
         mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
         mlog.close()
+        support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
         dist.barrier()
     dist.destroy_process_group()

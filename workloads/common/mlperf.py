@@ -7,7 +7,9 @@ lacks are spelled once, below, exactly as the compliance checker's rule files
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,57 @@ SGD_OPT_MOMENTUM = "sgd_opt_momentum"
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+@dataclass(frozen=True)
+class LoggedRun:
+    """How far a result file got: what a restarted attempt needs to continue the same run."""
+
+    started: bool  # run_start is logged: the timed run is under way
+    stopped: bool  # run_stop is logged: the run is over
+    seed: int | None
+
+
+def logged_run(path: Path) -> LoggedRun:
+    started = stopped = False
+    seed = None
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            _, marker, body = line.partition(":::MLLOG ")
+            if not marker:
+                continue
+            try:
+                event = json.loads(body)
+            except ValueError:
+                continue  # a line cut by the failure; ResultLog drops it on reopening
+            key = event.get("key")
+            started |= key == C.RUN_START
+            stopped |= key == C.RUN_STOP
+            if key == C.SEED and isinstance(event.get("value"), int):
+                seed = event["value"]
+    return LoggedRun(started, stopped, seed)
+
+
+def _drop_cut_line(path: Path) -> None:
+    """A writer killed mid-line leaves a partial record; cut it so the log stays parseable."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class ResultLog:
-    """mllog bound to one result file. On ranks other than 0 every call is a no-op."""
+    """mllog bound to one result file. On ranks other than 0 every call is a no-op.
+
+    A run resumed after a failure appends to its own file, so the run keeps one run_start
+    and one run_stop and its time-to-train includes the time the failure cost.
+    """
 
     def __init__(self, path: Path | None):
         self._handler = None
         self._logger = None
         if path is None:
             return
+        if path.is_file():
+            _drop_cut_line(path)
         logger = logging.Logger(f"mlperf:{path}")  # private: never shared with other runs or libraries
         self._handler = logging.FileHandler(path, mode="a")
         logger.addHandler(self._handler)

@@ -21,18 +21,18 @@ log = logging.getLogger("workloads")
 class Progress:
     """Steps done out of a planned total, with throughput, ETA and the latest eval."""
 
-    def __init__(self, total_steps: int, desc: str, show: bool, stream=None):
+    def __init__(self, total_steps: int, desc: str, show: bool, stream=None, initial: int = 0):
         self.total = total_steps
         self.desc = desc
         self.show = show
         self.stream = stream or sys.stdout
-        self.done = 0
+        self.done = self.initial = initial  # a resumed run starts at its checkpoint's step
         self.stats: dict[str, str] = {}
         self.started = time.monotonic()
         self._last_line = self.started
         live = show and _terminal_columns(self.stream) > 0
-        self._bar = tqdm(total=total_steps, desc=desc, unit="step", file=self.stream, dynamic_ncols=True,
-                         leave=True) if live else None
+        self._bar = tqdm(total=total_steps, initial=initial, desc=desc, unit="step", file=self.stream,
+                         dynamic_ncols=True, leave=True) if live else None
 
     def advance(self, steps: int = 1, **stats: float) -> None:
         self.done += steps
@@ -53,7 +53,7 @@ class Progress:
         """Print one plain status line: steps, rate, ETA and the stats (plain-line mode)."""
         self._last_line = time.monotonic()
         elapsed = self._last_line - self.started
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        rate = (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
         eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
         text = (f"{self.desc} | step {self.done}/{self.total} | {tqdm.format_interval(elapsed)} elapsed | "
                 f"ETA {eta} | {rate:.2f} step/s" + "".join(f" | {k} {v}" for k, v in self.stats.items()))

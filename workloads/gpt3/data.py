@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from workloads.common.cache import build_once, cache_root
+from workloads.common.data import ResumableSampler
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -127,15 +128,17 @@ class GPTLoaders:
     train: DataLoader
     eval: DataLoader
     eval_sequences: int
+    sampler: ResumableSampler  # the train loader's: where a resumed run starts reading
 
 
 def _loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int) -> GPTLoaders:
     """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank."""
-    sampler = DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False, drop_last=True)
+    sampler = ResumableSampler(DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False,
+                                                  drop_last=True))
     eval_sampler = DistributedSampler(eval_set, num_replicas=data_world, rank=data_rank, shuffle=False)
     return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
                       eval=DataLoader(eval_set, batch_size=micro_batch, sampler=eval_sampler),
-                      eval_sequences=len(eval_set))
+                      eval_sequences=len(eval_set), sampler=sampler)
 
 
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int | None,

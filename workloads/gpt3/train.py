@@ -30,6 +30,7 @@ from workloads.common.cache import build_once, cache_root
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.progress import Progress
+from workloads.common.resilience import Resilience
 from workloads.gpt3.config import PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
 from workloads.gpt3.model import GPT
@@ -139,14 +140,22 @@ class GPT3Workload(Workload):
             "pipeline_model_parallel_size": layout.pipeline,
         }
 
-    def train(self, mlog: K.ResultLog, progress_desc: str) -> bool:
+    def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
         cfg, layout, ctx = self.cfg, self.layout, self.ctx
         tokens_per_step = layout.global_batch * cfg.model.seq_len
-        progress = Progress(self.total_steps, progress_desc, show=ctx.is_main)
+        resumed = support.restore()
+        self.loaders.sampler.skip = resumed * layout.grad_accum * cfg.micro_batch
+        progress = Progress(self.total_steps, progress_desc, show=ctx.is_main, initial=resumed)
         batches = iter(self.loaders.train)
-        reached, step = False, 0
+        reached, step = False, resumed
         try:
-            for step in range(1, self.total_steps + 1):
+            # Resumed right after a step that ends a block: its eval may not have happened.
+            if resumed and resumed % self.eval_every == 0:
+                reached = self._evaluate_block(mlog, resumed, support, progress, progress_desc)
+            # A resumed run continues a block whose start is already logged.
+            started, block_start = time.perf_counter(), (resumed - resumed % self.eval_every) * tokens_per_step
+            block_steps = min(self.eval_every, self.total_steps - resumed)
+            for step in range(resumed + 1, self.total_steps + 1) if not reached else ():
                 if (step - 1) % self.eval_every == 0:
                     block_start, block_steps = (step - 1) * tokens_per_step, min(self.eval_every,
                                                                                  self.total_steps - step + 1)
@@ -155,24 +164,31 @@ class GPT3Workload(Workload):
                     started = time.perf_counter()
                 loss = self._train_step(batches)
                 progress.advance(1, loss=loss)
+                support.after_step(step, loss)
                 if step % self.eval_every and step != self.total_steps:
                     continue
                 seconds = time.perf_counter() - started
-                tokens = step * tokens_per_step
                 mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_start})
                 stats = self._throughput(block_steps * tokens_per_step / seconds)
-                mlog.event(K.TRACKED_STATS, stats, metadata={"step": tokens})
-                log_ppl = self._evaluate(mlog, tokens)
-                progress.set(log_ppl=log_ppl, **{"tok/s": stats["tokens_per_second"]})
-                progress.message(f"{progress_desc} step {step}: eval log perplexity {log_ppl:.4f} (target "
-                                 f"{cfg.target}), {stats['tokens_per_second']:.0f} tokens/s")
-                if log_ppl <= cfg.target:
-                    reached = True
+                mlog.event(K.TRACKED_STATS, stats, metadata={"step": step * tokens_per_step})
+                reached = self._evaluate_block(mlog, step, support, progress, progress_desc, stats)
+                if reached:
                     break
         finally:
             progress.close()
         mlog.event(C.TRAIN_SAMPLES, step * tokens_per_step)  # tokens trained, as NVIDIA's logs count them
         return reached
+
+    def _evaluate_block(self, mlog: K.ResultLog, step: int, support: Resilience, progress: Progress,
+                        progress_desc: str, stats: dict[str, float] | None = None) -> bool:
+        """Evaluate after `step`; True if the target is reached."""
+        with support.phase("eval", step):
+            log_ppl = self._evaluate(mlog, step * self.layout.global_batch * self.cfg.model.seq_len)
+        rate = f", {stats['tokens_per_second']:.0f} tokens/s" if stats else ""
+        progress.set(log_ppl=log_ppl, **({"tok/s": stats["tokens_per_second"]} if stats else {}))
+        progress.message(f"{progress_desc} step {step}: eval log perplexity {log_ppl:.4f} (target "
+                         f"{self.cfg.target}){rate}")
+        return log_ppl <= self.cfg.target
 
     def _train_step(self, batches) -> float:
         """One optimizer step over grad_accum micro batches; returns the mean loss."""

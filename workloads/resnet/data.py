@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
 from workloads.common.cache import build_once, cache_root
+from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext
 
 # ImageNet statistics, as in the MLPerf reference.
@@ -45,7 +46,7 @@ class Loaders:
     eval: object
     train_samples: int
     eval_samples: int
-    sampler: DistributedSampler | None  # needs set_epoch() each epoch; None for synthetic input
+    sampler: ResumableSampler | None  # needs set_epoch() each epoch; None for synthetic input
 
 
 def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, ctx: DistContext) -> Loaders:
@@ -56,7 +57,7 @@ def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, c
                                     f"{root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG")
     train_set = datasets.ImageFolder(str(root / "train"), train_transform(crop))
     eval_set = datasets.ImageFolder(str(root / "val"), eval_transform(crop))
-    sampler = DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, drop_last=True)
+    sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
     eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",

@@ -8,6 +8,7 @@ to `end_lr` (the closed rules' SGD schedule).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.progress import Progress
+from workloads.common.resilience import Resilience
 from workloads.resnet.config import PRESETS, ResNetConfig
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders, synthetic_loaders,
                                    tiny_dataset_root)
@@ -88,26 +90,36 @@ class ResNetWorkload(Workload):
             C.EVAL_SAMPLES: self.loaders.eval_samples,
         }
 
-    def train(self, mlog: K.ResultLog, progress_desc: str) -> bool:
+    def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
         cfg, ctx = self.cfg, self.ctx
-        max_steps = self.opts.max_steps or self.total_steps
-        progress = Progress(min(max_steps, self.total_steps), progress_desc, show=ctx.is_main)
-        step = 0
+        max_steps = min(self.opts.max_steps or self.total_steps, self.total_steps)
+        step = support.restore()
+        progress = Progress(max_steps, progress_desc, show=ctx.is_main, initial=step)
+        done_epochs, offset = divmod(step, self.steps_per_epoch)
         try:
-            for epoch in range(1, cfg.max_epochs + 1):
-                if (epoch - 1) % cfg.eval_every == 0:
-                    block_epochs = min(cfg.eval_every, cfg.max_epochs - epoch + 1)
-                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: epoch, C.EPOCH_COUNT: block_epochs})
-                    block_first = epoch
-                mlog.start(C.EPOCH_START, metadata={C.EPOCH_NUM: epoch})
+            # Resumed right after an epoch that ends with an eval: that eval may not have happened.
+            if offset == 0 and step > 0 and done_epochs % cfg.eval_every == 0:
+                if self._evaluate_block(mlog, done_epochs, step, support, progress, progress_desc):
+                    return True
+            for epoch in range(done_epochs + 1, cfg.max_epochs + 1):
+                # A resumed run continues an epoch (and block) whose start is already logged.
+                skip = offset if epoch == done_epochs + 1 else 0
+                block_first = epoch - (epoch - 1) % cfg.eval_every
+                if not skip:
+                    if epoch == block_first:
+                        block_epochs = min(cfg.eval_every, cfg.max_epochs - epoch + 1)
+                        mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: epoch, C.EPOCH_COUNT: block_epochs})
+                    mlog.start(C.EPOCH_START, metadata={C.EPOCH_NUM: epoch})
                 progress.set(epoch=f"{epoch}/{cfg.max_epochs}")
                 started, epoch_steps = time.perf_counter(), 0
-                for images, labels in self._epoch_batches(epoch):
+                for images, labels in self._epoch_batches(epoch, skip):
                     loss = self._train_step(images, labels)
                     step += 1
                     epoch_steps += 1
                     # .item() waits for the device, so read the loss only every 10 steps.
-                    progress.advance(1, **({"loss": loss.item()} if step % 10 == 0 else {}))
+                    value = loss.item() if step % 10 == 0 else None
+                    progress.advance(1, **({"loss": value} if value is not None else {}))
+                    support.after_step(step, value)
                     if step >= max_steps:
                         break
                 seconds = time.perf_counter() - started
@@ -119,11 +131,7 @@ class ResNetWorkload(Workload):
                 stopping = step >= max_steps or epoch == cfg.max_epochs
                 if epoch % cfg.eval_every == 0 or stopping:
                     mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_first})
-                    accuracy = self._evaluate(mlog, epoch)
-                    progress.set(top1=accuracy)
-                    progress.message(f"{progress_desc} epoch {epoch}: eval top-1 {accuracy:.4f} "
-                                     f"(target {cfg.target}), {throughput:.1f} img/s")
-                    if accuracy >= cfg.target:
+                    if self._evaluate_block(mlog, epoch, step, support, progress, progress_desc, throughput):
                         return True
                 if stopping:
                     return False
@@ -131,10 +139,25 @@ class ResNetWorkload(Workload):
         finally:
             progress.close()
 
-    def _epoch_batches(self, epoch: int):
+    def _evaluate_block(self, mlog: K.ResultLog, epoch: int, step: int, support: Resilience, progress: Progress,
+                        progress_desc: str, throughput: float | None = None) -> bool:
+        """Evaluate after `epoch` (at `step`); True if the target is reached."""
+        with support.phase("eval", step):
+            accuracy = self._evaluate(mlog, epoch)
+        progress.set(top1=accuracy)
+        rate = f", {throughput:.1f} img/s" if throughput else ""
+        progress.message(f"{progress_desc} epoch {epoch}: eval top-1 {accuracy:.4f} (target {self.cfg.target}){rate}")
+        return accuracy >= self.cfg.target
+
+    def _epoch_batches(self, epoch: int, skip: int):
+        """The epoch's batches after the first `skip` (a resumed run's position)."""
         if self.loaders.sampler is not None:
             self.loaders.sampler.set_epoch(epoch)
-        for images, labels in self.loaders.train:
+            self.loaders.sampler.skip = skip * self.cfg.batch_size
+            batches = iter(self.loaders.train)
+        else:
+            batches = itertools.islice(self.loaders.train, skip, None)
+        for images, labels in batches:
             yield (images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last),
                    labels.to(self.ctx.device, non_blocking=True))
 

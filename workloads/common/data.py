@@ -1,0 +1,26 @@
+"""Input helpers shared by the workloads."""
+
+from __future__ import annotations
+
+import itertools
+
+from torch.utils.data import DistributedSampler, Sampler
+
+
+class ResumableSampler(Sampler):
+    """A DistributedSampler that can start partway into an epoch: a resumed run's data position.
+
+    Skipping indices (not batches) means no sample is read or decoded only to be thrown away.
+    """
+
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)

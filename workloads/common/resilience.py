@@ -1,0 +1,182 @@
+"""What every training loop calls so that a run survives failures, whatever the workload.
+
+    support.restore()            at the start of train(): the step to continue from (0: a fresh run)
+    support.after_step(step)     after each optimizer step: record, inject a fault, checkpoint when due
+    with support.phase("eval")   around an evaluation, so the run record knows where the time went
+    support.finish()             when the run stops: flush, wait for a save in flight, drop the checkpoints
+
+The training state is the workload's model, optimizer and LR scheduler (through DCP's
+get/set_state_dict, so DDP and FSDP2 save alike), each rank's RNG, and the step,
+which is also the data position: each workload starts reading input there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from workloads import STARTED
+from workloads.common.checkpoint import Checkpointer
+from workloads.common.distributed import DistContext
+from workloads.common.progress import announce
+from workloads.common.resilience_options import CheckpointEvery, FaultPlan
+from workloads.common.run_record import RunRecord, current_attempt, run_record_path
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss is not finite: a workload error, which no restart can fix."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by --inject-failure RANK:STEP:exception."""
+
+
+class _ModelAndOptimizer(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class _RankRNG(Stateful):
+    """This rank's torch RNGs (data augmentation, dropout), so a resumed run draws what it would have."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+class Resilience:
+    """Checkpoints, restore, fault injection and the run record of one run (see the module docstring)."""
+
+    def __init__(self, workload, out: Path, run_index: int, checkpoint_every: str | None, keep: int,
+                 async_save: bool, inject_failure: str | None):
+        self.workload, self.ctx = workload, workload.ctx
+        ctx: DistContext = self.ctx
+        self.attempt = current_attempt()
+        self.every = CheckpointEvery.parse(checkpoint_every) if checkpoint_every else None
+        self.checkpointer = Checkpointer(Path(out) / "checkpoints" / f"run_{run_index}", ctx, keep=keep,
+                                         async_save=async_save, report=lambda text: announce(text, ctx.is_main))
+        fault = FaultPlan.parse(inject_failure) if inject_failure else None
+        # A fault fires on the first attempt only, so the restarted run can finish.
+        self.fault = fault if fault and fault.rank == ctx.rank and self.attempt == 0 else None
+        self.record_path = run_record_path(out, run_index)
+        self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
+        self._last_save = (0, time.monotonic())  # (step, when)
+        self._step_started = time.time()
+
+    # --- start ---------------------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest valid checkpoint of this run, if any; returns its step (0 for a fresh start)."""
+        started = time.time()
+        # A resumed attempt's start-up began when its process did; a fresh run's at run_start (now).
+        self.record.interval("startup", STARTED if self.attempt else started, started)
+        restored = self.checkpointer.restore(self._state)
+        step = 0
+        if restored is not None:
+            step = restored.step
+            self.workload.scheduler.load_state_dict(restored.extra["scheduler"])
+            self.record.interval("restore", started, time.time(), (step, step))
+            announce(f"resumed from {restored.path} at step {step}", self.ctx.is_main)
+        self._last_save = (step, time.monotonic())
+        self._step_started = time.time()
+        return step
+
+    def _state(self, manifest: dict | None = None) -> dict[str, Any]:
+        state: dict[str, Any] = {"train": _ModelAndOptimizer(self.workload.model, self.workload.optimizer)}
+        # RNG states are per rank: restorable only onto the same world size.
+        if manifest is None or manifest.get("world_size") == self.ctx.world_size:
+            state[f"rng_rank{self.ctx.rank}"] = _RankRNG(self.ctx.device)
+        return state
+
+    # --- each step ------------------------------------------------------------------------------
+
+    def after_step(self, step: int, loss: float | None = None) -> None:
+        self.record.trained(step, self._step_started)
+        if loss is not None and not math.isfinite(loss):
+            raise TrainingDiverged(f"the training loss is {loss} at step {step}")
+        if self.fault and step == self.fault.step:
+            self._inject(step)
+        last_step, last_time = self._last_save
+        if self.every and self.every.due(step - last_step, time.monotonic() - last_time):
+            self.save(step)
+        self._step_started = time.time()
+
+    def save(self, step: int) -> None:
+        self.record.flush()
+        started = time.time()
+        self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict()})
+        self.record.interval("save", started, time.time(), (step, step))
+        self._last_save = (step, time.monotonic())
+
+    @contextmanager
+    def phase(self, kind: str, step: int):
+        """Time a non-training phase (eval, after `step`) in the run record."""
+        self.record.flush()
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.record.interval(kind, started, time.time(), (step, step))
+            self._step_started = time.time()
+
+    def finish(self) -> None:
+        self.record.flush()
+        self.checkpointer.remove_all()
+
+    # --- faults --------------------------------------------------------------------------------
+
+    def _inject(self, step: int) -> None:
+        kind = self.fault.kind
+        announce(f"injecting fault {kind!r} on rank {self.ctx.rank} at step {step} (--inject-failure)")
+        if kind == "exception":
+            raise InjectedFault(f"injected workload error at step {step}")
+        if kind == "kill-in-save":
+            self.checkpointer.fault_hook = lambda stage: self._kill(step)
+            self.save(step)
+        if kind == "corrupt":
+            committed = self.checkpointer.committed()
+            if committed:
+                _damage(committed[0][1])
+        self._kill(step)
+
+    def _kill(self, step: int) -> None:
+        """SIGKILL this worker, first noting the moment in the run record (whichever rank this is)."""
+        now = time.time()
+        RunRecord(self.record_path, self.attempt).interval("fault", now, now, (step, step))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _damage(folder: Path) -> None:
+    """Flip bytes in the middle of a checkpoint's largest shard (a disk or copy error, for tests)."""
+    shard = max(folder.glob("__*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        data = f.read(64)
+        f.seek(shard.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))

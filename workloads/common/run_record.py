@@ -1,0 +1,62 @@
+"""The run record: where a run's wall time went, beside its MLPerf log (torch-free; the report reads it).
+
+<out>/run_<i>.jsonl gets one JSON line per finished interval, written by rank 0:
+    {"attempt": 1, "kind": "restore", "start": 1700000000.1, "end": 1700000002.3, "steps": [40, 40]}
+kinds: startup (process start, or run_start, to the first step), restore, train (steps done,
+flushed every few seconds), eval, save (the time training waited for a checkpoint), and
+fault (an injected failure, at the moment it fires). Times are Unix seconds, as the
+MLPerf log's time_ms / 1000. The node agents record each attempt in <out>/attempts.jsonl
+(see harness.agent); together they give the report its restarts, goodput and badput.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+ATTEMPT_ENV = "HARNESS_ATTEMPT"  # the attempt number, 0 first; set by the node agent
+ATTEMPTS_FILE = "attempts.jsonl"
+FLUSH_S = 2.0  # how stale the newest train record may get (the agent reads the step at a failure from it)
+
+
+def run_record_path(out: Path, index: int) -> Path:
+    return Path(out) / f"run_{index}.jsonl"
+
+
+def current_attempt() -> int:
+    return int(os.environ.get(ATTEMPT_ENV, "0"))
+
+
+class RunRecord:
+    """Appends the intervals of one run. On ranks other than 0 every call is a no-op."""
+
+    def __init__(self, path: Path | None, attempt: int):
+        self.path, self.attempt = path, attempt
+        self._train: list | None = None  # [start, end, first_step, last_step] not yet written
+
+    def interval(self, kind: str, start: float, end: float, steps: tuple[int, int] | None = None) -> None:
+        if self.path is None:
+            return
+        line = {"attempt": self.attempt, "kind": kind, "start": round(start, 4), "end": round(end, 4)}
+        if steps is not None:
+            line["steps"] = list(steps)
+        with open(self.path, "a") as f:  # one short write per line: a killed writer leaves whole lines
+            f.write(json.dumps(line) + "\n")
+
+    def trained(self, step: int, step_started: float) -> None:
+        """Step `step` ran from `step_started` until now; written in batches (see FLUSH_S)."""
+        now = time.time()
+        if self._train is None:
+            self._train = [step_started, now, step, step]
+        else:
+            self._train[1], self._train[3] = now, step
+        if now - self._train[0] >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._train is not None:
+            start, end, first, last = self._train
+            self._train = None
+            self.interval("train", start, end, (first, last))
