@@ -15,6 +15,7 @@ from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
 from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
+from workloads.common.resilience_options import FAULT_KINDS
 
 
 
@@ -57,8 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, help="seed of the first run; run i uses seed+i "
                                               "(default: each run draws a random seed and logs it)")
     run.add_argument("--out", type=Path, help="output folder (default: results/runs/<benchmark>-<preset>-<time>)")
-    run.add_argument("--max-restarts", type=int, default=0,
-                     help="restarts of the worker group allowed after a failure")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="restarts allowed after infrastructure failures (a lost process or node, a NCCL/gloo "
+                          "error or timeout, out of memory), on every backend; workload errors are never retried, "
+                          "and 3 attempts failing the same way at the same step stop the job. Exit codes: "
+                          "3 workload error, 4 budget spent, 5 repeated failure")
+    run.add_argument("--checkpoint-every", metavar="N|TIME",
+                     help="checkpoint every N steps, or every TIME of wall time (90s, 10m, 1h); a restarted run "
+                          "continues from its newest valid checkpoint (default: 20 steps for tiny presets, 15m for "
+                          "full)")
+    run.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                     help="checkpoints kept per run (older ones are deleted; all go when the run stops)")
+    run.add_argument("--async-checkpoint", action="store_true",
+                     help="write checkpoints in the background: training waits only for the copy to host memory")
+    run.add_argument("--inject-failure", metavar="RANK:STEP[:KIND]",
+                     help="fault injection for tests and demos, on the first attempt only: when worker RANK "
+                          "reaches global step STEP of a run, KIND happens: "
+                          + "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items()) + " (default kind: kill)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment variable for the workers (repeatable)")
     run.add_argument("--data", type=Path, help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's C4 .bin/.idx files "
@@ -159,7 +175,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    env=parse_env(args.env), data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
-                   profile=profile)
+                   checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                   async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -196,7 +213,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if job_ok:
             raise
         print(f"harness: {exc}", file=sys.stderr)  # a failed job may have written nothing; say why below
-    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs)
+    record = handle.record()
+    if record.get("failure"):
+        print(f"harness: {record['failure']}", file=sys.stderr)
+    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, exit_code=record.get("exit_code"))
 
 
 def _collect(launcher, handle) -> None:
@@ -205,16 +225,20 @@ def _collect(launcher, handle) -> None:
         print(f"harness: fetched {len(fetched)} file(s) from the cluster into {handle.out_dir}", flush=True)
 
 
-def _summarize(out_dir: Path, job_ok: bool, runs: int) -> int:
-    """Print the time-to-train report of a finished job; 0 only if every run reached its target."""
+def _summarize(out_dir: Path, job_ok: bool, runs: int, exit_code: int | None = None) -> int:
+    """Print the time-to-train report of a finished job; 0 only if every run reached its target.
+    A failed job exits with the node agent's code where it has one (workload error, budget spent, ...)."""
+    from harness.agent import EXIT_CODES, EXIT_RETRY
     from harness.report import render
     from harness.results import load
 
     results = load([out_dir])
     print(render(results, "table"))
     if not job_ok:
-        print(f"harness: error: the job failed; worker logs: harness logs {out_dir}", file=sys.stderr)
-        return 1
+        why = EXIT_CODES.get(exit_code) if exit_code != EXIT_RETRY else None
+        print(f"harness: error: the job failed{f' ({why})' if why else ''}; worker logs: harness logs {out_dir}",
+              file=sys.stderr)
+        return exit_code if why else 1
     missed = [r for r in results.records if not r.converged]
     if missed or len(results.records) < runs:
         print(f"harness: {len(missed)} of {runs} run(s) did not reach the quality target", file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 from harness import profiles
 from harness.errors import HarnessError
 from harness.profiles import Profile
+from workloads.common.resilience_options import CheckpointEvery, FaultPlan  # torch-free
 
 # Benchmark name -> presets. The first preset is the default when no dataset is given.
 BENCHMARKS: dict[str, tuple[str, ...]] = {
@@ -31,6 +32,10 @@ AVAILABLE = ("resnet", "gpt3")
 DATASET_PRESETS = ("full",)
 # Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint).
 STARTS_FROM_CHECKPOINT = ("bert", "gpt3")
+
+# How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
+# by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
+CHECKPOINT_EVERY = {"tiny": "20", "full": "15m"}
 
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
 PATH_FIELDS = ("out_dir", "data", "init_checkpoint")  # JobSpec fields that hold paths (text in job.json)
@@ -51,7 +56,11 @@ class JobSpec:
     runs: int = 1
     seed: int | None = None  # None: each run draws and logs its own random seed
     out_dir: Path | None = None  # None: results/runs/<benchmark>-<preset>-<time>
-    max_restarts: int = 0  # restart budget for infrastructure failures
+    max_restarts: int = 3  # restart budget for infrastructure failures, shared by every backend
+    checkpoint_every: str | None = None  # "50" steps or "10m"; None: the preset's (CHECKPOINT_EVERY)
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = False
+    inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
     env: dict[str, str] = field(default_factory=dict)
     data: Path | None = None
     init_checkpoint: Path | None = None  # starting weights (bert, gpt3), as MLPerf's rules start them
@@ -68,6 +77,8 @@ class JobSpec:
         spec = dataclasses.replace(self)
         if spec.name is None:
             spec.name = f"{spec.benchmark}-{spec.preset}"
+        if spec.checkpoint_every is None:
+            spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
@@ -100,6 +111,13 @@ class JobSpec:
             args += ["--max-steps", str(self.max_steps)]
         if self.batch_size is not None:
             args += ["--batch-size", str(self.batch_size)]
+        if self.checkpoint_every is not None:
+            args += ["--checkpoint-every", self.checkpoint_every]
+        args += ["--keep-checkpoints", str(self.keep_checkpoints)]
+        if self.async_checkpoint:
+            args.append("--async-checkpoint")
+        if self.inject_failure is not None:
+            args += ["--inject-failure", self.inject_failure]
         return args
 
     def command_line(self, backend: str) -> list[str]:
@@ -111,7 +129,9 @@ class JobSpec:
         for flag, value in (("--procs-per-node", self.procs_per_node), ("--seed", self.seed),
                             ("--out", self.out_dir), ("--data", self.data),
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
-                            ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name)):
+                            ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name),
+                            ("--checkpoint-every", self.checkpoint_every),
+                            ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
                 args += [flag, str(value)]
         for key, value in self.env.items():
@@ -120,6 +140,8 @@ class JobSpec:
             args += ["--set", pair]
         if self.synthetic:
             args.append("--synthetic")
+        if self.async_checkpoint:
+            args.append("--async-checkpoint")
         return args
 
     @classmethod
@@ -177,6 +199,19 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
             raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if spec.max_restarts < 0:
         raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if spec.keep_checkpoints < 1:
+        raise HarnessError(f"--keep-checkpoints must be at least 1, got {spec.keep_checkpoints}")
+    try:
+        if spec.checkpoint_every is not None:
+            CheckpointEvery.parse(spec.checkpoint_every)
+        if spec.inject_failure is not None:
+            fault = FaultPlan.parse(spec.inject_failure)
+            world = spec.nodes * (spec.procs_per_node or 0)  # unknown (0) until a launcher counts the GPUs
+            if world and fault.rank >= world:
+                raise ValueError(f"--inject-failure {spec.inject_failure!r}: rank {fault.rank} does not exist "
+                                 f"in a world of {world} processes (ranks 0 to {world - 1})")
+    except ValueError as exc:
+        raise HarnessError(str(exc)) from None
     if spec.seed is not None and not 0 <= spec.seed < 2**31 - spec.runs:
         raise HarnessError(f"--seed must be between 0 and {2**31 - 1 - spec.runs}, got {spec.seed}")
     if not spec.submitter.strip():

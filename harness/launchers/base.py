@@ -4,9 +4,10 @@ render(spec) -> Request     the exact thing that would be submitted; `--dry-run`
 submit(request) -> Handle   starts it; the handle is saved as <out>/job.json so other commands can find it
 status / watch / logs / cancel on a handle
 
-Every backend starts the same program on every node: torch's elastic agent
-(`python -m torch.distributed.run`, the machinery behind torchrun) running
-`python -m workloads ...`. Only how that command reaches the nodes differs.
+Every backend starts the same program on every node: the harness's node agent
+(`python -m harness.agent`), which runs torch's elastic agent (the machinery behind
+torchrun) running `python -m workloads ...`, and records and classifies failures.
+Only how that command reaches the nodes, and who restarts it, differs.
 """
 
 from __future__ import annotations
@@ -155,15 +156,19 @@ def cluster_procs_per_node(spec: JobSpec) -> int:
     return spec.procs_per_node or spec.profile.gpus_per_node or spec.profile.procs_per_node or 1
 
 
-def agent_command(spec: JobSpec, python: str, nproc_per_node: int,
-                  rendezvous: str | None = None, rdzv_id: str = "harness") -> list[str]:
-    """The elastic agent command one node runs: torchrun's agent, then the workload.
+def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,
+                  rdzv_id: str = "harness", restart_here: bool = False) -> list[str]:
+    """The command one node runs: the harness's node agent around torchrun's, then the workload.
 
     Without `rendezvous` the agent runs standalone (one node, a private port);
     otherwise all nodes meet at the c10d store at `rendezvous` (host:port).
+    `restart_here`: the node agent restarts failed attempts itself (local); on clusters
+    the scheduler restarts the job (see harness.agent).
     """
-    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-           f"--max-restarts={spec.max_restarts}"]
+    cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)]
+    if restart_here:
+        cmd.append("--restart-here")
+    cmd += ["--", f"--nproc-per-node={nproc_per_node}"]
     if rendezvous is None:
         cmd.append("--standalone")
     else:

@@ -137,7 +137,9 @@ def pytorch_job(spec: JobSpec) -> dict:
     kube = spec.profile.kubernetes
     nproc = cluster_procs_per_node(spec)
     template = _pod_template(spec, nproc)
-    restart = "OnFailure" if spec.max_restarts else "Never"
+    # ExitCode: the operator restarts a pod whose agent exits with 128 or more (an infrastructure failure
+    # with restarts left, harness.agent.EXIT_RETRY, or a signal) and fails the job on 1 to 127.
+    restart = "ExitCode" if spec.max_restarts else "Never"
     replicas = {"Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=restart, template=template)}
     if spec.nodes > 1:
         replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy=restart,

@@ -1,9 +1,10 @@
 """The embedded default: torch's elastic agent on this machine, no cluster needed.
 
-One `torch.distributed.run --standalone` agent starts the worker processes
-(gloo on CPU, NCCL on GPUs: the workload picks) and restarts the worker group on
-failure up to the job's restart budget. The agent runs in its own process group
-so that `cancel` can stop it and all its workers with one signal.
+One node agent (harness.agent around torch's elastic agent, standalone) starts the
+worker processes (gloo on CPU, NCCL on GPUs: the workload picks) and restarts the
+worker group after an infrastructure failure, up to the job's restart budget. The
+agent runs in its own process group so that `cancel` can stop it and all its
+workers with one signal.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class LocalLauncher(Launcher):
         if not gpus:
             # Split the cores between CPU workers instead of letting each oversubscribe them.
             env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // nproc)))
-        argv = agent_command(spec, sys.executable, nproc)
+        argv = agent_command(spec, sys.executable, nproc, restart_here=True)
         text = shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + argv) if env else shlex.join(argv)
         plan = workload_plan(spec, nproc, gpu_memory_gib() if gpus else None)
         return Request(backend=self.name, spec=spec, text=text, payload={"argv": argv, "env": env}, notes=plan)
@@ -111,11 +112,11 @@ class LocalLauncher(Launcher):
 
 
 def _agent_alive(pid: int) -> bool:
-    """True if `pid` is still our elastic agent (not a zombie, not a reused pid)."""
+    """True if `pid` is still our node agent (not a zombie, not a reused pid)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return False
-        return b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"harness.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False

@@ -1,7 +1,10 @@
 """Slurm: one sbatch script whose single `srun` starts one elastic agent per node.
 
 The agents meet at a c10d rendezvous on the first node of the allocation (its
-NodeAddr as Slurm knows it) and each starts one process per GPU. The same script
+NodeAddr as Slurm knows it) and each starts one process per GPU. After a failure
+the script asks `harness.agent --decide` and requeues itself while the restart
+budget allows (Slurm counts requeues in SLURM_RESTART_COUNT); a lost node makes
+Slurm requeue the job itself (--requeue). The same script
 works on a plain Slurm cluster and on Slurm-on-Kubernetes login nodes (SUNK,
 Slinky), since it only uses sbatch, srun and scontrol; with an `image` in the
 profile, pyxis runs each agent inside that container.
@@ -19,6 +22,7 @@ import shutil
 import subprocess
 import sys
 
+from harness.agent import EXIT_RETRY
 from harness.errors import HarnessError
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node,
                                     workload_plan)
@@ -40,6 +44,10 @@ STATES = {
 }
 
 
+# Pending reasons that mean "not with the nodes there are now", as opposed to waiting for a turn.
+UNFIT_REASON = re.compile(r"ReqNodeNotAvail|PartitionNodeLimit|NodeDown|Nodes_required_for_job_are_DOWN")
+
+
 def _directive(option: str, value: object) -> str:
     text = str(value)
     if any(ord(c) < 32 for c in text) or (option == "output" and any(c.isspace() for c in text)):
@@ -59,7 +67,7 @@ def sbatch_script(spec: JobSpec) -> str:
     if slurm.exclusive:
         directives.append("#SBATCH --exclusive")
     directives.append(_directive("time", slurm.time))
-    if slurm.requeue:
+    if slurm.requeue or spec.max_restarts:  # a lost node requeues the job too (the agent keeps the budget)
         directives.append("#SBATCH --requeue")
     for option in ("partition", "account", "constraint"):
         if getattr(slurm, option):
@@ -80,6 +88,9 @@ def sbatch_script(spec: JobSpec) -> str:
     agent = agent_command(spec, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
     expanded = {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
+    # After a failure, one process reads every node's attempt record and decides (see harness.agent).
+    decide = shlex.join([*srun[:1], "--nodes=1", "--ntasks=1", *srun[3:], python, "-m", "harness.agent",
+                         "--decide", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)])
     lines = [
         "#!/bin/bash",
         f"# mlperf-harness: {spec.benchmark} ({spec.preset}), {spec.nodes} node(s) x {nproc} process(es), "
@@ -95,7 +106,17 @@ def sbatch_script(spec: JobSpec) -> str:
         'head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
         'head_addr=$(scontrol show node "${head_node}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         'head_addr=${head_addr:-${head_node}}',
-        command,
+        "status=0",
+        f"{command} || status=$?",
+        'if [ "${status}" -ne 0 ]; then',
+        f"  decision=0; {decide} || decision=$?",
+        f'  if [ "${{decision}}" -eq {EXIT_RETRY} ]; then',
+        "    # An infrastructure failure with restarts left: back into the queue; SLURM_RESTART_COUNT counts it.",
+        '    scontrol requeue "${SLURM_JOB_ID}"',
+        "    exit 0",
+        "  fi",
+        '  exit "$(( decision != 0 ? decision : status ))"',
+        "fi",
         "",
     ]
     return "\n".join(lines)
@@ -158,9 +179,33 @@ class SlurmLauncher(Launcher):
             return recorded
         slurm_state = self._slurm_state(handle.job_id)
         state = STATES.get(slurm_state or "", JobState.UNKNOWN)
+        if state is JobState.PENDING:
+            unfit = self._cannot_fit(handle.job_id)
+            if unfit:  # a requeued job that lost a node it needs: fail now, with why, rather than wait forever
+                _run(["scancel", handle.job_id])
+                handle.update(state=JobState.FAILED.value, slurm_state=slurm_state, failure=unfit)
+                return JobState.FAILED
         if state.terminal:
-            handle.update(state=state.value, slurm_state=slurm_state)
+            handle.update(state=state.value, slurm_state=slurm_state, exit_code=self._exit_code(handle.job_id))
         return state
+
+    def _cannot_fit(self, job_id: str) -> str | None:
+        """Why a requeued job can no longer start (its nodes are down or drained), or None."""
+        shown = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        fields = dict(re.findall(r"\b(Restarts|Reason|NumNodes|Partition)=(\S+)", shown))
+        if int(fields.get("Restarts", "0")) == 0 or not UNFIT_REASON.search(fields.get("Reason", "")):
+            return None
+        usable = _run(["sinfo", "-h", "-p", fields.get("Partition", ""), "-t", "idle,mixed,allocated",
+                       "-o", "%D"]).stdout.split()
+        return (f"Slurm job {job_id} was requeued after a failure but cannot start again: it needs "
+                f"{fields.get('NumNodes', '?')} node(s) and partition {fields.get('Partition', '?')} has "
+                f"{sum(map(int, usable)) if usable else 0} usable (Slurm's reason: {fields['Reason']}); the job "
+                "was cancelled: run it again with fewer --nodes, or once the nodes are back")
+
+    def _exit_code(self, job_id: str) -> int | None:
+        """The batch script's exit code (scontrol's ExitCode=<code>:<signal>), while Slurm remembers the job."""
+        found = re.search(r"\bExitCode=(\d+):", _run(["scontrol", "show", "job", "-o", job_id]).stdout)
+        return int(found.group(1)) if found else None
 
     def logs(self, handle: Handle) -> str:
         files = [handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id),
