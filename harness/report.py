@@ -2,8 +2,12 @@
 
 JSON is a list of groups, one per (system, benchmark):
   {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
-   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "seed"}]}
+   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "seed",
+             "restarts", "goodput", "badput"}]}
 `score_min` is the MLPerf score when the group has the runs the rules require, else null.
+`restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
+startup, save, restore, lost, recovery, other) come from the harness's run record, and are
+null for logs that have none.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import json
 from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "seed")
+RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "seed", "restarts", "goodput",
+              "badput")
 
 
 def run_record(run: Run) -> dict:
@@ -33,6 +38,14 @@ def _number(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _badput(badput: dict[str, float] | None) -> str:
+    """The largest causes of lost time, e.g. `lost 3.1s, recovery 2.4s`."""
+    if not badput:
+        return "-"
+    top = sorted(((v, k) for k, v in badput.items() if v >= 0.05), reverse=True)[:3]
+    return ", ".join(f"{k} {v:.1f}s" for v, k in top) or "-"
+
+
 def _table(results: ResultSet) -> str:
     lines = []
     for group in results.groups:
@@ -41,10 +54,12 @@ def _table(results: ResultSet) -> str:
                    f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
                    if len(group.runs) < (group.required_runs or 0) else "no score (too many failed runs)")
         lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
-        rows = [("run", "status", "time-to-train (min)", "quality", "samples/s", "file")]
+        rows = [("run", "status", "time-to-train (min)", "quality", "samples/s", "restarts", "goodput", "badput",
+                 "file")]
         for i, run in enumerate(group.runs):
             rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
-                         _number(run.samples_per_s, 1), run.file))
+                         _number(run.samples_per_s, 1), "-" if run.restarts is None else str(run.restarts),
+                         _number(run.goodput, 3), _badput(run.badput), run.file))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         for row in rows:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -59,7 +74,7 @@ def _csv(results: ResultSet) -> str:
         for run in group.runs:
             record = run_record(run)
             writer.writerow((group.submitter, group.system, group.benchmark, group.score_min,
-                             *(record[f] for f in RUN_FIELDS)))
+                             *(json.dumps(v) if isinstance(v, dict) else v for v in map(record.get, RUN_FIELDS))))
     return out.getvalue().rstrip("\n")
 
 
@@ -68,7 +83,7 @@ def _documents(results: ResultSet, fmt: str) -> str:
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
     runs = results.runs[["system", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
-                         "samples_per_s", "file"]]
+                         "samples_per_s", "restarts", "goodput", "file"]]
     title = f"MLPerf Training results (ruleset {results.ruleset})"
     if fmt == "markdown":
         return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"

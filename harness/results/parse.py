@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 import orjson
 from mlperf_logging.mllog import constants as C
 
+from harness.results.goodput import account
 from workloads.common.mlperf import TRACKED_STATS  # the writer's key names (torch-free module)
 
 MARKER = b":::MLLOG "
@@ -46,6 +47,10 @@ class Run:
     evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy)
     accelerators: int | None = None  # from the submission's system description, where there is one
     converged: bool = False  # set by harness.results.load under a ruleset's target check
+    # From the harness's run record beside the log (None for logs without one): see goodput.py.
+    restarts: int | None = None
+    goodput: float | None = None
+    badput: dict[str, float] | None = None
 
     @property
     def time_to_train_min(self) -> float:
@@ -170,5 +175,8 @@ def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
             on_error(path, str(exc))
             continue
         run.accelerators = _accelerators(description)
+        accounting = account(path, run.run_start_ms, run.run_stop_ms)
+        if accounting is not None:
+            run.restarts, run.goodput, run.badput = accounting.restarts, accounting.goodput, accounting.badput
         runs.append(run)
     return runs

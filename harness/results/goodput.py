@@ -1,0 +1,116 @@
+"""Restarts, goodput and badput of one run, from its run record and the node agents' attempt record.
+
+goodput = productive time / wall time, as Google's ml-goodput-measurement defines it:
+wall time is the MLPerf time-to-train (run_start to run_stop), and productive time is the
+training and evaluation whose results the run kept. The rest is badput, split into
+    startup       a process start (or run_start) to the first step, for each attempt
+    save          time training waited for checkpoints
+    restore       loading the checkpoint after a restart
+    lost          work done after the last checkpoint a failed attempt wrote, then redone
+    recovery      from a failure to the next attempt's process start (detection, restart)
+    other         whatever is left (logging, waiting at barriers)
+Logs without a run record (other people's submissions) get None: nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from workloads.common.run_record import ATTEMPTS_FILE, run_record_path
+
+BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other")
+
+
+@dataclass
+class Accounting:
+    restarts: int
+    goodput: float
+    badput: dict[str, float]  # seconds, by BADPUT_KINDS
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found
+
+
+def _intervals(path: Path) -> list[dict]:
+    """Well-formed intervals of a run record (a damaged line is skipped, not fatal)."""
+    good = []
+    for r in _lines(path):
+        if isinstance(r.get("attempt"), int) and isinstance(r.get("kind"), str) and \
+                all(isinstance(r.get(k), (int, float)) for k in ("start", "end")):
+            steps = r.get("steps")
+            r["steps"] = steps if isinstance(steps, list) and len(steps) == 2 and \
+                all(isinstance(s, int) for s in steps) else None
+            good.append(r)
+    return good
+
+
+def _kept_share(interval: dict, kept_step: float) -> float:
+    """The part of a train/eval interval whose steps a later attempt did not redo."""
+    if interval["steps"] is None:
+        return 1.0
+    first, last = interval["steps"]
+    if last <= kept_step:
+        return 1.0
+    if first > kept_step:
+        return 0.0
+    return (kept_step - first + 1) / (last - first + 1)
+
+
+def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accounting | None:
+    found = re.fullmatch(r"result_(\d+)\.txt", Path(result_file).name)
+    if not found:
+        return None
+    folder, index = Path(result_file).parent, int(found.group(1))
+    intervals = _intervals(run_record_path(folder, index))
+    if not intervals:
+        return None
+    start, stop = run_start_ms / 1000, run_stop_ms / 1000
+    wall = max(stop - start, 1e-9)
+    ends = {r["attempt"]: r for r in _lines(folder / ATTEMPTS_FILE)
+            if r.get("event") == "end" and isinstance(r.get("attempt"), int) and isinstance(r.get("time"), (int, float))}
+    attempts = sorted({r["attempt"] for r in intervals})
+    spent = dict.fromkeys(BADPUT_KINDS, 0.0)
+    productive = 0.0
+    for n, attempt in enumerate(attempts):
+        mine = [r for r in intervals if r["attempt"] == attempt]
+        later = attempts[n + 1] if n + 1 < len(attempts) else None
+        kept = float("inf")
+        if later is not None:
+            restored = [r["steps"][0] for r in intervals if r["attempt"] == later and r["kind"] == "restore"
+                        and r["steps"]]
+            kept = restored[0] if restored else 0
+        for r in mine:
+            seconds = max(0.0, min(r["end"], stop) - max(r["start"], start))
+            if r["kind"] in ("train", "eval"):
+                share = _kept_share(r, kept)
+                productive += seconds * share
+                spent["lost"] += seconds * (1 - share)
+            elif r["kind"] in ("startup", "save", "restore"):
+                spent[r["kind"]] += seconds
+        if later is not None:
+            faults = [r["start"] for r in mine if r["kind"] == "fault"]
+            last_work = max((r["end"] for r in mine if r["kind"] != "fault"), default=mine[0]["start"])
+            failed_at = faults[0] if faults else ends.get(attempt, {}).get("time", last_work)
+            failed_at = max(last_work, min(failed_at, stop))
+            spent["lost"] += failed_at - last_work  # unrecorded work between the last record and the failure
+            next_start = min(r["start"] for r in intervals if r["attempt"] == later)
+            spent["recovery"] += max(0.0, next_start - failed_at)
+    spent["other"] = max(0.0, wall - productive - sum(spent.values()))
+    restarts = len(attempts) - 1 + sum(1 for a, r in ends.items() if not r.get("ok") and r.get("run") == index
+                                       and a not in attempts)
+    return Accounting(restarts=restarts, goodput=min(1.0, productive / wall),
+                      badput={k: round(v, 3) for k, v in spent.items()})
