@@ -95,7 +95,7 @@ def test_without_rdma_no_capability_is_added(tmp_path):
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False}
     assert "resources" not in container  # a CPU profile asks for no GPUs or RDMA devices
     assert job["spec"]["runPolicy"]["backoffLimit"] == 3
-    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "ExitCode"
 
 
 @pytest.fixture
@@ -220,7 +220,7 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert result.returncode == 0, result.stderr
     assert harness("run", "resnet", "--backend", "k8s", "--dry-run", *args).stdout == result.stdout
     # What a TrainJob cannot carry is said, not dropped silently.
-    assert "priority_class from its ClusterTrainingRuntime 'torch-distributed'" in result.stderr
+    assert "takes priority_class, --max-restarts from its ClusterTrainingRuntime 'torch-distributed'" in result.stderr
     job = yaml.safe_load(result.stdout)
     jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"

@@ -55,7 +55,7 @@ def test_only_rank_zero_writes_the_log_and_every_rank_logs_progress(tiny_campaig
     assert {p.name for p in (out / "logs").glob("*.log")} == {"rank_0.log", "rank_1.log"}
     assert "eval top-1" in (out / "logs" / "rank_0.log").read_text()
     job = json.loads((out / "job.json").read_text())
-    assert job["backend"] == "local" and job["state"] == "SUCCEEDED" and "torch.distributed.run" in job["request"]
+    assert job["backend"] == "local" and job["state"] == "SUCCEEDED" and "harness.agent" in job["request"]
 
 
 def test_report_reads_the_campaign_in_every_format(tiny_campaign):

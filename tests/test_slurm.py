@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -107,3 +109,117 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
         time.sleep(0.5)
     assert not subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True).stdout.strip()
     assert get_launcher("slurm").status(handle) is JobState.CANCELLED  # as another shell would see it
+
+
+def _slurm(slurm_cluster, *argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin:/usr/sbin", **slurm_cluster.env}).stdout
+
+
+class _Admin(threading.Thread):
+    """The test cluster's admin, beside a running `harness run`.
+
+    Slurm holds a requeued job for 120 s before it may start again (EligibleTime); the admin
+    lets it start at once so the suite stays fast. `on_progress(step)` acts when the run
+    reaches a step (here: setting a node DOWN).
+    """
+
+    def __init__(self, slurm_cluster, out, on_step=None):
+        super().__init__(daemon=True)
+        self.cluster, self.out, self.on_step, self.stopped, self.notes = slurm_cluster, out, on_step, False, []
+
+    def run(self):
+        while not self.stopped:
+            for line in _slurm(self.cluster, "squeue", "-h", "-o", "%i %T %r").splitlines():
+                job, state, reason = line.split(maxsplit=2)
+                if state == "PENDING" and reason == "BeginTime":
+                    _slurm(self.cluster, "scontrol", "update", f"jobid={job}", "StartTime=now")
+                    self.notes.append(f"released {job}")
+            if self.on_step and (self.out / "run_0.jsonl").is_file():
+                steps = [json.loads(line).get("steps") for line in (self.out / "run_0.jsonl").read_text().splitlines()]
+                reached = max((s[-1] for s in steps if s), default=0)
+                if self.on_step(reached):
+                    self.on_step = None
+            time.sleep(0.3)
+
+
+def _run_with_admin(slurm_cluster, out, *args, on_step=None):
+    admin = _Admin(slurm_cluster, out, on_step)
+    admin.start()
+    try:
+        return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, env=slurm_cluster.env)
+    finally:
+        admin.stopped = True
+        admin.join()
+
+
+def _attempt_ends(out):
+    lines = (out / "attempts.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "end"]
+
+
+@pytest.mark.slurm
+def test_a_killed_rank_requeues_the_job_and_it_finishes(slurm_cluster, tmp_path):
+    out = tmp_path / "run"
+    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--inject-failure", "1:10", "--checkpoint-every", "5",
+                             "--max-steps", "20")
+    job = json.loads((out / "job.json").read_text())
+    assert job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
+    assert "Restarts=1" in _slurm(slurm_cluster, "scontrol", "show", "job", job["job_id"])  # Slurm's own count
+    ends = _attempt_ends(out)
+    assert {r["attempt"] for r in ends if not r["ok"]} == {0} and ends[-1]["ok"] and ends[-1]["attempt"] == 1
+    assert "PENDING" in result.stdout  # the requeue, as `harness run` watched it
+    text = (out / "result_0.txt").read_text()
+    assert text.count('"key": "run_start"') == 1 and text.count('"key": "run_stop"') == 1
+    assert compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.slurm
+def test_a_node_set_down_requeues_the_job_onto_the_other_node(slurm_cluster, tmp_path):
+    out = tmp_path / "run"
+    downed = []
+
+    def down_its_node(step: int) -> bool:
+        if step < 8:
+            return False
+        [node] = _slurm(slurm_cluster, "squeue", "-h", "-o", "%N").split()
+        _slurm(slurm_cluster, "scontrol", "update", f"nodename={node}", "state=down", "reason=harness-test")
+        downed.append(node)
+        return True
+
+    try:
+        result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "60",
+                                 on_step=down_its_node)
+    finally:
+        for node in downed:
+            _slurm(slurm_cluster, "scontrol", "update", f"nodename={node}", "state=resume")
+    job = json.loads((out / "job.json").read_text())
+    assert downed and job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
+    shown = _slurm(slurm_cluster, "scontrol", "show", "job", job["job_id"])
+    assert "Restarts=1" in shown and f"NodeList={downed[0]}" not in shown  # it finished on the other node
+    text = (out / "result_0.txt").read_text()
+    assert text.count('"key": "run_start"') == 1 and text.count('"key": "run_stop"') == 1
+
+
+@pytest.mark.slurm
+def test_a_requeued_job_that_no_longer_fits_fails_with_the_reason(slurm_cluster, tmp_path):
+    out = tmp_path / "run"
+    downed = []
+
+    def down_a_node(step: int) -> bool:
+        if step < 8:
+            return False
+        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down", "reason=harness-test")
+        downed.append("node2")
+        return True
+
+    try:
+        result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--checkpoint-every", "4", "--max-steps", "400",
+                                 on_step=down_a_node)
+    finally:
+        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=resume")
+    assert downed and result.returncode == 1, result.stdout + result.stderr
+    assert "was requeued after a failure but cannot start again: it needs 2 node(s)" in result.stderr
+    assert "has 1 usable" in result.stderr and "Traceback" not in result.stderr
+    assert json.loads((out / "job.json").read_text())["state"] == "FAILED"
+    assert any((out / "checkpoints" / "run_0").glob("step_*"))  # kept for a rerun

@@ -65,12 +65,14 @@ def test_validate_rejects_data_with_synthetic(tmp_path):
 
 def test_agent_command_standalone_and_rendezvous(tmp_path):
     spec = JobSpec("resnet", nodes=4, max_restarts=2, out_dir=tmp_path)
-    local = agent_command(spec, "py", 2)
-    assert local[:3] == ["py", "-m", "torch.distributed.run"]
-    assert "--standalone" in local and "--max-restarts=2" in local and "--nproc-per-node=2" in local
-    assert local[local.index("-m", 3) + 1] == "workloads"
+    local = agent_command(spec, "py", 2, restart_here=True)
+    assert local[:3] == ["py", "-m", "harness.agent"] and "--restart-here" in local
+    assert local[local.index("--max-restarts") + 1] == "2" and local[local.index("--out") + 1] == str(tmp_path)
+    torchrun = local[local.index("--") + 1:]  # what torchrun's own parser gets
+    assert "--standalone" in torchrun and "--nproc-per-node=2" in torchrun
+    assert torchrun[torchrun.index("-m") + 1] == "workloads"
     cluster = agent_command(spec, "py", 8, rendezvous="node0:29500", rdzv_id="job1")
-    assert "--standalone" not in cluster
+    assert "--standalone" not in cluster and "--restart-here" not in cluster
     assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=job1"} <= set(cluster)
 
 
@@ -90,7 +92,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["run", "resnet", "--out", str(out), "--dry-run", "--procs-per-node", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "torch.distributed.run" in printed and "--nproc-per-node=2" in printed and str(out) in printed
+    assert "harness.agent" in printed and "--nproc-per-node=2" in printed and str(out) in printed
     assert not out.exists()
 
 
@@ -118,5 +120,5 @@ def test_submit_watch_logs_cancel_a_real_job(tmp_path):
     assert state is JobState.CANCELLED, (state, (spec.out_dir / "job.json").read_text(), launcher.logs(handle))
     # A fresh launcher (as in `harness cancel` from another shell) sees the recorded end state.
     assert get_launcher("local").status(handle) is JobState.CANCELLED
-    assert not Path(f"/proc/{handle.job_id}").exists() or b"torch.distributed.run" not in \
+    assert not Path(f"/proc/{handle.job_id}").exists() or b"harness.agent" not in \
         Path(f"/proc/{handle.job_id}/cmdline").read_bytes()

@@ -1,0 +1,247 @@
+"""Checkpoints, restarts and goodput: the pieces on their own, then real faults in real 2-rank runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.agent import (EXIT_BUDGET_SPENT, EXIT_REPEATED_FAILURE, EXIT_RETRY, EXIT_WORKLOAD_ERROR,
+                           INFRASTRUCTURE, WORKLOAD, classify, decide)
+from harness.results import load
+from harness.results.goodput import account
+from tests.conftest import compliance, failed_checks, harness
+from workloads.common.resilience_options import CheckpointEvery, FaultPlan
+
+# --- classification and the retry decision ----------------------------------------------------------
+
+
+def test_failures_are_classified_by_what_failed():
+    assert classify(1, -9, "SIGKILL", "", False).kind == INFRASTRUCTURE
+    assert classify(0, 1, None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", True).kind \
+        == INFRASTRUCTURE
+    assert classify(0, 1, None, "RuntimeError: [gloo] Connection closed by peer", True).kind == INFRASTRUCTURE
+    assert classify(0, 1, None, "torch.distributed.DistBackendError: NCCL watchdog timeout", True).kind \
+        == INFRASTRUCTURE
+    assert classify(0, 1, None, "ValueError: bad shape", True).kind == WORKLOAD
+    assert classify(0, 1, None, "TrainingDiverged: the training loss is nan at step 7", True).kind == WORKLOAD
+    assert classify(0, 2, None, "", False).kind == WORKLOAD  # an exit the program chose
+
+
+def _attempt(n: int, ok: bool = False, kind: str = INFRASTRUCTURE, cause: str = "rank 1 killed by SIGKILL",
+             run: int = 0, step: int = 10) -> list[dict]:
+    end = {"event": "end", "attempt": n, "node": "a", "time": n + 0.5, "ok": ok}
+    if not ok:
+        end.update(kind=kind, cause=cause, run=run, step=step)
+    return [{"event": "start", "attempt": n, "node": "a", "time": n}, end]
+
+
+def test_retry_decisions():
+    assert decide(_attempt(0, ok=True), 0, budget=3).exit_code == 0
+    assert decide(_attempt(0), 0, budget=3).exit_code == EXIT_RETRY
+    workload = decide(_attempt(0, kind=WORKLOAD, cause="rank 0: ValueError: x"), 0, budget=3)
+    assert workload.exit_code == EXIT_WORKLOAD_ERROR and "workload error" in workload.message
+    spent = decide(_attempt(0) + _attempt(1, step=20), 1, budget=1)
+    assert spent.exit_code == EXIT_BUDGET_SPENT and "--max-restarts" in spent.message
+    same = _attempt(0) + _attempt(1) + _attempt(2)
+    assert decide(same, 2, budget=10).exit_code == EXIT_REPEATED_FAILURE
+    moving = _attempt(0, step=10) + _attempt(1, step=30) + _attempt(2, step=50)
+    assert decide(moving, 2, budget=10).exit_code == EXIT_RETRY
+    lost = [{"event": "start", "attempt": 0, "node": "a", "time": 0}]  # the node died with its agent
+    assert decide(lost, 0, budget=1).exit_code == EXIT_RETRY
+
+
+def test_option_parsing_names_the_choices():
+    assert CheckpointEvery.parse("50") == CheckpointEvery(steps=50)
+    assert CheckpointEvery.parse("10m") == CheckpointEvery(seconds=600)
+    assert FaultPlan.parse("1:20") == FaultPlan(1, 20, "kill")
+    assert FaultPlan.parse("0:5:corrupt").kind == "corrupt"
+    for bad in ("x", "0", "5d", ""):
+        with pytest.raises(ValueError, match="90s, 10m, 1h"):
+            CheckpointEvery.parse(bad)
+    for bad in ("1", "a:b", "1:2:melt", "1:0"):
+        with pytest.raises(ValueError, match="--inject-failure"):
+            FaultPlan.parse(bad)
+
+
+def test_bad_resilience_options_are_one_line_errors(tmp_path):
+    for args, expected in ((("--inject-failure", "1:x"), "RANK:STEP"), (("--checkpoint-every", "5d"), "10m"),
+                           (("--keep-checkpoints", "0"), "at least 1"),
+                           (("--inject-failure", "4:3", "--procs-per-node", "2"), "ranks 0 to 1")):
+        result = harness("run", "resnet", "--out", str(tmp_path / "o"), *args)
+        assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
+
+
+# --- goodput accounting --------------------------------------------------------------------------------
+
+def test_goodput_splits_the_wall_time(tmp_path):
+    """Attempt 0 trains steps 1-20 (checkpoint at 10), dies at step 20; attempt 1 restores step 10 and finishes."""
+    t0 = 1000.0
+    lines = [
+        {"attempt": 0, "kind": "startup", "start": t0, "end": t0 + 1},
+        {"attempt": 0, "kind": "train", "start": t0 + 1, "end": t0 + 11, "steps": [1, 10]},
+        {"attempt": 0, "kind": "save", "start": t0 + 11, "end": t0 + 12, "steps": [10, 10]},
+        {"attempt": 0, "kind": "train", "start": t0 + 12, "end": t0 + 22, "steps": [11, 20]},
+        {"attempt": 0, "kind": "fault", "start": t0 + 23, "end": t0 + 23, "steps": [21, 21]},
+        {"attempt": 1, "kind": "startup", "start": t0 + 26, "end": t0 + 30},
+        {"attempt": 1, "kind": "restore", "start": t0 + 30, "end": t0 + 32, "steps": [10, 10]},
+        {"attempt": 1, "kind": "train", "start": t0 + 32, "end": t0 + 52, "steps": [11, 30]},
+        {"attempt": 1, "kind": "eval", "start": t0 + 52, "end": t0 + 54, "steps": [30, 30]},
+    ]
+    (tmp_path / "run_0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{cut")
+    (tmp_path / "attempts.jsonl").write_text(json.dumps({"event": "end", "attempt": 0, "time": t0 + 24,
+                                                         "ok": False, "run": 0, "step": 21}) + "\n")
+    got = account(tmp_path / "result_0.txt", t0 * 1000, (t0 + 55) * 1000)
+    assert got.restarts == 1
+    # Kept: steps 1-10 (10 s), 11-30 in attempt 1 (20 s) and the eval (2 s) = 32 s of 55.
+    assert got.goodput == pytest.approx(32 / 55)
+    assert got.badput == {"startup": 5.0, "save": 1.0, "restore": 2.0, "lost": 11.0, "recovery": 3.0, "other": 1.0}
+    assert account(tmp_path / "elsewhere.txt", 0, 1) is None  # not a harness result file: nothing guessed
+
+
+# --- the checkpointer in one process ------------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_world():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from workloads.common.distributed import DistContext
+
+    yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def _model_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"weights": torch.randn(64, 64), "bias": torch.randn(64)}
+
+
+def test_checkpoints_commit_atomically_keep_k_and_skip_damage(one_rank_world, tmp_path):
+    from workloads.common.checkpoint import MANIFEST, PARTIAL, Checkpointer
+
+    reports: list[str] = []
+    ckpt = Checkpointer(tmp_path, one_rank_world, keep=2, report=reports.append)
+    for step in (10, 20, 30):
+        ckpt.save(step, _model_state(step), {"scheduler": {"last_epoch": step}})
+    assert [s for s, _ in ckpt.committed()] == [30, 20]  # keep-last-2
+    manifest = json.loads((tmp_path / "step_000000030" / MANIFEST).read_text())
+    assert manifest["step"] == 30 and ".metadata" in manifest["files"] and manifest["extra"]["scheduler"]
+    # An interrupted write (no manifest, not renamed) is not a checkpoint.
+    (tmp_path / f"{PARTIAL}step_000000040").mkdir()
+    state = _model_state(0)
+    restored = ckpt.restore(lambda manifest: state)
+    assert restored.step == 30 and torch.equal(state["weights"], _model_state(30)["weights"])
+    # Damage the newest: it is reported and the one before is used.
+    shard = next((tmp_path / "step_000000030").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    restored = ckpt.restore(lambda manifest: state)
+    assert restored.step == 20 and torch.equal(state["weights"], _model_state(20)["weights"])
+    assert any("step_000000030 is damaged" in r and "checksum" in r for r in reports)
+    (tmp_path / "step_000000020" / MANIFEST).unlink()
+    assert ckpt.restore(lambda manifest: state) is None and any("no manifest.json" in r for r in reports)
+
+
+def test_async_save_commits_in_the_background(one_rank_world, tmp_path):
+    from workloads.common.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, one_rank_world, keep=3, async_save=True)
+    ckpt.save(5, _model_state(5), {"scheduler": {}})
+    ckpt.wait()
+    assert [s for s, _ in ckpt.committed()] == [5]
+    state = _model_state(0)
+    assert ckpt.restore(lambda manifest: state).step == 5 and torch.equal(state["bias"], _model_state(5)["bias"])
+
+
+# --- real faults in real runs (2 ranks, gloo) ---------------------------------------------------------------
+
+def _records(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines() if line.strip()]
+
+
+def _restored_step(out: Path, attempt: int = 1) -> int | None:
+    return next((r["steps"][0] for r in _records(out, "run_0.jsonl")
+                 if r["attempt"] == attempt and r["kind"] == "restore"), None)
+
+
+def test_inject_failure_restarts_and_reports_goodput(tmp_path):
+    """The issue's done-when: a killed rank, a restart, a compliant log, restarts >= 1, 0 < goodput < 1."""
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", "1:20", "--out", str(out), "--seed", "11")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "attempt 0 failed (run 1, step 20): rank 1 killed by SIGKILL" in result.stderr
+    checked = compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path)
+    assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
+    [run] = json.loads(harness("report", str(out), "--format", "json").stdout)[0]["runs"]
+    assert run["status"] == "success" and run["restarts"] >= 1 and 0 < run["goodput"] < 1
+    assert run["badput"]["recovery"] > 0 and run["badput"]["startup"] > 0
+    text = (out / "result_0.txt").read_text()
+    assert text.count('"key": "run_start"') == 1 and text.count('"key": "run_stop"') == 1
+    assert not (out / "checkpoints" / "run_0").exists()  # a stopped run's checkpoints are gone
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_a_rank_killed_at_a_random_step_loses_at_most_one_interval(tmp_path, trial):
+    rng = random.Random(1000 + trial)
+    every, rank, step = 5, rng.randrange(2), rng.randint(3, 28)
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", f"{rank}:{step}", "--checkpoint-every", str(every),
+                     "--max-steps", "30", "--out", str(out), "--seed", str(trial))
+    assert json.loads((out / "job.json").read_text())["state"] == "SUCCEEDED", result.stdout + result.stderr
+    assert load([out]).records[0].status is not None  # run_stop is logged: the run finished
+    restored = _restored_step(out) or 0
+    assert step - restored <= every, (step, restored)
+    attempts = [r for r in _records(out, "attempts.jsonl") if r["event"] == "end"]
+    assert [r["ok"] for r in attempts] == [False, True] and attempts[0]["step"] == step
+
+
+def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", "1:10:kill-in-save", "--checkpoint-every", "5",
+                     "--max-steps", "20", "--out", str(out))
+    assert json.loads((out / "job.json").read_text())["state"] == "SUCCEEDED", result.stdout + result.stderr
+    assert _restored_step(out) == 5  # step 10's checkpoint was never committed
+
+
+def test_a_corrupt_checkpoint_is_detected_and_the_one_before_used(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", "0:12:corrupt", "--checkpoint-every", "5",
+                     "--max-steps", "20", "--out", str(out))
+    assert json.loads((out / "job.json").read_text())["state"] == "SUCCEEDED", result.stdout + result.stderr
+    assert "step_000000010 is damaged and skipped" in result.stdout
+    assert _restored_step(out) == 5
+
+
+def test_a_workload_exception_is_not_retried(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", "1:5:exception", "--out", str(out))
+    assert result.returncode == EXIT_WORKLOAD_ERROR, result.stdout + result.stderr
+    assert "InjectedFault: injected workload error at step 5" in result.stderr
+    assert "workload error" in result.stderr and "not retried" in result.stderr
+    ends = [r for r in _records(out, "attempts.jsonl") if r["event"] == "end"]
+    assert len(ends) == 1 and ends[0]["kind"] == WORKLOAD
+
+
+def test_no_restarts_left_stops_with_its_own_exit_code(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--inject-failure", "0:3", "--max-restarts", "0", "--out", str(out))
+    assert result.returncode == EXIT_BUDGET_SPENT, result.stdout + result.stderr
+    assert "restart budget (0) is spent" in result.stderr
+    assert (out / "result_0.txt").is_file()  # what was written stays
+
+
+def test_gpt3_survives_a_killed_rank(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "gpt3", "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _restored_step(out) == 4
+    checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
+    assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
