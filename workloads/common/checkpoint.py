@@ -122,8 +122,10 @@ class Checkpointer:
         if self.fault_hook:
             self.fault_hook("written")
         part = partial / _PART.format(self.ctx.rank)
-        part.write_text(json.dumps(own))
-        _fsync(part)
+        written = part.with_suffix(".tmp")
+        written.write_text(json.dumps(own))
+        _fsync(written)
+        os.replace(written, part)  # rank 0 polls for `part`: it must never see it half written
         if self.ctx.is_main:
             self._write_manifest(partial, step, extra)
 
