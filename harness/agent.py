@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.run_record import ATTEMPT_ENV, ATTEMPTS_FILE
+from workloads.common.run_record import ATTEMPT_ENV, ATTEMPTS_FILE, read_json_lines
 
 EXIT_WORKLOAD_ERROR = 3
 EXIT_BUDGET_SPENT = 4
@@ -88,18 +88,7 @@ def attempt_failure(failures: list[Failure]) -> Failure:
 # --- the record ----------------------------------------------------------------------------------
 
 def read_records(out: Path) -> list[dict]:
-    path = Path(out) / ATTEMPTS_FILE
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a lost node
-        if isinstance(record, dict) and isinstance(record.get("attempt"), int):
-            records.append(record)
-    return records
+    return [r for r in read_json_lines(Path(out) / ATTEMPTS_FILE) if isinstance(r.get("attempt"), int)]
 
 
 def _append(out: Path, record: dict) -> None:
@@ -122,15 +111,8 @@ def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
     if not records:
         return None, None
     run = int(records[-1].stem.split("_")[1])
-    step = None
-    for line in records[-1].read_text(errors="replace").splitlines():
-        try:
-            steps = json.loads(line).get("steps")
-        except ValueError:
-            continue
-        if isinstance(steps, list) and steps:
-            step = steps[-1]
-    return run, step
+    steps = [r["steps"] for r in read_json_lines(records[-1]) if isinstance(r.get("steps"), list) and r["steps"]]
+    return run, (steps[-1][-1] if steps else None)
 
 
 # --- the decision --------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 StateSaveLocation={self.root / 'state'}
 SlurmdSpoolDir={self.root}/spool-%n
 SlurmctldPidFile={self.root}/slurmctld.pid

@@ -15,6 +15,7 @@ from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
 from tests.conftest import compliance, harness
+from workloads.common.run_record import read_json_lines
 
 
 def test_the_448_node_h100_script(tmp_path):
@@ -117,40 +118,48 @@ def _slurm(slurm_cluster, *argv: str) -> str:
 
 
 class _Admin(threading.Thread):
-    """The test cluster's admin, beside a running `harness run`.
+    """Beside a running `harness run`: calls `on_step(step)` with the step the run has reached until it
+    returns True (here: to set a node DOWN mid-run)."""
 
-    Slurm holds a requeued job for 120 s before it may start again (EligibleTime); the admin
-    lets it start at once so the suite stays fast. `on_progress(step)` acts when the run
-    reaches a step (here: setting a node DOWN).
-    """
-
-    def __init__(self, slurm_cluster, out, on_step=None):
+    def __init__(self, out, on_step):
         super().__init__(daemon=True)
-        self.cluster, self.out, self.on_step, self.stopped, self.notes = slurm_cluster, out, on_step, False, []
+        self.out, self.on_step, self.stopped = out, on_step, False
 
     def run(self):
-        while not self.stopped:
-            for line in _slurm(self.cluster, "squeue", "-h", "-o", "%i %T %r").splitlines():
-                job, state, reason = line.split(maxsplit=2)
-                if state == "PENDING" and reason == "BeginTime":
-                    _slurm(self.cluster, "scontrol", "update", f"jobid={job}", "StartTime=now")
-                    self.notes.append(f"released {job}")
-            if self.on_step and (self.out / "run_0.jsonl").is_file():
-                steps = [json.loads(line).get("steps") for line in (self.out / "run_0.jsonl").read_text().splitlines()]
-                reached = max((s[-1] for s in steps if s), default=0)
-                if self.on_step(reached):
-                    self.on_step = None
+        while not self.stopped and self.on_step:
+            steps = [r.get("steps") for r in read_json_lines(self.out / "run_0.jsonl")]
+            if self.on_step(max((s[-1] for s in steps if s), default=0)):
+                return
             time.sleep(0.3)
 
 
 def _run_with_admin(slurm_cluster, out, *args, on_step=None):
-    admin = _Admin(slurm_cluster, out, on_step)
+    admin = _Admin(out, on_step)
     admin.start()
     try:
         return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, env=slurm_cluster.env)
     finally:
         admin.stopped = True
         admin.join()
+
+
+def _down_at_step_8(slurm_cluster, downed: list, node: str | None = None):
+    """An on_step callback: at step 8, set `node` (default: the node the job runs on) DOWN, once."""
+
+    def act(step: int) -> bool:
+        if step < 8:
+            return False
+        name = node or _slurm(slurm_cluster, "squeue", "-h", "-o", "%N").split()[0]
+        _slurm(slurm_cluster, "scontrol", "update", f"nodename={name}", "state=down", "reason=harness-test")
+        downed.append(name)
+        return True
+
+    return act
+
+
+def _resume(slurm_cluster, nodes: list) -> None:
+    for node in nodes:
+        _slurm(slurm_cluster, "scontrol", "update", f"nodename={node}", "state=resume")
 
 
 def _attempt_ends(out):
@@ -178,21 +187,11 @@ def test_a_killed_rank_requeues_the_job_and_it_finishes(slurm_cluster, tmp_path)
 def test_a_node_set_down_requeues_the_job_onto_the_other_node(slurm_cluster, tmp_path):
     out = tmp_path / "run"
     downed = []
-
-    def down_its_node(step: int) -> bool:
-        if step < 8:
-            return False
-        [node] = _slurm(slurm_cluster, "squeue", "-h", "-o", "%N").split()
-        _slurm(slurm_cluster, "scontrol", "update", f"nodename={node}", "state=down", "reason=harness-test")
-        downed.append(node)
-        return True
-
     try:
         result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "60",
-                                 on_step=down_its_node)
+                                 on_step=_down_at_step_8(slurm_cluster, downed))
     finally:
-        for node in downed:
-            _slurm(slurm_cluster, "scontrol", "update", f"nodename={node}", "state=resume")
+        _resume(slurm_cluster, downed)
     job = json.loads((out / "job.json").read_text())
     assert downed and job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
     shown = _slurm(slurm_cluster, "scontrol", "show", "job", job["job_id"])
@@ -205,19 +204,11 @@ def test_a_node_set_down_requeues_the_job_onto_the_other_node(slurm_cluster, tmp
 def test_a_requeued_job_that_no_longer_fits_fails_with_the_reason(slurm_cluster, tmp_path):
     out = tmp_path / "run"
     downed = []
-
-    def down_a_node(step: int) -> bool:
-        if step < 8:
-            return False
-        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down", "reason=harness-test")
-        downed.append("node2")
-        return True
-
     try:
         result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--checkpoint-every", "4", "--max-steps", "400",
-                                 on_step=down_a_node)
+                                 on_step=_down_at_step_8(slurm_cluster, downed, node="node2"))
     finally:
-        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=resume")
+        _resume(slurm_cluster, downed)
     assert downed and result.returncode == 1, result.stdout + result.stderr
     assert "was requeued after a failure but cannot start again: it needs 2 node(s)" in result.stderr
     assert "has 1 usable" in result.stderr and "Traceback" not in result.stderr

@@ -14,12 +14,11 @@ Logs without a run record (other people's submissions) get None: nothing is gues
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.run_record import ATTEMPTS_FILE, run_record_path
+from workloads.common.run_record import ATTEMPTS_FILE, read_json_lines, run_record_path
 
 BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other")
 
@@ -31,24 +30,10 @@ class Accounting:
     badput: dict[str, float]  # seconds, by BADPUT_KINDS
 
 
-def _lines(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            found.append(record)
-    return found
-
-
 def _intervals(path: Path) -> list[dict]:
     """Well-formed intervals of a run record (a damaged line is skipped, not fatal)."""
     good = []
-    for r in _lines(path):
+    for r in read_json_lines(path):
         if isinstance(r.get("attempt"), int) and isinstance(r.get("kind"), str) and \
                 all(isinstance(r.get(k), (int, float)) for k in ("start", "end")):
             steps = r.get("steps")
@@ -80,7 +65,7 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
         return None
     start, stop = run_start_ms / 1000, run_stop_ms / 1000
     wall = max(stop - start, 1e-9)
-    ends = {r["attempt"]: r for r in _lines(folder / ATTEMPTS_FILE)
+    ends = {r["attempt"]: r for r in read_json_lines(folder / ATTEMPTS_FILE)
             if r.get("event") == "end" and isinstance(r.get("attempt"), int) and isinstance(r.get("time"), (int, float))}
     attempts = sorted({r["attempt"] for r in intervals})
     spent = dict.fromkeys(BADPUT_KINDS, 0.0)

@@ -21,6 +21,21 @@ ATTEMPTS_FILE = "attempts.jsonl"
 FLUSH_S = 2.0  # how stale the newest train record may get (the agent reads the step at a failure from it)
 
 
+def read_json_lines(path: Path) -> list[dict]:
+    """The JSON objects of a record file; a line cut by a killed writer (or any other damage) is skipped."""
+    if not Path(path).is_file():
+        return []
+    found = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found
+
+
 def run_record_path(out: Path, index: int) -> Path:
     return Path(out) / f"run_{index}.jsonl"
 
