@@ -25,9 +25,9 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bert": ("tiny", "full"),
     "gpt3": ("tiny", "full"),
 }
-# Benchmarks whose workload ships in this version; the others are named so that
+# Benchmarks whose workload ships in this version; any others are named so that
 # users see the roadmap, and refused with a clear message.
-AVAILABLE = ("resnet", "gpt3")
+AVAILABLE = ("resnet", "bert", "gpt3")
 # Presets that read a real dataset unless --synthetic is given.
 DATASET_PRESETS = ("full",)
 # Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint).

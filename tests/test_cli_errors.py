@@ -10,7 +10,6 @@ from tests.conftest import harness
 
 @pytest.mark.parametrize("argv, expected", [
     (["run", "nosuchbench"], ["nosuchbench", "resnet", "bert", "gpt3"]),
-    (["run", "bert"], ["bert", "not in this version", "resnet"]),
     (["run", "resnet", "--preset", "huge"], ["huge", "tiny", "full"]),
     (["run", "resnet", "--backend", "aws"], ["aws", "local", "slurm", "k8s"]),
     (["run", "resnet", "--backend", "k8s", "--dry-run"], ["profile local-cpu names none", "--set image="]),

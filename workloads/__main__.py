@@ -18,11 +18,15 @@ def workload_class(benchmark: str):
         from workloads.resnet.train import ResNetWorkload
 
         return ResNetWorkload
+    if benchmark == "bert":
+        from workloads.bert.train import BertWorkload
+
+        return BertWorkload
     if benchmark == "gpt3":
         from workloads.gpt3.train import GPT3Workload
 
         return GPT3Workload
-    raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet, gpt3)")
+    raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet, bert, gpt3)")
 
 
 @record  # writes the exception to torchelastic's error file so the agent reports the real cause

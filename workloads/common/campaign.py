@@ -101,6 +101,14 @@ class Workload(ABC):
     def hyperparameters(self) -> dict[str, Any]:
         """The keys the rules ask this benchmark to log, by mllog constant."""
 
+    def position(self) -> dict[str, Any]:
+        """Counters a checkpoint keeps beside the step (JSON), for workloads whose progress the step alone
+        does not give, such as BERT's samples trained on packed data."""
+        return {}
+
+    def load_position(self, position: dict[str, Any]) -> None:
+        """Take back what position() returned when the checkpoint was saved."""
+
     @abstractmethod
     def train(self, mlog: ResultLog, progress_desc: str, support: Resilience) -> bool:
         """Train until the quality target or the epoch/step limit; True if the target was reached.

@@ -6,8 +6,9 @@
     support.finish()             when the run stops: flush, wait for a save in flight, drop the checkpoints
 
 The training state is the workload's model, optimizer and LR scheduler (through DCP's
-get/set_state_dict, so DDP and FSDP2 save alike), each rank's RNG, and the step,
-which is also the data position: each workload starts reading input there.
+get/set_state_dict, so DDP and FSDP2 save alike), each rank's RNG, the step, which is
+also the data position (each workload starts reading input there), and whatever
+counters the workload keeps beside it (Workload.position).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Resilience:
         if restored is not None:
             step = restored.step
             self.workload.scheduler.load_state_dict(restored.extra["scheduler"])
+            self.workload.load_position(restored.extra.get("position", {}))
             self.record.interval("restore", started, time.time(), (step, step))
             announce(f"resumed from {restored.path} at step {step}", self.ctx.is_main)
         self._last_save = (step, time.monotonic())
@@ -130,7 +132,8 @@ class Resilience:
     def save(self, step: int) -> None:
         self.record.flush()
         started = time.time()
-        self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict()})
+        self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict(),
+                                                     "position": self.workload.position()})
         self.record.interval("save", started, time.time(), (step, step))
         self._last_save = (step, time.monotonic())
 

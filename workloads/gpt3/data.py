@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
 from workloads.common.data import ResumableSampler
 
@@ -187,37 +188,23 @@ TINY_DOC_TOKENS = 2048
 EOD = 0
 
 
-def tiny_transitions(vocab: int = TINY_VOCAB) -> np.ndarray:
-    rng = np.random.default_rng(7)
-    table = np.zeros((vocab, vocab))
-    for token in range(vocab):
-        successors = rng.choice(np.arange(1, vocab), TINY_SUCCESSORS, replace=False)
-        table[token, successors] = rng.dirichlet(np.full(TINY_SUCCESSORS, 0.5))
-    return table
+def tiny_transitions() -> np.ndarray:
+    return tiny_text.transitions(TINY_VOCAB, TINY_SUCCESSORS)
 
 
 def tiny_entropy() -> float:
     """The chain's entropy rate in nats per token: the lowest log perplexity any model can reach."""
-    table = tiny_transitions()
-    stationary = np.linalg.matrix_power(table, 200)[0]
-    logs = np.log(np.where(table > 0, table, 1))
-    return float(-(stationary[:, None] * table * logs).sum())
+    return tiny_text.entropy_rate(tiny_transitions())
 
 
 def _write_tiny_corpus(folder: Path) -> None:
     table = tiny_transitions()
-    cumulative = table.cumsum(axis=1)
     for prefix, documents, seed in ((C4_TRAIN[0], 96, 1), (C4_TRAIN[1], 96, 2), (C4_EVAL, 24, 3)):
         rng = np.random.default_rng(seed)
         docs = []
         for _ in range(documents):
-            tokens = np.empty(TINY_DOC_TOKENS, dtype=np.uint16)
-            token = int(rng.integers(1, TINY_VOCAB))
-            for t, u in enumerate(rng.random(TINY_DOC_TOKENS - 1)):
-                tokens[t] = token
-                token = min(int(np.searchsorted(cumulative[token], u)), TINY_VOCAB - 1)
-            tokens[-1] = EOD
-            docs.append(tokens)
+            start = int(rng.integers(1, TINY_VOCAB))
+            docs.append(np.append(tiny_text.walk(table, start, TINY_DOC_TOKENS - 1, rng), EOD).astype(np.uint16))
         write_indexed_dataset(folder / prefix, docs)
 
 
