@@ -77,13 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
                           + "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items()) + " (default kind: kill)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment variable for the workers (repeatable)")
-    run.add_argument("--data", type=Path, help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's C4 .bin/.idx files "
-                                                   "for gpt3")
-    run.add_argument("--init-checkpoint", type=Path, metavar="DIR",
-                     help="gpt3's starting weights, as MLPerf starts from its reference checkpoint (a "
-                          "torch.distributed.checkpoint folder; default for the tiny preset: one the harness trains once)")
+    run.add_argument("--data", type=Path,
+                     help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's BERT HDF5 shards for "
+                          "bert (train/*.hdf5, eval/*.hdf5; fixed, varlength or packed); MLPerf's C4 .bin/.idx files "
+                          "for gpt3")
+    run.add_argument("--init-checkpoint", type=Path, metavar="PATH",
+                     help="starting weights, as MLPerf starts from its reference checkpoints: for bert a PyTorch "
+                          "state dict file (the reference's parameter names are understood), for gpt3 a "
+                          "torch.distributed.checkpoint folder; default for the tiny presets: one the harness "
+                          "trains once")
     run.add_argument("--synthetic", action="store_true",
-                     help="train on generated input instead of a dataset (from random weights for gpt3): "
+                     help="train on generated input instead of a dataset (from random weights for bert and gpt3): "
                           "measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")

@@ -30,8 +30,8 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
 AVAILABLE = ("resnet", "bert", "gpt3")
 # Presets that read a real dataset unless --synthetic is given.
 DATASET_PRESETS = ("full",)
-# Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint).
-STARTS_FROM_CHECKPOINT = ("bert", "gpt3")
+# Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint), and its form.
+STARTS_FROM_CHECKPOINT = {"bert": "FILE (a PyTorch state dict)", "gpt3": "DIR (a torch.distributed.checkpoint folder)"}
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
@@ -221,16 +221,18 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
                            "digits and '-', starting and ending with a letter or digit (RFC 1123)")
     if spec.data is not None and spec.synthetic:
         raise HarnessError("--data and --synthetic exclude each other: pick a dataset or synthetic input")
-    for flag, path in (("dataset", spec.data), ("--init-checkpoint", spec.init_checkpoint)):
-        if paths_here and path is not None and not path.is_dir():
-            raise HarnessError(f"{flag} path {path} does not exist or is not a folder")
+    if paths_here and spec.data is not None and not spec.data.is_dir():
+        raise HarnessError(f"dataset path {spec.data} does not exist or is not a folder")
+    if paths_here and spec.init_checkpoint is not None and not spec.init_checkpoint.exists():
+        raise HarnessError(f"--init-checkpoint path {spec.init_checkpoint} does not exist")
     missing = []
     if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
         missing.append(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
                        "or --synthetic to measure throughput on generated input")
     if spec.benchmark in STARTS_FROM_CHECKPOINT and spec.preset == "full" and spec.init_checkpoint is None \
             and not spec.synthetic:
-        missing.append(f"{spec.benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint DIR")
+        missing.append(f"{spec.benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint "
+                       f"{STARTS_FROM_CHECKPOINT[spec.benchmark]}")
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]

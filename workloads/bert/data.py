@@ -264,10 +264,11 @@ def write_tiny_dataset(folder: Path, vocab: int, max_seq_len: int, max_predictio
                        ) -> None:
     """The tiny dataset in MLPerf's layout: `train/part-*.hdf5` and `eval/eval.hdf5` (tests use small counts)."""
     table = tiny_text.transitions(vocab, TINY_SUCCESSORS, first=FIRST_WORD)
+    pair_len = max_seq_len // 2 if layout == "packed" else max_seq_len  # short pairs, so that 2 or 3 fit a row
     for name, count, seed in [*((f"train/part-{i:05d}-of-{shards:05d}.hdf5", shard_rows, i) for i in range(shards)),
                               ("eval/eval.hdf5", eval_rows, 10_000)]:
         rng = np.random.default_rng(seed)
-        rows = [tiny_pair(table, max_seq_len, max_predictions, rng) for _ in range(count)]
+        rows = [tiny_pair(table, pair_len, max_predictions, rng) for _ in range(count)]
         if layout == "packed":
             rows = pack(rows, max_seq_len)
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
