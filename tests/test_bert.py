@@ -197,3 +197,17 @@ def test_bert_survives_a_killed_rank(tmp_path):
     assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
     log = (out / "result_0.txt").read_text()
     assert log.count('"key": "run_start"') == 1 and log.count('"key": "run_stop"') == 1
+
+
+def test_the_dry_run_shows_the_batch_plan_and_refuses_a_world_no_rcp_fits(tmp_path):
+    args = ("run", "bert", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100", "--nodes", "384",
+            "--gpus-per-node", "8", "--batch-size", "4", "--dry-run", "--out", str(tmp_path / "o"))
+    result = harness(*args)
+    assert result.returncode == 0, result.stderr
+    assert "bert batch: global 12288 = 3072 processes x micro batch 4 x 1 accumulation steps (MLPerf RCP " \
+           "bert_ref_12288); eval every 275000 samples" in result.stderr
+    assert "#SBATCH --nodes=384" in result.stdout
+    result = harness("run", "bert", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "11",
+                     "--gpus-per-node", "1", "--synthetic", "--dry-run", "--out", str(tmp_path / "o2"))
+    assert result.returncode == 2 and "splits evenly over 11 processes" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -133,22 +133,29 @@ class Launcher(ABC):
 
 
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
-    """What the workload will make of this many processes, shown with the request: for gpt3 the parallel
-    layout and the memory estimate per GPU. A config that cannot fit is refused here, with the numbers."""
-    if spec.benchmark != "gpt3":
-        return ()
-    from workloads.gpt3 import config as gpt3  # torch-free: sizes and arithmetic only
-
-    cfg = gpt3.PRESETS[spec.preset]
-    if spec.batch_size:
-        cfg = dataclasses.replace(cfg, micro_batch=spec.batch_size)
+    """What the workload will make of this many processes, shown with the request: for bert the batch plan
+    (an MLPerf reference batch and its split), for gpt3 the parallel layout and the memory estimate per GPU.
+    A world that cannot take the batch, or a config that cannot fit, is refused here, with the numbers."""
+    world = spec.nodes * nproc_per_node
     try:
-        layout = gpt3.plan_layout(cfg, spec.nodes * nproc_per_node, nproc_per_node)
-        if gpu_memory_gib:
-            gpt3.check_fits(cfg, layout, gpu_memory_gib)
+        if spec.benchmark == "bert":
+            from workloads.bert import config as bert  # torch-free: sizes and arithmetic only
+
+            preset = bert.PRESETS[spec.preset]
+            return tuple(bert.describe(preset, bert.plan_batch(preset, world, spec.batch_size)))
+        if spec.benchmark == "gpt3":
+            from workloads.gpt3 import config as gpt3
+
+            cfg = gpt3.PRESETS[spec.preset]
+            if spec.batch_size:
+                cfg = dataclasses.replace(cfg, micro_batch=spec.batch_size)
+            layout = gpt3.plan_layout(cfg, world, nproc_per_node)
+            if gpu_memory_gib:
+                gpt3.check_fits(cfg, layout, gpu_memory_gib)
+            return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
     except ValueError as exc:
         raise HarnessError(str(exc)) from None
-    return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
+    return ()
 
 
 def cluster_procs_per_node(spec: JobSpec) -> int:
