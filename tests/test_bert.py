@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import compliance, failed_checks, harness
+from tests.closed_proxy import BERT_MODEL as BERT_PROXY
+from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
 from workloads.bert.data import TrainStream, collate, pack, read_rows, tiny_pair, write_tiny_dataset
@@ -211,3 +212,22 @@ def test_the_dry_run_shows_the_batch_plan_and_refuses_a_world_no_rcp_fits(tmp_pa
                      "--gpus-per-node", "1", "--synthetic", "--dry-run", "--out", str(tmp_path / "o2"))
     assert result.returncode == 2 and "splits evenly over 11 processes" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_closed_preset_logs_every_closed_key(tmp_path):
+    """The full preset, shortened to 2 steps (with tests/closed_proxy.py's small model in place of BERT-large):
+    the 5.0.0 checker's only complaint is the unreached target."""
+    data = tmp_path / "bert"
+    write_tiny_dataset(data, 128, 64, 10, shards=1, shard_rows=600, eval_rows=10_000)
+    torch.save({"model": Bert(BERT_PROXY).state_dict()}, tmp_path / "init.pt")
+    out = tmp_path / "closed"
+    result = closed_proxy_run("bert", "--data", str(data), "--init-checkpoint", str(tmp_path / "init.pt"),
+                              "--max-steps", "2", "--batch-size", "64", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (out / "result_0.txt").read_text()
+    assert '"global_batch_size", "value": 256' in log and '"opt_base_learning_rate", "value": 0.00035' in log
+    assert '"eval_samples", "value": 10000' in log
+    checked = compliance(out / "result_0.txt", "5.0.0", cwd=tmp_path)
+    assert "closed_bert.yaml" in checked.stdout + checked.stderr
+    failures = failed_checks(checked)
+    assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.720" in failures[0], checked.stdout

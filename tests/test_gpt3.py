@@ -10,11 +10,14 @@ import struct
 import jsonschema
 import numpy as np
 import pytest
+import torch.distributed.checkpoint as dcp
 import yaml
 
-from tests.conftest import compliance, failed_checks, harness
+from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
+from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
+from workloads.gpt3.model import GPT
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, BlendedSamples, IndexedDataset, SequenceSamples, \
     tiny_entropy, write_indexed_dataset
 
@@ -135,3 +138,24 @@ def test_synthetic_throughput_runs_start_from_random_weights(tmp_path):
     log = (tmp_path / "r" / "result_0.txt").read_text()
     assert '"key": "tracked_stats"' in log and "tokens_per_second" in log, result.stdout + result.stderr
     assert '"key": "init_checkpoint_step"' not in log  # no checkpoint was loaded, so none is claimed
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the starting checkpoint is saved in one process
+def test_closed_preset_logs_every_closed_key(tmp_path):
+    """The full preset, shortened to 1 step of 1536 sequences (with tests/closed_proxy.py's small model in place
+    of 175B): the 4.1.0 checker's only complaint is the unreached target."""
+    data = tmp_path / "c4"
+    data.mkdir()
+    _write_c4(data)
+    init = tmp_path / "init"
+    dcp.save({"model": GPT(GPT3_PROXY).state_dict()}, checkpoint_id=str(init), no_dist=True)
+    out = tmp_path / "closed"
+    result = closed_proxy_run("gpt3", "--data", str(data), "--init-checkpoint", str(init), "--max-steps", "1",
+                              "--batch-size", "32", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (out / "result_0.txt").read_text()
+    assert '"global_batch_size", "value": 1536' in log and '"init_checkpoint_step", "value": 4000' in log
+    checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
+    assert "closed_gpt3.yaml" in checked.stdout + checked.stderr
+    failures = failed_checks(checked)
+    assert len(failures) == 1 and "eval_accuracy" in failures[0] and "2.69" in failures[0], checked.stdout

@@ -1,0 +1,23 @@
+"""One rank of a closed (full-preset) campaign with a small model in place of BERT-large or GPT-3 175B,
+which no CPU trains even for one step. Used only by tests, through torchrun.
+
+Only the model's size changes. Everything the closed rules look at stays the full preset's: the
+hyperparameters (for bert, those of an MLPerf reference point), the schedule, the sequence length,
+the eval cadence and the logging. GPT-3 also keeps its global batch of 1536 sequences.
+"""
+
+import dataclasses
+import sys
+
+from workloads.bert import config as bert
+from workloads.gpt3 import config as gpt3
+
+BERT_MODEL = bert.BertConfig(vocab_size=128, max_seq_len=512, n_layer=1, n_head=2, d_model=32, d_ff=64)
+GPT3_MODEL = gpt3.GPTConfig(vocab_size=128, seq_len=2048, n_layer=1, n_head=2, d_model=32)
+
+if __name__ == "__main__":
+    bert.PRESETS["full"] = dataclasses.replace(bert.PRESETS["full"], model=BERT_MODEL)
+    gpt3.PRESETS["full"] = dataclasses.replace(gpt3.PRESETS["full"], model=GPT3_MODEL)
+    from workloads.__main__ import main
+
+    sys.exit(main())
