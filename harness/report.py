@@ -2,12 +2,13 @@
 
 JSON is a list of groups, one per (system, benchmark):
   {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
-   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "seed",
-             "restarts", "goodput", "badput"}]}
+   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
+             "seed", "restarts", "goodput", "badput"}]}
 `score_min` is the MLPerf score when the group has the runs the rules require, else null.
 `restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
 startup, save, restore, lost, recovery, other) come from the harness's run record, and are
-null for logs that have none.
+null for logs that have none. `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
+logged by GPT-3, and null elsewhere.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import json
 from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "seed", "restarts", "goodput",
-              "badput")
+RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
+              "restarts", "goodput", "badput")
 
 
 def run_record(run: Run) -> dict:
@@ -54,12 +55,16 @@ def _table(results: ResultSet) -> str:
                    f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
                    if len(group.runs) < (group.required_runs or 0) else "no score (too many failed runs)")
         lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
-        rows = [("run", "status", "time-to-train (min)", "quality", "samples/s", "restarts", "goodput", "badput",
-                 "file")]
+        # Token rate and MFU only for groups that log them (language models).
+        tokens = any(run.tokens_per_s is not None for run in group.runs)
+        rows = [("run", "status", "time-to-train (min)", "quality", "samples/s",
+                 *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput", "file")]
         for i, run in enumerate(group.runs):
             rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
-                         _number(run.samples_per_s, 1), "-" if run.restarts is None else str(run.restarts),
-                         _number(run.goodput, 3), _badput(run.badput), run.file))
+                         _number(run.samples_per_s, 1),
+                         *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
+                         "-" if run.restarts is None else str(run.restarts), _number(run.goodput, 3),
+                         _badput(run.badput), run.file))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         for row in rows:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -83,7 +88,7 @@ def _documents(results: ResultSet, fmt: str) -> str:
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
     runs = results.runs[["system", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
-                         "samples_per_s", "restarts", "goodput", "file"]]
+                         "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
     title = f"MLPerf Training results (ruleset {results.ruleset})"
     if fmt == "markdown":
         return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"

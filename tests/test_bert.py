@@ -15,6 +15,7 @@ from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch
 from workloads.bert.data import TrainStream, collate, pack, read_rows, tiny_pair, write_tiny_dataset
 from workloads.bert.lamb import Lamb, parameter_groups
 from workloads.bert.model import Bert, load_reference_state_dict
+from workloads.bert.train import model_outputs
 from workloads.common import tiny_text
 
 TINY = PRESETS["tiny"]
@@ -71,13 +72,8 @@ def test_a_packed_row_scores_each_sequence_as_if_it_were_alone():
     packed = pack(rows, 64)
     assert len(packed) == 1 and len(packed[0].lengths) == 3
 
-    def run(rows):
-        batch = collate(rows, 64)
-        return model(batch["input_ids"], batch["segment_ids"], batch["position_ids"], batch["sequence_ids"],
-                     batch["mlm_positions"], batch["cls_positions"])
-
-    alone_mlm, alone_nsp = run(rows)
-    packed_mlm, packed_nsp = run(packed)
+    alone_mlm, alone_nsp = model_outputs(model, collate(rows, 64))
+    packed_mlm, packed_nsp = model_outputs(model, collate(packed, 64))
     torch.testing.assert_close(packed_mlm, alone_mlm, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed_nsp, alone_nsp, atol=1e-5, rtol=1e-5)
 

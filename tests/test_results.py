@@ -50,6 +50,26 @@ def test_parse_ignores_noise_and_rank_prefixes(tmp_path):
     assert run.evals == [(1000.0, 0.5), (2000.0, 0.8)]
 
 
+def test_token_rate_and_mfu_are_reported_where_logged(tmp_path):
+    for name in ("resnet", "gpt3"):
+        (tmp_path / name).mkdir()
+    resnet = write_run(tmp_path / "resnet" / "result_0.txt", 1.0)
+    gpt = tmp_path / "gpt3" / "result_0.txt"
+    stats = [mllog("tracked_stats", {"throughput": 2.0, "tokens_per_second": 4096.0 * k, "mfu": 0.4 * k}, t=2000,
+                   step=k) for k in (1, 2)]
+    gpt.write_text("".join(line + "\n" for line in [mllog("submission_benchmark", "gpt3"), mllog("run_start", t=1000),
+                                                   *stats, mllog("run_stop", t=61000, status="success")]))
+    run = parse_file(gpt)
+    assert run.tokens_per_s == 6144.0 and run.mfu == pytest.approx(0.6) and run.samples_per_s == 2.0
+    assert parse_file(resnet).tokens_per_s is None and parse_file(resnet).mfu is None
+    table = harness("report", str(tmp_path)).stdout
+    gpt_lines = table.split("gpt3:")[1].splitlines()
+    assert "tokens/s  MFU" in gpt_lines[1] and "6144" in gpt_lines[2] and "0.600" in gpt_lines[2]
+    assert "tokens/s" not in table.split("resnet:")[1].split("gpt3")[0]  # no empty columns for ResNet
+    records = {g["benchmark"]: g["runs"][0] for g in json.loads(harness("report", str(tmp_path), "--format", "json").stdout)}
+    assert records["gpt3"]["mfu"] == pytest.approx(0.6) and records["resnet"]["tokens_per_s"] is None
+
+
 def test_parse_takes_the_first_run_stop_among_duplicates(tmp_path):
     path = write_run(tmp_path / "result_0.txt", 1.0)
     with path.open("a") as f:

@@ -22,7 +22,8 @@ from harness.results.score import benchmark_score, required_runs
 
 # Columns of ResultSet.runs, each an attribute of Run.
 RUN_COLUMNS = ["submitter", "system", "benchmark", "division", "status", "converged", "seed", "accelerators",
-               "time_to_train_min", "quality", "samples_per_s", "global_batch_size", "restarts", "goodput", "file"]
+               "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "global_batch_size", "restarts",
+               "goodput", "file"]
 
 
 @dataclass

@@ -19,6 +19,8 @@ from mlperf_logging.mllog import constants as C
 from harness.results.goodput import account
 from workloads.common.mlperf import TRACKED_STATS  # the writer's key names (torch-free module)
 
+TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
+
 MARKER = b":::MLLOG "
 
 ErrorSink = Callable[[Path, str], None]
@@ -42,7 +44,7 @@ class Run:
     run_start_ms: float
     run_stop_ms: float
     quality: float | None  # the last eval_accuracy
-    samples_per_s: float | None  # mean logged throughput
+    samples_per_s: float | None  # mean logged throughput (tracked_stats)
     global_batch_size: int | None
     evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy)
     accelerators: int | None = None  # from the submission's system description, where there is one
@@ -51,6 +53,9 @@ class Run:
     restarts: int | None = None
     goodput: float | None = None
     badput: dict[str, float] | None = None
+    # Language models' tracked_stats also carry tokens/s and, on GPUs with a known peak, MFU (None where not logged).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
     @property
     def time_to_train_min(self) -> float:
@@ -74,6 +79,10 @@ def iter_events(data: bytes) -> Iterable[dict]:
         yield event
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -89,7 +98,7 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
     first: dict[str, dict] = {}
     run_start = run_stop = None
     evals: list[tuple[float, float]] = []
-    throughputs: list[float] = []
+    stats: dict[str, list[float]] = {name: [] for name in TRACKED}
     for event in iter_events(data):
         key = event["key"]
         first.setdefault(key, event)
@@ -102,9 +111,10 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
         if key == C.EVAL_ACCURACY and _is_number(event.get("value")):
             evals.append((float(event["time_ms"]), float(event["value"])))
         elif key == TRACKED_STATS and isinstance(event.get("value"), dict):
-            value = event["value"].get("throughput")
-            if _is_number(value):
-                throughputs.append(float(value))
+            for name, values in stats.items():
+                value = event["value"].get(name)
+                if _is_number(value):
+                    values.append(float(value))
     if not first:
         raise LogError("no MLLOG records")
     if run_start is None:
@@ -126,7 +136,8 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
         system=system or value(C.SUBMISSION_PLATFORM, str), submitter=submitter or value(C.SUBMISSION_ORG, str),
         division=value(C.SUBMISSION_DIVISION, str), status=status if isinstance(status, str) else None,
         seed=value(C.SEED, int), run_start_ms=start_ms, run_stop_ms=stop_ms, quality=evals[-1][1] if evals else None,
-        samples_per_s=sum(throughputs) / len(throughputs) if throughputs else None,
+        samples_per_s=_mean(stats["throughput"]), tokens_per_s=_mean(stats["tokens_per_second"]),
+        mfu=_mean(stats["mfu"]),
         global_batch_size=value(C.GLOBAL_BATCH_SIZE, int),
         evals=[(t - start_ms, acc) for t, acc in evals],
     )

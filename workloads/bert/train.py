@@ -209,8 +209,7 @@ class BertWorkload(Workload):
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
-            return self.model(batch["input_ids"], batch["segment_ids"], batch["position_ids"],
-                              batch["sequence_ids"], batch["mlm_positions"], batch["cls_positions"])
+            return model_outputs(self.model, batch)
 
     def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """One optimizer step over grad_accum micro batches; returns the mean loss and the sequences trained
@@ -223,9 +222,7 @@ class BertWorkload(Workload):
             batch = self._inputs(next(batches))
             # Gradients are reduced across ranks only after the last micro batch.
             with self.model.no_sync() if micro < accum - 1 else nullcontext():
-                mlm_logits, nsp_logits = self._forward(batch)
-                loss = (F.cross_entropy(mlm_logits.float(), batch["mlm_labels"]) +
-                        F.cross_entropy(nsp_logits.float(), batch["nsp_labels"])) / accum
+                loss = pretraining_loss(*self._forward(batch), batch) / accum
                 loss.backward()
             total += loss.detach()
             sequences += batch["nsp_labels"].numel()
@@ -254,6 +251,18 @@ class BertWorkload(Workload):
         mlog.event(C.EVAL_ACCURACY, accuracy, metadata={C.EPOCH_NUM: self.samples})
         mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: self.samples})
         return accuracy
+
+
+def model_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's MLM and NSP logits for a collated batch."""
+    return model(batch["input_ids"], batch["segment_ids"], batch["position_ids"], batch["sequence_ids"],
+                 batch["mlm_positions"], batch["cls_positions"])
+
+
+def pretraining_loss(mlm_logits: torch.Tensor, nsp_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Masked-LM plus next-sentence cross entropy, as the reference sums them."""
+    return (F.cross_entropy(mlm_logits.float(), batch["mlm_labels"]) +
+            F.cross_entropy(nsp_logits.float(), batch["nsp_labels"]))
 
 
 def synthetic_row(cfg: BertPreset, rng: np.random.Generator) -> Row:
@@ -308,9 +317,7 @@ def _train_tiny_init(preset: BertPreset, folder: Path) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / TINY_INIT_WARMUP))
     for _ in range(TINY_INIT_STEPS):
         batch = next(batches)
-        mlm_logits, nsp_logits = model(batch["input_ids"], batch["segment_ids"], batch["position_ids"],
-                                       batch["sequence_ids"], batch["mlm_positions"], batch["cls_positions"])
-        loss = F.cross_entropy(mlm_logits, batch["mlm_labels"]) + F.cross_entropy(nsp_logits, batch["nsp_labels"])
+        loss = pretraining_loss(*model_outputs(model, batch), batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
