@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.results.parse import iter_events
 from tests.closed_proxy import BERT_MODEL as BERT_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
@@ -194,6 +195,9 @@ def test_bert_survives_a_killed_rank(tmp_path):
     assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
     log = (out / "result_0.txt").read_text()
     assert log.count('"key": "run_start"') == 1 and log.count('"key": "run_stop"') == 1
+    blocks = {key: [e["metadata"]["first_epoch_num"] for e in iter_events(log.encode()) if e["key"] == key]
+              for key in ("block_start", "block_stop")}
+    assert set(blocks["block_stop"]) == set(blocks["block_start"])  # each block closes under its own start
 
 
 def test_the_dry_run_shows_the_batch_plan_and_refuses_a_world_no_rcp_fits(tmp_path):

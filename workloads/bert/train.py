@@ -52,6 +52,7 @@ class BertWorkload(Workload):
                                math.ceil(self.preset.max_samples / self.plan.global_batch))
         self.samples = 0  # sequences trained, over all ranks
         self.next_eval = self.eval_every  # samples at which the next evaluation is due
+        self.block_first = 0  # samples when the current block (of training between evaluations) began
 
         model = Bert(self.preset.model).to(ctx.device)
         self._load_init_checkpoint(model)
@@ -147,10 +148,11 @@ class BertWorkload(Workload):
     # --- the timed run ----------------------------------------------------------------------------
 
     def position(self) -> dict[str, Any]:
-        return {"samples": self.samples, "next_eval": self.next_eval}
+        return {"samples": self.samples, "next_eval": self.next_eval, "block_first": self.block_first}
 
     def load_position(self, position: dict[str, Any]) -> None:
-        self.samples, self.next_eval = position["samples"], position["next_eval"]
+        self.samples, self.next_eval, self.block_first = (position["samples"], position["next_eval"],
+                                                          position["block_first"])
 
     def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
         plan, ctx = self.plan, self.ctx
@@ -160,17 +162,16 @@ class BertWorkload(Workload):
         progress = Progress(self.total_steps, progress_desc, show=ctx.is_main, initial=resumed)
         reached, step = False, resumed
         # A run resumed inside a block continues it: its block_start is logged already.
-        block_open, block_first, started = resumed > 0, self.next_eval - self.eval_every, time.perf_counter()
-        block_samples = self.samples
+        block_open, block_samples, started = resumed > 0, self.samples, time.perf_counter()
         try:
             if self.samples >= self.next_eval:  # resumed after the step that ends a block, before its eval
-                reached = self._end_block(mlog, resumed, block_first, None, support, progress, progress_desc)
+                reached = self._end_block(mlog, resumed, None, support, progress, progress_desc)
                 block_open = False
             for step in range(resumed + 1, self.total_steps + 1) if not reached else ():
                 if not block_open:
-                    block_first, block_samples, started = self.samples, self.samples, time.perf_counter()
-                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: block_first,
-                                                        C.EPOCH_COUNT: self.next_eval - block_first})
+                    self.block_first, block_samples, started = self.samples, self.samples, time.perf_counter()
+                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: self.block_first,
+                                                        C.EPOCH_COUNT: self.next_eval - self.block_first})
                     block_open = True
                 loss, sequences = self._train_step(batches)
                 self.samples += sequences
@@ -179,7 +180,7 @@ class BertWorkload(Workload):
                 if self.samples < self.next_eval and step != self.total_steps:
                     continue
                 throughput = (self.samples - block_samples) / (time.perf_counter() - started)
-                reached = self._end_block(mlog, step, block_first, throughput, support, progress, progress_desc)
+                reached = self._end_block(mlog, step, throughput, support, progress, progress_desc)
                 block_open = False
                 if reached:
                     break
@@ -188,10 +189,10 @@ class BertWorkload(Workload):
         mlog.event(C.TRAIN_SAMPLES, self.samples)
         return reached
 
-    def _end_block(self, mlog: K.ResultLog, step: int, block_first: int, throughput: float | None,
-                   support: Resilience, progress: Progress, progress_desc: str) -> bool:
+    def _end_block(self, mlog: K.ResultLog, step: int, throughput: float | None, support: Resilience,
+                   progress: Progress, progress_desc: str) -> bool:
         """Close the block, evaluate; True if the target is reached."""
-        mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_first})
+        mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: self.block_first})
         if throughput is not None:
             mlog.event(K.TRACKED_STATS, {"throughput": throughput}, metadata={"step": self.samples})
         while self.next_eval <= self.samples:
