@@ -13,9 +13,7 @@ and are waited for, untimed, before the next save).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -27,6 +25,8 @@ import torch.distributed as dist
 
 from workloads.common.checkpoint import Checkpointer
 from workloads.common.distributed import DistContext
+
+from summary import machine, publish  # bench/summary.py, beside this script
 
 
 def main() -> int:
@@ -53,13 +53,10 @@ def main() -> int:
             figures[mode] = {"median_s": round(statistics.median(blocked), 4), "all_s": [round(b, 4) for b in blocked]}
     dist.destroy_process_group()
     ratio = figures["sync"]["median_s"] / figures["async"]["median_s"]
-    summary = {"machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
+    summary = {"machine": machine(),
                "state_mib": args.mib, "blocking": figures, "sync_over_async": round(ratio, 1),
                "goal_ratio": 10.0, "met": ratio >= 10.0}
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    publish(summary, args.json)
     return 0 if summary["met"] else 1
 
 

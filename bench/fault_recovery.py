@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from summary import machine, publish  # bench/summary.py, beside this script
 
 
 def trial(step: int, out: Path, env: dict) -> dict:
@@ -52,14 +53,11 @@ def main() -> int:
         trial(6, Path(tmp) / "warm-up", env)  # generates the tiny dataset once, outside the figures
         trials = [trial(rng.randint(6, 40), Path(tmp) / f"trial-{i}", env) for i in range(args.faults)]
     seconds = [t["fault_to_first_step_s"] for t in trials]
-    summary = {"machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
+    summary = {"machine": machine(),
                "workload": "resnet tiny, 2 CPU ranks, checkpoint every 5 steps",
                "fault_to_first_step_s": {"p50": statistics.median(seconds), "max": max(seconds)},
                "goal_p50_s": 10.0, "met": statistics.median(seconds) <= 10.0, "trials": trials}
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    publish(summary, args.json)
     return 0 if summary["met"] else 1
 
 

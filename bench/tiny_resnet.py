@@ -12,9 +12,7 @@ figure is the steady state a user sees from the second run on.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +22,8 @@ from pathlib import Path
 
 from harness.results import load
 from harness.results.parse import iter_events
+
+from summary import machine, publish  # bench/summary.py, beside this script
 
 
 def run_start_ms(path: Path) -> float:
@@ -58,7 +58,7 @@ def main() -> int:
         runs = load(outs).records
 
     figures = {
-        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
+        "machine": machine(),
         "runs": len(runs),
         "succeeded": sum(r.converged for r in runs),
         "dataset_generation_s": round(generate_s, 2),
@@ -69,11 +69,7 @@ def main() -> int:
         "throughput_img_per_s": {"median": round(statistics.median(r.samples_per_s for r in runs), 1)},
         "wall_per_launch_s": {"median": round(statistics.median(walls), 1)},
     }
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    publish(figures, args.json)
     return 0
 
 

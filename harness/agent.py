@@ -172,7 +172,7 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
         return False, None
     except ChildFailedError as exc:
         failures = [classify(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None, _error_text(f.message),
-                             bool(f.error_file_data.get("message")))
+                             os.path.isfile(f.error_file))
                     for rank, f in sorted(exc.failures.items())]
         return False, attempt_failure(failures)
     except SignalException as exc:

@@ -112,11 +112,8 @@ def test_the_closed_plan_takes_an_rcp_and_mlperf_eval_interval():
 
 
 def test_the_schedule_is_the_references():
-    from workloads.bert.train import BertWorkload
-
-    workload = BertWorkload.__new__(BertWorkload)
-    workload.plan = plan_batch(PRESETS["full"], world=3072, micro_batch=4)  # warmup 300 from step -100, 500 steps
-    factors = [workload._lr_factor(step) for step in (0, 199, 200, 499, 600)]
+    schedule = reference_points()[12288][1]  # warmup 300 from step -100, decay to 0 at step 500
+    factors = [schedule.lr_factor(step) for step in (0, 199, 200, 499, 600)]
     np.testing.assert_allclose(factors, [100 / 300, 299 / 300, 1 - 200 / 500, 1 / 500, 0.0])
 
 
@@ -231,3 +228,13 @@ def test_closed_preset_logs_every_closed_key(tmp_path):
     assert "closed_bert.yaml" in checked.stdout + checked.stderr
     failures = failed_checks(checked)
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.720" in failures[0], checked.stdout
+
+
+def test_an_unreadable_starting_checkpoint_is_named_without_a_traceback(tmp_path):
+    (tmp_path / "model.pt").write_text("not a checkpoint")
+    result = harness("run", "bert", "--preset", "tiny", "--init-checkpoint", str(tmp_path / "model.pt"),
+                     "--out", str(tmp_path / "run"))
+    assert result.returncode == 3, result.stdout + result.stderr  # a workload error: not retried
+    assert f"attempt 0 failed: rank 0: SystemExit: workloads: the bert starting checkpoint {tmp_path / 'model.pt'} " \
+           "is not a PyTorch state dict" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

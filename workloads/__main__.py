@@ -7,7 +7,7 @@ non-zero on an error, which the elastic agent may answer with a restart.
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from workloads.common.campaign import RunOptions, run_campaign
 
@@ -32,7 +32,14 @@ def workload_class(benchmark: str):
 @record  # writes the exception to torchelastic's error file so the agent reports the real cause
 def main() -> int:
     opts = RunOptions.parse()
-    run_campaign(workload_class(opts.benchmark), opts)
+    try:
+        run_campaign(workload_class(opts.benchmark), opts)
+    except SystemExit as exc:
+        # A refusal with its reason (bad input, a missing file): @record leaves SystemExit out of the error
+        # file, so record it here for the agent's one-line cause; the worker prints it, without a traceback.
+        if isinstance(exc.code, str):
+            get_error_handler().record_exception(exc)
+        raise
     return 0
 
 

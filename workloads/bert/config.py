@@ -54,6 +54,13 @@ class Hyperparameters:
     epsilon: float = 1e-6
     poly_power: float = 1.0
 
+    def lr_factor(self, step: int) -> float:
+        """The reference's schedule, as a multiple of base_lr after `step` optimizer steps: linear warmup
+        counted from start_warmup_step, then polynomial decay to 0 at training_steps."""
+        if self.warmup_steps and step - self.start_warmup_step < self.warmup_steps:
+            return (step - self.start_warmup_step) / self.warmup_steps
+        return max(0.0, 1 - step / self.training_steps) ** self.poly_power
+
 
 @dataclass(frozen=True)
 class BertPreset:

@@ -60,7 +60,7 @@ class BertWorkload(Workload):
                                              else None)
         self.optimizer = Lamb(parameter_groups(model, h.weight_decay), lr=h.base_lr, betas=(h.beta_1, h.beta_2),
                               eps=h.epsilon, weight_decay=h.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, h.lr_factor)
         self.stream, (self.eval_set, self.eval_rows) = self._data()
         # Packed rows hold a varying number of sequences: those runs count them (one small all-reduce a step).
         self.packed = self.stream.packed
@@ -83,7 +83,14 @@ class BertWorkload(Workload):
             path = tiny_init_root() / "model.pt"
         if not Path(path).is_file():
             raise SystemExit(f"workloads: the bert starting checkpoint {path} is not a file")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises several kinds for a file it cannot read
+            raise SystemExit(f"workloads: the bert starting checkpoint {path} is not a PyTorch state dict that "
+                             f"torch.load(weights_only=True) reads ({type(exc).__name__})") from None
+        if not isinstance(state, dict):
+            raise SystemExit(f"workloads: the bert starting checkpoint {path} holds a {type(state).__name__}, not a "
+                             "state dict")
         try:
             load_reference_state_dict(model, state.get("model", state))
         except ValueError as exc:
@@ -115,14 +122,6 @@ class BertWorkload(Workload):
                                  ctx.rank, ctx.world_size))
         except (OSError, ValueError) as exc:
             raise SystemExit(f"workloads: {exc}") from None
-
-    def _lr_factor(self, step: int) -> float:
-        """The reference's schedule: linear warmup counted from start_warmup_step, then polynomial decay to 0
-        at training_steps."""
-        h = self.plan.hyperparameters
-        if h.warmup_steps and step - h.start_warmup_step < h.warmup_steps:
-            return (step - h.start_warmup_step) / h.warmup_steps
-        return max(0.0, 1 - step / h.training_steps) ** h.poly_power
 
     def hyperparameters(self) -> dict[str, Any]:
         h, plan = self.plan.hyperparameters, self.plan
