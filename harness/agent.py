@@ -5,10 +5,12 @@ lost process or a broken link (worth a retry) from a bug in the training code
 (which fails the same way every time). So each attempt runs torchrun's agent with
 no restarts of its own, and this wrapper:
 
-1. records the attempt in <out>/attempts.jsonl: start, end, node, exit code or signal,
-   the failed rank, the cause, and the run and step it reached;
+1. records the attempt in its node's own file, <out>/attempts/<node>.jsonl: start, end, node,
+   exit code or signal, the failed rank, the cause, and the run and step it reached (the
+   decider merges every node's file into <out>/attempts.jsonl);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
-   error or timeout, out of memory) or `workload` (an exception in the training code,
+   error or timeout, a rendezvous that timed out or could not reach its store, out of memory)
+   or `workload` (an exception in the training code,
    a diverged loss, an exit with an error code);
 3. decides, against one restart budget for every backend: retry an infrastructure
    failure while restarts are left, unless the last 3 attempts failed the same way at
@@ -33,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.run_record import ATTEMPT_ENV, ATTEMPTS_FILE, read_json_lines
+from workloads.common.run_record import (ATTEMPT_ENV, node_attempts_path, read_attempts, read_json_lines,
+                                         write_merged_attempts)
 
 EXIT_WORKLOAD_ERROR = 3
 EXIT_BUDGET_SPENT = 4
@@ -88,12 +91,16 @@ def attempt_failure(failures: list[Failure]) -> Failure:
 # --- the record ----------------------------------------------------------------------------------
 
 def read_records(out: Path) -> list[dict]:
-    return [r for r in read_json_lines(Path(out) / ATTEMPTS_FILE) if isinstance(r.get("attempt"), int)]
+    return read_attempts(out)
 
 
-def _append(out: Path, record: dict) -> None:
-    with open(Path(out) / ATTEMPTS_FILE, "a") as f:  # one short append: whole lines from every node
+def _append(out: Path, node: str, record: dict) -> None:
+    path = node_attempts_path(out, node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # this node is the file's only writer; fsync so the decider reads it whole
         f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def next_attempt(records: list[dict], node: str) -> int:
@@ -161,9 +168,11 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
 
 def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
     """Run torchrun's agent once with no restarts of its own; (stopped by a signal, failure or None)."""
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     args = torchrun.parse_args(torchrun_argv)
     args.max_restarts = 0
@@ -178,6 +187,22 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
     except SignalException as exc:
         return True, Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled "
                                              "or preempted, or its node was lost)", signal=exc.sigval.name)
+    except (RendezvousError, DistError, TimeoutError, ConnectionError) as exc:
+        # The nodes never met (a node late or lost, the store's host unreachable): no worker ran, so it is the
+        # cluster's failure, not the workload's, and worth a retry like any other.
+        return False, Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
+
+
+def _rendezvous_reason(exc: Exception, args) -> str:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+
+    where = f"the c10d store at {args.rdzv_endpoint}" if args.rdzv_endpoint else "the local store"
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"not all {args.nnodes} node(s) joined at {where} in time (join_timeout); a node is late, "
+                "lost or cannot reach it")
+    if isinstance(exc, RendezvousConnectionError):
+        return f"cannot reach {where}: {exc or type(exc).__name__}"
+    return f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0][:300] if str(exc) else 'no detail'}"
 
 
 def _error_text(message) -> str:
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     if args.decide:
         records = read_records(args.out)
+        write_merged_attempts(args.out, records)
         attempt = max((r["attempt"] for r in records), default=0)
         decision = decide(records, attempt, args.max_restarts)
         if decision.exit_code:
@@ -216,17 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BUDGET_SPENT
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
-        _append(args.out, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
+        _append(args.out, node, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
         cancelled, failure = run_attempt(torchrun_argv)
         run, step = progress_at_failure(args.out) if failure else (None, None)
         end = {"event": "end", "attempt": attempt, "node": node, "time": time.time(), "ok": failure is None}
         if failure:
             end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
                        signal=failure.signal, run=run, step=step)
-        _append(args.out, end)
+        _append(args.out, node, end)
         if cancelled:
             return 143
-        decision = decide(read_records(args.out), attempt, args.max_restarts)
+        records = read_records(args.out)
+        write_merged_attempts(args.out, records)
+        decision = decide(records, attempt, args.max_restarts)
         if decision.exit_code:
             _say(decision.message)
         if not (decision.retry and args.restart_here):

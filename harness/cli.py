@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -52,8 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preset", help="tiny or full (default: full with --data, else tiny)")
     run.add_argument("--backend", default="local", help=f"where to run: {', '.join(BACKENDS)}")
     run.add_argument("--nodes", type=int, default=1, help="nodes (machines) to use")
-    run.add_argument("--procs-per-node", "--gpus-per-node", dest="procs_per_node", type=int,
-                     help="worker processes per node (default: one per GPU, or 2 on a CPU-only machine)")
+    run.add_argument("--gpus-per-node", type=int,
+                     help="GPUs each node asks the scheduler for (default: the profile's; local: the visible ones)")
+    run.add_argument("--procs-per-node", type=int,
+                     help="worker processes per node, one per GPU at most (default: one per GPU, or the profile's "
+                          "CPU default; local: 2 on a CPU-only machine)")
     run.add_argument("--runs", type=int, default=1, help="timed runs, each with its own seed and result file")
     run.add_argument("--seed", type=int, help="seed of the first run; run i uses seed+i "
                                               "(default: each run draws a random seed and logs it)")
@@ -174,7 +178,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     preset = args.preset or ("full" if args.data else "tiny")
     overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
     profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
-    return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, procs_per_node=args.procs_per_node,
+    return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   procs_per_node=args.procs_per_node,
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
@@ -186,8 +191,9 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.launchers import get_launcher
 
-    spec = _spec_from_args(args).resolved()
     launcher = get_launcher(args.backend)
+    spec = _spec_from_args(args)
+    spec = spec.resolved(runs_root=launcher.runs_root(spec))
     notes = validate(spec, dry_run=args.dry_run, paths_here=launcher.paths_here)
     request = launcher.render(spec)
     for note in (*request.notes, *notes):
@@ -201,15 +207,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
           flush=True)
     handle = launcher.submit(request)
+    # A CI timeout sends SIGTERM, not Ctrl-C: both cancel the job, so no workers outlive `harness run`.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         state = None
         for state in launcher.watch(handle):
             if launcher.name != "local":  # local workers print their own progress
                 print(f"harness: job {handle.job_id} {state.value}", flush=True)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cancel short
         launcher.cancel(handle)
         print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
-        return 130
+        return 143 if isinstance(stop, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     job_ok = state is not None and state.value == "SUCCEEDED"
     try:
         _collect(launcher, handle)
@@ -221,6 +232,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if record.get("failure"):
         print(f"harness: {record['failure']}", file=sys.stderr)
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, exit_code=record.get("exit_code"))
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while `harness run` watched its job."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
 
 
 def _collect(launcher, handle) -> None:

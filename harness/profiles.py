@@ -40,6 +40,9 @@ class KubernetesSettings:
     results_mount: str = "/results"
     shm_size: str = "16Gi"  # the memory-backed /dev/shm that NCCL and data loaders need
     service_account: str | None = None
+    # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
+    # --init-checkpoint must lie under one of these paths or under results_mount.
+    mounts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -51,8 +54,21 @@ class SlurmSettings:
     exclusive: bool = True
     requeue: bool = True
     use_gres: bool = False  # --gres=gpu:N instead of --gpus-per-node=N (older Slurm set-ups)
-    container_mounts: list[str] = field(default_factory=list)  # pyxis, with `image` below
+    # pyxis, with `image` below: "HOST[:CONTAINER[:FLAGS]]". --out, --data and --init-checkpoint reach the
+    # container translated through these (see harness.mounts); the run folder is mounted as it is otherwise.
+    container_mounts: list[str] = field(default_factory=list)
+    results_dir: str | None = None  # where run folders go without --out (a shared file system), e.g. /mnt/results
     rendezvous_port: int = 29500
+
+
+@dataclass
+class RendezvousSettings:
+    """How long the nodes wait for each other at the c10d rendezvous; None: scaled with the node count
+    (harness.launchers.base.rendezvous_timeouts), since torch's defaults (600 s to join, 60 s per store read)
+    are sized for tens of nodes, not for 448 nodes pulling a container image and sharing one store."""
+
+    join_timeout_s: int | None = None
+    store_timeout_s: int | None = None
 
 
 @dataclass
@@ -68,6 +84,7 @@ class Profile:
     host_network: bool = False
     image: str | None = None  # container image (pods; pyxis on Slurm)
     env: dict[str, str] = field(default_factory=dict)  # NCCL and InfiniBand settings
+    rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
 
@@ -95,7 +112,7 @@ def _check_value(value, kind, where: str):
     if origin is list:
         if not isinstance(value, list) or not all(isinstance(v, args[0]) for v in value):
             raise HarnessError(f"{where} must be a list of {args[0].__name__}, got {value!r}")
-        return value
+        return [_text(v, f"{where}[{i}]") for i, v in enumerate(value)] if args[0] is str else value
     if kind is bool:
         if not isinstance(value, bool):
             raise HarnessError(f"{where} must be true or false, got {value!r}")
@@ -135,6 +152,10 @@ def _validate(profile: Profile) -> Profile:
             raise HarnessError(f"env name {key!r} must be letters, digits and _")
     if profile.kubernetes.api not in KUBERNETES_APIS:
         raise HarnessError(f"kubernetes.api {profile.kubernetes.api!r} is not one of: {', '.join(KUBERNETES_APIS)}")
+    for label, value in (("join_timeout_s", profile.rendezvous.join_timeout_s),
+                         ("store_timeout_s", profile.rendezvous.store_timeout_s)):
+        if value is not None and value < 1:
+            raise HarnessError(f"rendezvous.{label} must be at least 1 second, got {value}")
     if profile.rdma_resource and profile.rdma_count < 1:
         raise HarnessError(f"rdma_resource {profile.rdma_resource} needs rdma_count of 1 or more")
     return profile
@@ -201,7 +222,7 @@ def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:
         for part in parents:
             if not isinstance(target.get(part), dict):
                 raise HarnessError(f"--set {key}: {part!r} is not a group of settings; groups: env, kubernetes, "
-                                   "slurm, kubernetes.node_selector")
+                                   "slurm, rendezvous, kubernetes.node_selector")
             target = target[part]
         target[leaf] = value
     return from_dict(data, f"profile {profile.name} with --set")

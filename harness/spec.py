@@ -39,7 +39,7 @@ CHECKPOINT_EVERY = {"tiny": "20", "full": "15m"}
 
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
 PATH_FIELDS = ("out_dir", "data", "init_checkpoint")  # JobSpec fields that hold paths (text in job.json)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # \Z, not $: "$" also matches before a final newline
 # Job names become Kubernetes object and pod names (RFC 1123 labels, with room for "-worker-447")
 # and Slurm job names; one rule for every backend keeps them safe everywhere.
 JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?\Z")
@@ -52,7 +52,8 @@ class JobSpec:
     benchmark: str
     preset: str = "tiny"
     nodes: int = 1
-    procs_per_node: int | None = None  # None: 2 processes on CPU, one per GPU otherwise
+    gpus_per_node: int | None = None  # GPUs each node asks for; None: the profile's (local: the visible ones)
+    procs_per_node: int | None = None  # None: one per GPU, or the profile's CPU default (local: 2)
     runs: int = 1
     seed: int | None = None  # None: each run draws and logs its own random seed
     out_dir: Path | None = None  # None: results/runs/<benchmark>-<preset>-<time>
@@ -72,8 +73,9 @@ class JobSpec:
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
     profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
-    def resolved(self) -> "JobSpec":
-        """Fill in defaults that depend on the time or the machine, once, before rendering."""
+    def resolved(self, runs_root: Path | None = None) -> "JobSpec":
+        """Fill in defaults that depend on the time or the machine, once, before rendering.
+        `runs_root`: where run folders go without --out (the backend's shared file system)."""
         spec = dataclasses.replace(self)
         if spec.name is None:
             spec.name = f"{spec.benchmark}-{spec.preset}"
@@ -81,11 +83,15 @@ class JobSpec:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            spec.out_dir = DEFAULT_RUNS_ROOT / f"{spec.benchmark}-{spec.preset}-{stamp}"
+            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{stamp}"
         for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
         return spec
+
+    def gpus(self) -> int:
+        """GPUs per node on a cluster: as asked, else the profile's."""
+        return self.profile.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node
 
     def seeds(self) -> list[int | None]:
         """Distinct seeds, one per run: seed, seed+1, ...; None lets each run draw its own."""
@@ -126,7 +132,8 @@ class JobSpec:
                 "--preset", self.preset,
                 "--nodes", str(self.nodes), "--runs", str(self.runs), "--max-restarts", str(self.max_restarts),
                 "--submitter", self.submitter]
-        for flag, value in (("--procs-per-node", self.procs_per_node), ("--seed", self.seed),
+        for flag, value in (("--gpus-per-node", self.gpus_per_node), ("--procs-per-node", self.procs_per_node),
+                            ("--seed", self.seed),
                             ("--out", self.out_dir), ("--data", self.data),
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name),
@@ -197,6 +204,11 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if spec.gpus_per_node is not None and spec.gpus_per_node < 0:
+        raise HarnessError(f"--gpus-per-node must be 0 (CPU nodes) or more, got {spec.gpus_per_node}")
+    if spec.gpus_per_node and spec.procs_per_node and spec.procs_per_node > spec.gpus_per_node:
+        raise HarnessError(f"--procs-per-node {spec.procs_per_node} is more than --gpus-per-node "
+                           f"{spec.gpus_per_node}: each process drives one GPU")
     if spec.max_restarts < 0:
         raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.keep_checkpoints < 1:
@@ -221,11 +233,11 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
                            "digits and '-', starting and ending with a letter or digit (RFC 1123)")
     if spec.data is not None and spec.synthetic:
         raise HarnessError("--data and --synthetic exclude each other: pick a dataset or synthetic input")
-    if paths_here and spec.data is not None and not spec.data.is_dir():
-        raise HarnessError(f"dataset path {spec.data} does not exist or is not a folder")
-    if paths_here and spec.init_checkpoint is not None and not spec.init_checkpoint.exists():
-        raise HarnessError(f"--init-checkpoint path {spec.init_checkpoint} does not exist")
     missing = []
+    if paths_here and spec.data is not None and not spec.data.is_dir():
+        missing.append(f"dataset path {spec.data} does not exist or is not a folder")
+    if paths_here and spec.init_checkpoint is not None and not spec.init_checkpoint.exists():
+        missing.append(f"--init-checkpoint path {spec.init_checkpoint} does not exist")
     if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
         missing.append(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
                        "or --synthetic to measure throughput on generated input")

@@ -60,7 +60,8 @@ def test_values_reach_the_shell_quoted(tmp_path):
     script = get_launcher("slurm").render(spec).text
     # bash -n parses the script; then run just its export and srun words through bash with srun echoing.
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-    body = script.replace("srun ", "printf '%s\\n' ", 1).replace("scontrol", "true")
+    body = (script.replace("srun ", "printf '%s\\n' ").replace("scontrol", "true")
+            .replace('exit "$(( decision', ': "$(( decision'))  # run on to the final printf
     out = subprocess.run(["bash", "-c", body + 'printf "%s\\n" "$EVIL"'], cwd=tmp_path, capture_output=True,
                          text=True, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "PATH": "/usr/bin:/bin"})
     words = out.stdout.splitlines()
@@ -178,6 +179,9 @@ def test_a_killed_rank_requeues_the_job_and_it_finishes(slurm_cluster, tmp_path)
     ends = _attempt_ends(out)
     assert {r["attempt"] for r in ends if not r["ok"]} == {0} and ends[-1]["ok"] and ends[-1]["attempt"] == 1
     assert "PENDING" in result.stdout  # the requeue, as `harness run` watched it
+    # Each node wrote its own attempts file; each rank but 0 its own output file, not the job's one file.
+    assert sorted(p.stem for p in (out / "attempts").glob("*.jsonl")) == ["node1", "node2"]
+    assert (out / "logs" / "rank_1.out").is_file() and not (out / "logs" / "rank_0.out").exists()
     text = (out / "result_0.txt").read_text()
     assert text.count('"key": "run_start"') == 1 and text.count('"key": "run_stop"') == 1
     assert compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path).returncode == 0

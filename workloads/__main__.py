@@ -10,6 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from workloads.common.campaign import RunOptions, run_campaign
+from workloads.common.rank_output import redirect_rank_output
 
 
 
@@ -32,6 +33,7 @@ def workload_class(benchmark: str):
 @record  # writes the exception to torchelastic's error file so the agent reports the real cause
 def main() -> int:
     opts = RunOptions.parse()
+    redirect_rank_output(opts.out)
     try:
         run_campaign(workload_class(opts.benchmark), opts)
     except SystemExit as exc:

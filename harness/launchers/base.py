@@ -25,6 +25,7 @@ from harness.errors import HarnessError
 from harness.spec import JobSpec
 
 JOB_FILE = "job.json"
+IMAGE_ENV = "HARNESS_IMAGE"  # the container image the ranks run in, for the start-up check's one-line error
 
 
 class JobState(str, enum.Enum):
@@ -91,6 +92,10 @@ class Launcher(ABC):
     name: ClassVar[str]
     paths_here: ClassVar[bool] = True  # the nodes see this machine's files (see spec.validate)
 
+    def runs_root(self, spec: JobSpec) -> Path | None:
+        """Where run folders go without --out; None: results/runs under the working folder."""
+        return None
+
     @abstractmethod
     def render(self, spec: JobSpec) -> Request:
         """Build the exact request for a resolved, validated spec. Has no side effects."""
@@ -132,6 +137,20 @@ class Launcher(ABC):
             time.sleep(poll_s)
 
 
+def rank_log_files(out_dir: Path) -> list[Path]:
+    """Each rank's log (logs/rank_<r>.log) and own output (rank_<r>.out), by rank number: rank_10 after rank_9."""
+    def order(path: Path) -> tuple[int, str]:
+        number = path.stem.removeprefix("rank_")
+        return (int(number) if number.isdigit() else -1, path.name)
+
+    return sorted(Path(out_dir, "logs").glob("rank_*.*"), key=order)
+
+
+def show_files(files: list[Path]) -> str:
+    """Files one after another, each under a `==> name <==` header, as `tail` shows several."""
+    return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files if f.is_file())
+
+
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
     """What the workload will make of this many processes, shown with the request: for bert the batch plan
     (an MLPerf reference batch and its split), for gpt3 the parallel layout and the memory estimate per GPU.
@@ -159,8 +178,16 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
 
 
 def cluster_procs_per_node(spec: JobSpec) -> int:
-    """Processes per node on a cluster: as asked, else one per GPU of the profile, else its CPU default."""
-    return spec.procs_per_node or spec.profile.gpus_per_node or spec.profile.procs_per_node or 1
+    """Processes per node on a cluster: as asked, else one per GPU, else the profile's CPU default."""
+    return spec.procs_per_node or spec.gpus() or spec.profile.procs_per_node or 1
+
+
+def rendezvous_timeouts(spec: JobSpec) -> tuple[int, int]:
+    """(join, store read) timeouts in seconds: the profile's, else torch's defaults (600, 60) plus 2 s and
+    0.25 s per node. Nodes start over minutes at scale (image pulls, container start), and one c10d store
+    serves every node's agent, so 448 nodes get 1,496 s to join and 172 s per store read."""
+    settings = spec.profile.rendezvous
+    return (settings.join_timeout_s or 600 + 2 * spec.nodes, settings.store_timeout_s or 60 + spec.nodes // 4)
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,
@@ -179,6 +206,7 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
     if rendezvous is None:
         cmd.append("--standalone")
     else:
+        join, store = rendezvous_timeouts(spec)
         cmd += [f"--nnodes={spec.nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
-                f"--rdzv-id={rdzv_id}"]
+                f"--rdzv-id={rdzv_id}", f"--rdzv-conf=join_timeout={join},read_timeout={store}"]
     return cmd + ["-m", "workloads", *spec.worker_args()]

@@ -34,8 +34,9 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node,
-                                    workload_plan)
+from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
+                                    cluster_procs_per_node, workload_plan)
+from harness.mounts import Mount, check_inside, claim_mount
 from harness.spec import JobSpec
 
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -60,8 +61,8 @@ def _pod_parts(spec: JobSpec, nproc: int) -> _PodParts:
         raise HarnessError(f"the k8s backend runs a container image, and profile {profile.name} names none: "
                            "set `image` in the profile or --set image=REGISTRY/IMAGE:TAG")
     limits = {}
-    if profile.gpus_per_node:
-        limits[profile.gpu_resource] = str(spec.procs_per_node or profile.gpus_per_node)
+    if spec.gpus():
+        limits[profile.gpu_resource] = str(spec.gpus())
     if profile.rdma_resource:
         limits[profile.rdma_resource] = str(profile.rdma_count)
     # Pinned memory for RDMA needs IPC_LOCK; nothing else does, and nothing needs privileged mode.
@@ -72,7 +73,14 @@ def _pod_parts(spec: JobSpec, nproc: int) -> _PodParts:
     if kube.results_pvc:
         volumes.append(_results_volume(kube.results_pvc))
         mounts.append(k8s.V1VolumeMount(name="results", mount_path=kube.results_mount))
-    env = {**profile.env, **spec.env}
+    for index, extra in enumerate(_extra_mounts(spec)):
+        read_only = extra.spec.endswith(":ro")
+        volumes.append(k8s.V1Volume(name=f"mount-{index}", persistent_volume_claim=(
+            k8s.V1PersistentVolumeClaimVolumeSource(claim_name=extra.source, read_only=read_only or None))))
+        mounts.append(k8s.V1VolumeMount(name=f"mount-{index}", mount_path=str(extra.target),
+                                        read_only=read_only or None))
+    _check_paths(spec)
+    env = {**profile.env, **spec.env, IMAGE_ENV: profile.image}
     in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(_pod_out_dir(spec)))
     # Both operators give every pod PET_MASTER_ADDR/PORT; the kubelet expands $(VAR) in arguments.
     command = agent_command(in_pod, "python", nproc, rendezvous="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
@@ -83,6 +91,22 @@ def _pod_parts(spec: JobSpec, nproc: int) -> _PodParts:
         volumes=volumes, mounts=mounts,
         security=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
                                        capabilities=capabilities))
+
+
+def _extra_mounts(spec: JobSpec) -> list[Mount]:
+    return [claim_mount(entry) for entry in spec.profile.kubernetes.mounts]
+
+
+def _check_paths(spec: JobSpec) -> None:
+    """--data and --init-checkpoint name paths inside the pods: refused unless a volume the pods mount holds them."""
+    kube = spec.profile.kubernetes
+    volumes = _extra_mounts(spec)
+    if kube.results_pvc:
+        volumes.append(Mount(kube.results_pvc, PurePosixPath(kube.results_mount), f"{kube.results_pvc}:"
+                             f"{kube.results_mount}"))
+    for key, flag in (("data", "--data"), ("init_checkpoint", "--init-checkpoint")):
+        if getattr(spec, key) is not None:
+            check_inside(getattr(spec, key), volumes, flag)
 
 
 def _results_volume(claim: str) -> k8s.V1Volume:
@@ -359,8 +383,7 @@ class KubernetesLauncher(Launcher):
         api = APIS[spec.profile.kubernetes.api]
         body = api.build(spec)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
-        notes = workload_plan(spec, cluster_procs_per_node(spec),
-                              spec.profile.gpu_memory_gib if spec.profile.gpus_per_node else None)
+        notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
         return Request(backend=self.name, spec=spec, text=text, payload={"body": body}, notes=notes)
 

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import Handle, JobState, Launcher, Request, agent_command, workload_plan
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, rank_log_files, show_files,
+                                    workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -51,7 +52,12 @@ class LocalLauncher(Launcher):
         if spec.nodes != 1:
             raise HarnessError(f"the local backend runs on this machine only, so --nodes must be 1 "
                                f"(got {spec.nodes}); use --backend slurm or k8s for more nodes")
-        gpus = visible_gpus() if spec.procs_per_node is None else 0
+        if spec.gpus_per_node is None:
+            gpus = visible_gpus() if spec.procs_per_node is None else 0
+        else:
+            gpus = spec.gpus_per_node
+            if gpus and gpus > visible_gpus():
+                raise HarnessError(f"--gpus-per-node {gpus}: this machine has {visible_gpus()} GPU(s) torch can use")
         nproc = spec.procs_per_node or gpus or 2
         env = {**spec.profile.env, **spec.env}
         if not gpus:
@@ -85,8 +91,7 @@ class LocalLauncher(Launcher):
         return state
 
     def logs(self, handle: Handle) -> str:
-        files = sorted((handle.out_dir / "logs").glob("*.log"))
-        return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files)
+        return show_files(rank_log_files(handle.out_dir))
 
     def cancel(self, handle: Handle) -> None:
         pid = int(handle.job_id)

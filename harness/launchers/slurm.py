@@ -16,20 +16,27 @@ and shell lines, where every value is quoted with shlex.quote.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from harness.agent import EXIT_RETRY
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, cluster_procs_per_node,
-                                    workload_plan)
+from harness.mounts import pyxis_mount, translate
+from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
+                                    cluster_procs_per_node, rank_log_files, show_files, workload_plan)
 from harness.spec import JobSpec
+from workloads.common.rank_output import RANK_OUTPUT_ENV
 
 SCRIPT_FILE = "job.sbatch"
 OUTPUT_PATTERN = "slurm-%j.out"
+# pyxis keeps a named container for the job's later steps, so the `--decide` step reuses the training step's
+# container instead of importing the image again on the node.
+CONTAINER_NAME = "mlperf-harness"
 
 # Slurm's job states (squeue %T, scontrol JobState, sacct State) -> ours.
 STATES = {
@@ -49,10 +56,35 @@ UNFIT_REASON = re.compile(r"ReqNodeNotAvail|PartitionNodeLimit|NodeDown|Nodes_re
 
 
 def _directive(option: str, value: object) -> str:
+    # sbatch splits a directive's value at whitespace: "--account=a --qos=x" would add an option.
     text = str(value)
-    if any(ord(c) < 32 for c in text) or (option == "output" and any(c.isspace() for c in text)):
-        raise HarnessError(f"the Slurm option --{option} cannot hold whitespace or control characters: {text!r}")
+    if not text or any(ord(c) < 32 or c.isspace() for c in text):
+        raise HarnessError(f"the Slurm option --{option} must be one word without whitespace or control "
+                           f"characters: {text!r}")
     return f"#SBATCH --{option}={text}"
+
+
+def in_container(spec: JobSpec) -> tuple[JobSpec, list[str]]:
+    """The spec with its paths as pyxis's container sees them, and pyxis's srun options; unchanged on bare nodes.
+
+    --data and --init-checkpoint must lie under one of the profile's container mounts (refused otherwise,
+    with the list). The run folder too, or else it is mounted at its own path: it must be on the shared
+    file system anyway, since Slurm writes the job's output there from outside the container."""
+    image = spec.profile.image
+    if not image:
+        return spec, []
+    mounts = [pyxis_mount(entry) for entry in spec.profile.slurm.container_mounts]
+    entries = list(spec.profile.slurm.container_mounts)
+    try:
+        out_dir = translate(spec.out_dir, mounts, "--out")
+    except HarnessError:
+        out_dir = spec.out_dir
+        entries.append(f"{spec.out_dir}:{spec.out_dir}")
+    paths = {key: translate(getattr(spec, key), mounts, flag) for key, flag in
+             (("data", "--data"), ("init_checkpoint", "--init-checkpoint")) if getattr(spec, key) is not None}
+    inside = dataclasses.replace(spec, out_dir=Path(out_dir), **{k: Path(v) for k, v in paths.items()})
+    return inside, [f"--container-image={image}", f"--container-name={CONTAINER_NAME}",
+                    f"--container-mounts={','.join(entries)}"]
 
 
 def sbatch_script(spec: JobSpec) -> str:
@@ -61,9 +93,9 @@ def sbatch_script(spec: JobSpec) -> str:
     nproc = cluster_procs_per_node(spec)
     directives = [_directive("job-name", spec.name), _directive("nodes", spec.nodes),
                   _directive("ntasks-per-node", 1)]
-    if profile.gpus_per_node:
-        directives.append(_directive("gres", f"gpu:{profile.gpus_per_node}") if slurm.use_gres
-                          else _directive("gpus-per-node", profile.gpus_per_node))
+    if spec.gpus():
+        directives.append(_directive("gres", f"gpu:{spec.gpus()}") if slurm.use_gres
+                          else _directive("gpus-per-node", spec.gpus()))
     if slurm.exclusive:
         directives.append("#SBATCH --exclusive")
     directives.append(_directive("time", slurm.time))
@@ -74,23 +106,24 @@ def sbatch_script(spec: JobSpec) -> str:
             directives.append(_directive(option, getattr(slurm, option)))
     directives += [_directive("output", spec.out_dir / OUTPUT_PATTERN), "#SBATCH --open-mode=append"]
 
-    env = {**profile.env, **spec.env}
-    exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # Every rank but 0 writes its output to <out>/logs/rank_<r>.out, so the job's output file holds rank 0
+    # and the node agents rather than thousands of ranks interleaved (workloads.__main__ reads this).
+    env = {**profile.env, **spec.env, RANK_OUTPUT_ENV: "1"}
     if profile.image:
-        srun.append(f"--container-image={profile.image}")
-        if slurm.container_mounts:
-            srun.append(f"--container-mounts={','.join(slurm.container_mounts)}")
+        env[IMAGE_ENV] = profile.image  # named by the start-up check when the image cannot run the harness
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+    inside, container = in_container(spec)
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container]
     # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
     python = "python" if profile.image else sys.executable
     # Two values exist only on the allocation, so they stay shell variables; every other word is quoted.
     endpoint, job_id = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}"'
-    agent = agent_command(spec, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
+    agent = agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
     expanded = {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
-    # After a failure, one process reads every node's attempt record and decides (see harness.agent).
-    decide = shlex.join([*srun[:1], "--nodes=1", "--ntasks=1", *srun[3:], python, "-m", "harness.agent",
-                         "--decide", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)])
+    # After every attempt one process reads every node's attempt record, merges them and decides.
+    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *srun[3:], python, "-m", "harness.agent",
+                         "--decide", "--out", str(inside.out_dir), "--max-restarts", str(spec.max_restarts)])
     lines = [
         "#!/bin/bash",
         f"# mlperf-harness: {spec.benchmark} ({spec.preset}), {spec.nodes} node(s) x {nproc} process(es), "
@@ -108,15 +141,13 @@ def sbatch_script(spec: JobSpec) -> str:
         'head_addr=${head_addr:-${head_node}}',
         "status=0",
         f"{command} || status=$?",
-        'if [ "${status}" -ne 0 ]; then',
-        f"  decision=0; {decide} || decision=$?",
-        f'  if [ "${{decision}}" -eq {EXIT_RETRY} ]; then',
-        "    # An infrastructure failure with restarts left: back into the queue; SLURM_RESTART_COUNT counts it.",
-        '    scontrol requeue "${SLURM_JOB_ID}"',
-        "    exit 0",
-        "  fi",
-        '  exit "$(( decision != 0 ? decision : status ))"',
+        f"decision=0; {decide} || decision=$?",
+        f'if [ "${{decision}}" -eq {EXIT_RETRY} ]; then',
+        "  # An infrastructure failure with restarts left: back into the queue; SLURM_RESTART_COUNT counts it.",
+        '  scontrol requeue "${SLURM_JOB_ID}"',
+        "  exit 0",
         "fi",
+        'exit "$(( decision != 0 ? decision : status ))"',
         "",
     ]
     return "\n".join(lines)
@@ -132,10 +163,12 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 class SlurmLauncher(Launcher):
     name = "slurm"
 
+    def runs_root(self, spec: JobSpec) -> Path | None:
+        return Path(spec.profile.slurm.results_dir) if spec.profile.slurm.results_dir else None
+
     def render(self, spec: JobSpec) -> Request:
         script = sbatch_script(spec)
-        plan = workload_plan(spec, cluster_procs_per_node(spec),
-                             spec.profile.gpu_memory_gib if spec.profile.gpus_per_node else None)
+        plan = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         return Request(backend=self.name, spec=spec, text=script, payload={"script": script}, notes=plan)
 
     def submit(self, request: Request) -> Handle:
@@ -208,9 +241,8 @@ class SlurmLauncher(Launcher):
         return int(found.group(1)) if found else None
 
     def logs(self, handle: Handle) -> str:
-        files = [handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id),
-                 *sorted((handle.out_dir / "logs").glob("*.log"))]
-        return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files if f.is_file())
+        return show_files([handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id),
+                           *rank_log_files(handle.out_dir)])
 
     def cancel(self, handle: Handle) -> None:
         if self.status(handle).terminal:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.run_record import ATTEMPTS_FILE, read_json_lines, run_record_path
+from workloads.common.run_record import read_attempts, read_json_lines, run_record_path
 
 BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other")
 
@@ -65,8 +65,8 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
         return None
     start, stop = run_start_ms / 1000, run_stop_ms / 1000
     wall = max(stop - start, 1e-9)
-    ends = {r["attempt"]: r for r in read_json_lines(folder / ATTEMPTS_FILE)
-            if r.get("event") == "end" and isinstance(r.get("attempt"), int) and isinstance(r.get("time"), (int, float))}
+    ends = {r["attempt"]: r for r in read_attempts(folder)
+            if r.get("event") == "end" and isinstance(r.get("time"), (int, float))}
     attempts = sorted({r["attempt"] for r in intervals})
     spent = dict.fromkeys(BADPUT_KINDS, 0.0)
     productive = 0.0

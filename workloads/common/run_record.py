@@ -5,8 +5,9 @@
 kinds: startup (process start, or run_start, to the first step), restore, train (steps done,
 flushed every few seconds), eval, save (the time training waited for a checkpoint), and
 fault (an injected failure, at the moment it fires). Times are Unix seconds, as the
-MLPerf log's time_ms / 1000. The node agents record each attempt in <out>/attempts.jsonl
-(see harness.agent); together they give the report its restarts, goodput and badput.
+MLPerf log's time_ms / 1000. Each node agent records its attempts in <out>/attempts/<node>.jsonl
+(see harness.agent), and the decider merges them into <out>/attempts.jsonl; together with the run
+records they give the report its restarts, goodput and badput.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import time
 from pathlib import Path
 
 ATTEMPT_ENV = "HARNESS_ATTEMPT"  # the attempt number, 0 first; set by the node agent
-ATTEMPTS_FILE = "attempts.jsonl"
+ATTEMPTS_FILE = "attempts.jsonl"  # every node's attempts merged, rewritten whole by the decider
+# One file per node, each with a single writer: appends from many NFS clients to one file are not atomic
+# (O_APPEND is emulated client-side), so 448 nodes appending to one file could interleave or lose lines.
+ATTEMPTS_DIR = "attempts"
 FLUSH_S = 2.0  # how stale the newest train record may get (the agent reads the step at a failure from it)
 
 
@@ -34,6 +38,31 @@ def read_json_lines(path: Path) -> list[dict]:
         if isinstance(record, dict):
             found.append(record)
     return found
+
+
+def node_attempts_path(out: Path, node: str) -> Path:
+    """This node's own attempts file (node names are host names; anything else is replaced)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node).lstrip(".") or "node"
+    return Path(out) / ATTEMPTS_DIR / f"{safe}.jsonl"
+
+
+def read_attempts(out: Path) -> list[dict]:
+    """Every node's attempt records, oldest first. Run folders from before per-node files have only the
+    merged file, which is then read instead."""
+    files = sorted((Path(out) / ATTEMPTS_DIR).glob("*.jsonl"))
+    if not files:
+        files = [Path(out) / ATTEMPTS_FILE]
+    records = [r for f in files for r in read_json_lines(f) if isinstance(r.get("attempt"), int)]
+    return sorted(records, key=lambda r: (r["attempt"], r.get("time") if isinstance(r.get("time"), (int, float))
+                                          else 0.0))
+
+
+def write_merged_attempts(out: Path, records: list[dict]) -> None:
+    """The merged view, replaced whole (written aside, then renamed), so a reader never sees half of it."""
+    target = Path(out) / ATTEMPTS_FILE
+    aside = target.with_name(f".{ATTEMPTS_FILE}.{os.getpid()}")
+    aside.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(aside, target)
 
 
 def run_record_path(out: Path, index: int) -> Path:
