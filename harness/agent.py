@@ -29,12 +29,15 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workloads.common.metrics_feed import METRICS_DIR_ENV
 from workloads.common.run_record import (ATTEMPT_ENV, node_attempts_path, read_attempts, read_json_lines,
                                          write_merged_attempts)
 
@@ -223,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-here", action="store_true", help="restart attempts in this process (local)")
     parser.add_argument("--decide", action="store_true",
                         help="only decide, from the record, what follows the newest attempt (Slurm's script)")
+    parser.add_argument("--job", default="harness", help="the job's name, a label on every metric")
+    parser.add_argument("--benchmark", default="", help="the benchmark, a label on every metric")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on this port (the next free one if taken); 0: off")
+    parser.add_argument("--pushgateway", help="also push the metrics to this Prometheus Pushgateway URL")
     parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun's arguments, after --")
     args = parser.parse_args(argv)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -234,8 +242,38 @@ def main(argv: list[str] | None = None) -> int:
         if decision.exit_code:
             _say(decision.message)
         return decision.exit_code
-    torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     Path(args.out, "logs").mkdir(parents=True, exist_ok=True)
+    exporter, feed_dir = _start_metrics(args, node)
+    try:
+        return _attempts(args, node)
+    finally:
+        if exporter is not None:
+            exporter.close()
+        shutil.rmtree(feed_dir, ignore_errors=True)
+
+
+def _start_metrics(args, node: str):
+    """The workers' feed folder (node-local) and, unless --metrics-port is 0, this node's /metrics endpoint."""
+    feed_dir = Path(tempfile.mkdtemp(prefix="harness-metrics-"))
+    os.environ[METRICS_DIR_ENV] = str(feed_dir)  # the workers inherit it
+    if not args.metrics_port:
+        return None, feed_dir
+    from harness.metrics import Exporter, Source, write_target
+
+    exporter = Exporter(Source(args.out, feed_dir, args.job, args.benchmark, node), args.metrics_port,
+                        args.pushgateway)
+    if exporter.port is None:
+        _say(f"metrics: ports {args.metrics_port} to {args.metrics_port + 15} are all taken; serving none "
+             "(training goes on)")
+    else:
+        write_target(args.out, node, exporter.port, {"job": args.job, "benchmark": args.benchmark})
+        _say(f"metrics: http://{socket.gethostname()}:{exporter.port}/metrics")
+    return exporter, feed_dir
+
+
+def _attempts(args, node: str) -> int:
+    """Run attempts until one succeeds or the decision says stop (or restart elsewhere)."""
+    torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left
         _say(f"attempt {attempt} refused: the restart budget ({args.max_restarts}) is spent")

@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fault injection for tests and demos, on the first attempt only: when worker RANK "
                           "reaches global step STEP of a run, KIND happens: "
                           + "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items()) + " (default kind: kill)")
+    run.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="each node agent serves Prometheus metrics on PORT (the next free one if taken); 0 turns "
+                          "them off (default: the profile's, 9410)")
+    run.add_argument("--pushgateway", metavar="URL",
+                     help="also push each node's metrics to this Prometheus Pushgateway (for clusters whose compute "
+                          "nodes Prometheus cannot scrape)")
+    run.add_argument("--straggler-window", type=float, default=60.0, metavar="SECONDS",
+                     help="seconds of training between straggler checks (one small all-gather of each rank's mean "
+                          "forward time); 0 turns them off")
+    run.add_argument("--straggler-threshold", type=float, default=0.75, metavar="SCORE",
+                     help="a rank whose speed is below this share of the fastest rank's is a straggler")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment variable for the workers (repeatable)")
     run.add_argument("--data", type=Path,
@@ -181,7 +192,9 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=args.procs_per_node,
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
-                   env=parse_env(args.env), data=args.data, init_checkpoint=args.init_checkpoint,
+                   env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
+                   straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
+                   data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,

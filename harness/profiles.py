@@ -84,6 +84,7 @@ class Profile:
     host_network: bool = False
     image: str | None = None  # container image (pods; pyxis on Slurm)
     env: dict[str, str] = field(default_factory=dict)  # NCCL and InfiniBand settings
+    metrics_port: int = 9410  # each node agent's Prometheus endpoint (next to DCGM exporter's 9400); 0: off
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)

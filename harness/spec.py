@@ -62,7 +62,11 @@ class JobSpec:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
+    straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
+    straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
     env: dict[str, str] = field(default_factory=dict)
+    metrics_port: int | None = None  # None: the profile's; 0: no metrics endpoint
+    pushgateway: str | None = None  # also push metrics there (clusters whose nodes Prometheus cannot scrape)
     data: Path | None = None
     init_checkpoint: Path | None = None  # starting weights (bert, gpt3), as MLPerf's rules start them
     synthetic: bool = False
@@ -88,6 +92,10 @@ class JobSpec:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
         return spec
+
+    def metrics(self) -> int:
+        """The node agents' metrics port: as asked, else the profile's; 0 is off."""
+        return self.profile.metrics_port if self.metrics_port is None else self.metrics_port
 
     def gpus(self) -> int:
         """GPUs per node on a cluster: as asked, else the profile's."""
@@ -124,6 +132,8 @@ class JobSpec:
             args.append("--async-checkpoint")
         if self.inject_failure is not None:
             args += ["--inject-failure", self.inject_failure]
+        args += ["--straggler-window", f"{self.straggler_window:g}",
+                 "--straggler-threshold", f"{self.straggler_threshold:g}"]
         return args
 
     def command_line(self, backend: str) -> list[str]:
@@ -138,6 +148,9 @@ class JobSpec:
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
+                            ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
+                            ("--straggler-window", self.straggler_window),
+                            ("--straggler-threshold", self.straggler_threshold),
                             ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
                 args += [flag, str(value)]
@@ -209,6 +222,17 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.gpus_per_node and spec.procs_per_node and spec.procs_per_node > spec.gpus_per_node:
         raise HarnessError(f"--procs-per-node {spec.procs_per_node} is more than --gpus-per-node "
                            f"{spec.gpus_per_node}: each process drives one GPU")
+    if spec.metrics_port is not None and not 0 <= spec.metrics_port < 65536:
+        raise HarnessError(f"--metrics-port must be a TCP port (1 to 65535), or 0 for no metrics; got "
+                           f"{spec.metrics_port}")
+    if spec.pushgateway is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", spec.pushgateway):
+        raise HarnessError(f"--pushgateway {spec.pushgateway!r} is not an http(s) URL such as "
+                           "http://pushgateway.monitoring:9091")
+    if spec.straggler_window < 0:
+        raise HarnessError(f"--straggler-window must be 0 (off) or more seconds, got {spec.straggler_window:g}")
+    if not 0 < spec.straggler_threshold <= 1:
+        raise HarnessError(f"--straggler-threshold must be above 0 and at most 1 (a share of the fastest rank's "
+                           f"speed), got {spec.straggler_threshold:g}")
     if spec.max_restarts < 0:
         raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.keep_checkpoints < 1:

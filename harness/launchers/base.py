@@ -199,7 +199,10 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
     `restart_here`: the node agent restarts failed attempts itself (local); on clusters
     the scheduler restarts the job (see harness.agent).
     """
-    cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)]
+    cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts),
+           "--job", spec.name or spec.benchmark, "--benchmark", spec.benchmark, "--metrics-port", str(spec.metrics())]
+    if spec.pushgateway:
+        cmd += ["--pushgateway", spec.pushgateway]
     if restart_here:
         cmd.append("--restart-here")
     cmd += ["--", f"--nproc-per-node={nproc_per_node}"]

@@ -28,6 +28,7 @@ class Accounting:
     restarts: int
     goodput: float
     badput: dict[str, float]  # seconds, by BADPUT_KINDS
+    stragglers: list[dict]  # {"rank", "node", "score", "windows"}: ranks the straggler checks named
 
 
 def _intervals(path: Path) -> list[dict]:
@@ -98,4 +99,27 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
     restarts = len(attempts) - 1 + sum(1 for a, r in ends.items() if not r.get("ok") and r.get("run") == index
                                        and a not in attempts)
     return Accounting(restarts=restarts, goodput=min(1.0, productive / wall),
-                      badput={k: round(v, 3) for k, v in spent.items()})
+                      badput={k: round(v, 3) for k, v in spent.items()}, stragglers=named_stragglers(intervals))
+
+
+def named_stragglers(intervals: list[dict], persist: int = 3) -> list[dict]:
+    """Ranks below the threshold in `persist` straggler windows in a row (in every window, when a run had
+    fewer), with their median score over the windows where they were slow (workloads.common.stragglers)."""
+    windows = [r for r in intervals if r["kind"] == "stragglers" and isinstance(r.get("stragglers"), list)]
+    needed = min(persist, len(windows))
+    streak: dict[int, int] = {}
+    found: dict[int, dict] = {}
+    for window in windows:
+        slow = {s.get("rank"): s for s in window["stragglers"] if isinstance(s, dict) and isinstance(s.get("rank"), int)}
+        for rank in set(streak) | set(slow):
+            streak[rank] = streak.get(rank, 0) + 1 if rank in slow else 0
+        for rank, entry in slow.items():
+            named = found.setdefault(rank, {"rank": rank, "node": entry.get("node"), "scores": [], "windows": 0})
+            named["scores"].append(entry.get("score"))
+            named["windows"] = max(named["windows"], streak[rank])
+    result = []
+    for rank, named in sorted(found.items()):
+        scores = sorted(s for s in named.pop("scores") if isinstance(s, (int, float)))
+        if needed and named["windows"] >= needed and scores:
+            result.append({**named, "score": scores[len(scores) // 2]})
+    return result

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed
+from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
 from workloads.common.progress import announce
 from workloads.common.resilience import Resilience
@@ -53,6 +54,8 @@ class RunOptions:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND]
+    straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
+    straggler_threshold: float = 0.75
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -74,6 +77,8 @@ class RunOptions:
         p.add_argument("--keep-checkpoints", type=int, default=2)
         p.add_argument("--async-checkpoint", action="store_true")
         p.add_argument("--inject-failure")
+        p.add_argument("--straggler-window", type=float, default=60.0)
+        p.add_argument("--straggler-threshold", type=float, default=0.75)
         return cls(**vars(p.parse_args(argv)))
 
     @property
@@ -170,6 +175,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
             mlog.event(C.SEED, seed)
         seed_everything(seed + ctx.rank)
+        FEED.run(index)
         workload = workload_cls(opts, ctx, seed)
         if not logged.started:
             mlog.events(workload.hyperparameters())
@@ -177,11 +183,13 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
-                             opts.async_checkpoint, opts.inject_failure)
+                             opts.async_checkpoint, opts.inject_failure, opts.straggler_window,
+                             opts.straggler_threshold)
         reached = workload.train(mlog, f"run {index + 1}/{opts.runs}", support)
         status = C.SUCCESS if reached else C.ABORTED
         mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
         mlog.close()
+        FEED.state("stopped")
         support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
         dist.barrier()

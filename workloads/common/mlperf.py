@@ -16,6 +16,8 @@ from typing import Any
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
+from workloads.common.metrics_feed import FEED
+
 TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
 # ResNet's SGD keys (compliance_checker/training_*/closed_resnet_sgd.yaml).
 SGD_OPT_BASE_LR = "sgd_opt_base_learning_rate"
@@ -87,14 +89,17 @@ class ResultLog:
     def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._logger:
             self._logger.event(key=key, value=value, metadata=metadata)
+            FEED.mlperf_event(key, value, metadata)  # a copy for /metrics, after the log has it
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._logger:
             self._logger.start(key=key, value=value, metadata=metadata)
+            FEED.mlperf_event(key, value, metadata)
 
     def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._logger:
             self._logger.end(key=key, value=value, metadata=metadata)
+            FEED.mlperf_event(key, value, metadata)
 
     def events(self, values: dict[str, Any]) -> None:
         """Log a dict of hyperparameters, one POINT_IN_TIME line each."""

@@ -28,9 +28,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from workloads import STARTED
 from workloads.common.checkpoint import Checkpointer
 from workloads.common.distributed import DistContext
+from workloads.common.metrics_feed import FEED
 from workloads.common.progress import announce
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
+from workloads.common.stragglers import StragglerWatch
+
+SLOW_FAULT_S = 0.2  # what --inject-failure RANK:STEP:slow adds to each forward pass
 
 
 class TrainingDiverged(RuntimeError):
@@ -75,7 +79,8 @@ class Resilience:
     """Checkpoints, restore, fault injection and the run record of one run (see the module docstring)."""
 
     def __init__(self, workload, out: Path, run_index: int, checkpoint_every: str | None, keep: int,
-                 async_save: bool, inject_failure: str | None):
+                 async_save: bool, inject_failure: str | None, straggler_window_s: float = 60.0,
+                 straggler_threshold: float = 0.75):
         self.workload, self.ctx = workload, workload.ctx
         ctx: DistContext = self.ctx
         self.attempt = current_attempt()
@@ -87,6 +92,8 @@ class Resilience:
         self.fault = fault if fault and fault.rank == ctx.rank and self.attempt == 0 else None
         self.record_path = run_record_path(out, run_index)
         self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
+        self.stragglers = StragglerWatch(workload.model, ctx, self.record, straggler_window_s, straggler_threshold) \
+            if straggler_window_s > 0 and ctx.world_size > 1 else None
         self._last_save = (0, time.monotonic())  # (step, when)
         self._step_started = time.time()
 
@@ -120,6 +127,10 @@ class Resilience:
 
     def after_step(self, step: int, loss: float | None = None) -> None:
         self.record.trained(step, self._step_started)
+        seconds = time.time() - self._step_started
+        FEED.step(step, seconds, loss)
+        if self.stragglers:
+            self.stragglers.after_step(step, seconds)
         if loss is not None and not math.isfinite(loss):
             raise TrainingDiverged(f"the training loss is {loss} at step {step}")
         if self.fault and step == self.fault.step:
@@ -131,6 +142,7 @@ class Resilience:
 
     def save(self, step: int) -> None:
         self.record.flush()
+        FEED.state("checkpoint")
         started = time.time()
         self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict(),
                                                      "position": self.workload.position()})
@@ -141,6 +153,7 @@ class Resilience:
     def phase(self, kind: str, step: int):
         """Time a non-training phase (eval, after `step`) in the run record."""
         self.record.flush()
+        FEED.state(kind)
         started = time.time()
         try:
             yield
@@ -150,6 +163,8 @@ class Resilience:
 
     def finish(self) -> None:
         self.record.flush()
+        if self.stragglers:
+            self.stragglers.close()
         self.checkpointer.remove_all()
 
     # --- faults --------------------------------------------------------------------------------
@@ -159,6 +174,10 @@ class Resilience:
         announce(f"injecting fault {kind!r} on rank {self.ctx.rank} at step {step} (--inject-failure)")
         if kind == "exception":
             raise InjectedFault(f"injected workload error at step {step}")
+        if kind == "slow":
+            inner = getattr(self.workload.model, "module", self.workload.model)
+            inner.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FAULT_S) if module.training else None)
+            return
         if kind == "kill-in-save":
             self.checkpointer.fault_hook = lambda stage: self._kill(step)
             self.save(step)

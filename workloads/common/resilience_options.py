@@ -15,6 +15,7 @@ FAULT_KINDS = {
     "exception": "raise an exception in the training code (a workload error, which is not retried)",
     "kill-in-save": "SIGKILL the worker while it writes the checkpoint taken at STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
+    "slow": "make the worker's forward passes 0.2 s slower from STEP on (a straggler)",
 }
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 

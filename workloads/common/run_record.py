@@ -80,12 +80,14 @@ class RunRecord:
         self.path, self.attempt = path, attempt
         self._train: list | None = None  # [start, end, first_step, last_step] not yet written
 
-    def interval(self, kind: str, start: float, end: float, steps: tuple[int, int] | None = None) -> None:
+    def interval(self, kind: str, start: float, end: float, steps: tuple[int, int] | None = None,
+                 details: dict | None = None) -> None:
         if self.path is None:
             return
         line = {"attempt": self.attempt, "kind": kind, "start": round(start, 4), "end": round(end, 4)}
         if steps is not None:
             line["steps"] = list(steps)
+        line.update(details or {})
         with open(self.path, "a") as f:  # one short write per line: a killed writer leaves whole lines
             f.write(json.dumps(line) + "\n")
 

@@ -1,0 +1,154 @@
+"""Straggler detection while the job runs: which rank computes slower than the others.
+
+In synchronous data parallel training every rank's step takes as long as the slowest
+rank's, because the fast ones wait in the gradient all-reduce; step times cannot tell
+ranks apart. What differs is the time a rank spends computing, so each rank times its
+model's forward passes (hooks on the inner module, after DDP's own start-of-forward
+sync; CUDA events on GPUs, read only at the end of a window). With FSDP the forward
+also holds parameter all-gathers, which blurs, but does not hide, a slow rank.
+
+Every window (about WINDOW_S of training, as a step count that every rank agrees on:
+fixed once at CALIBRATE_STEP from the slowest rank's step time) the ranks all-gather
+their mean forward time, one float each, and score themselves as NVIDIA's resiliency
+extension does: the fastest rank's time / this rank's (1.0: as fast as the fastest). A
+rank under the threshold (0.75) is a straggler; rank 0 writes every window to the run
+record and names, once, a straggler that stays for PERSIST windows in a row. The
+detector's own time is measured too, so its overhead is a recorded fact.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from workloads.common.distributed import DistContext
+from workloads.common.metrics_feed import FEED
+from workloads.common.progress import announce
+
+WINDOW_S = 60.0
+THRESHOLD = 0.75
+CALIBRATE_STEP = 5  # steps before the window length is fixed (start-up steps are slow on every rank)
+PERSIST = 3  # windows in a row before a straggler is named
+
+
+class StragglerWatch:
+    def __init__(self, model: torch.nn.Module, ctx: DistContext, record, window_s: float = WINDOW_S,
+                 threshold: float = THRESHOLD):
+        self.ctx, self.record, self.window_s, self.threshold = ctx, record, window_s, threshold
+        self.module = getattr(model, "module", model)  # DDP's inner module: after its start-of-forward sync
+        self.cuda = ctx.device.type == "cuda"
+        self.window_steps: int | None = None
+        self.overhead_s = 0.0
+        self._events: list = []  # (start, end) CUDA events, or seconds on CPU
+        self._started = None
+        self._steps = 0
+        self._step_time = 0.0
+        self._nodes: list[str] | None = None
+        self._streak: dict[int, int] = {}
+        self._named: set[int] = set()
+        self._handles = [self.module.register_forward_pre_hook(self._before),
+                         self.module.register_forward_hook(self._after)]
+
+    # --- timing forward passes -----------------------------------------------------------------
+
+    def _before(self, module, args) -> None:
+        if not module.training:
+            return  # evals are not training speed
+        clock = time.perf_counter()
+        if self.cuda:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+        else:
+            self._started = clock
+        self.overhead_s += time.perf_counter() - clock
+
+    def _after(self, module, args, output) -> None:
+        if not module.training or self._started is None:
+            return
+        clock = time.perf_counter()
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._started, end))
+        else:
+            self._events.append(clock - self._started)
+        self._started = None
+        self.overhead_s += time.perf_counter() - clock
+
+    # --- windows --------------------------------------------------------------------------------
+
+    def after_step(self, step: int, seconds: float) -> None:
+        """Called by every rank after every step, with the step's wall time."""
+        self._steps += 1
+        self._step_time += seconds
+        if self.window_steps is None:
+            if self._steps >= CALIBRATE_STEP:
+                self._calibrate()
+            return
+        if self._steps >= self.window_steps:
+            self._close_window(step)
+
+    def _calibrate(self) -> None:
+        """Fix the window's step count once, from the slowest rank's mean step time: every rank gets the same."""
+        clock = time.perf_counter()
+        mean = torch.tensor([self._step_time / self._steps], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        self.window_steps = max(1, math.ceil(self.window_s / max(mean.item(), 1e-6)))
+        names = [None] * self.ctx.world_size
+        dist.all_gather_object(names, socket.gethostname())
+        self._nodes = [str(n) for n in names]
+        self._reset()
+        self.overhead_s += time.perf_counter() - clock
+
+    def _close_window(self, step: int) -> None:
+        clock = time.perf_counter()
+        if self.cuda:
+            torch.cuda.synchronize(self.ctx.device)
+            times = [start.elapsed_time(end) / 1000 for start, end in self._events]
+        else:
+            times = list(self._events)
+        mean = sum(times) / len(times) if times else float("nan")
+        gathered = [torch.zeros(1, dtype=torch.float64, device=self.ctx.device) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, torch.tensor([mean], dtype=torch.float64, device=self.ctx.device))
+        means = [g.item() for g in gathered]
+        scores = score(means)
+        FEED.straggler_score(scores[self.ctx.rank])
+        self.overhead_s += time.perf_counter() - clock
+        if self.ctx.is_main:
+            self._report(step, means, scores)
+        self._reset()
+
+    def _report(self, step: int, means: list[float], scores: list[float]) -> None:
+        slow = [r for r, s in enumerate(scores) if s < self.threshold]
+        for rank in range(len(scores)):
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if rank in slow else 0
+        now = time.time()
+        self.record.interval("stragglers", now, now, (step, step), {
+            "forward_s": [round(m, 6) for m in means], "scores": [round(s, 4) for s in scores],
+            "stragglers": [{"rank": r, "node": self._nodes[r], "score": round(scores[r], 4)} for r in slow],
+            "threshold": self.threshold, "window_steps": self.window_steps,
+            "overhead_s": round(self.overhead_s, 6)})
+        for rank, streak in self._streak.items():
+            if streak >= PERSIST and rank not in self._named:
+                self._named.add(rank)
+                announce(f"straggler: rank {rank} on {self._nodes[rank]} computes at {scores[rank]:.2f} of the "
+                         f"fastest rank's speed, {streak} windows in a row (threshold {self.threshold})")
+
+    def _reset(self) -> None:
+        self._events.clear()
+        self._steps, self._step_time = 0, 0.0
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def score(means: list[float]) -> list[float]:
+    """Each rank's speed relative to the fastest: fastest time / its time (a rank with no figure scores 1)."""
+    known = [m for m in means if math.isfinite(m) and m > 0]
+    fastest = min(known) if known else 0.0
+    return [fastest / m if math.isfinite(m) and m > 0 else 1.0 for m in means]
