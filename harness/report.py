@@ -3,11 +3,12 @@
 JSON is a list of groups, one per (system, benchmark):
   {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
    "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
-             "seed", "restarts", "goodput", "badput"}]}
+             "seed", "restarts", "goodput", "badput", "stragglers"}]}
 `score_min` is the MLPerf score when the group has the runs the rules require, else null.
 `restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
 startup, save, restore, lost, recovery, other) come from the harness's run record, and are
-null for logs that have none. `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
+null for logs that have none; so do `stragglers`, the ranks the straggler checks named
+(`[{"rank", "node", "score", "windows"}]`). `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
 logged by GPT-3, and null elsewhere.
 """
 
@@ -21,7 +22,7 @@ from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
 RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
-              "restarts", "goodput", "badput")
+              "restarts", "goodput", "badput", "stragglers")
 
 
 def run_record(run: Run) -> dict:
@@ -47,6 +48,10 @@ def _badput(badput: dict[str, float] | None) -> str:
     return ", ".join(f"{k} {v:.1f}s" for v, k in top) or "-"
 
 
+def _stragglers(named: list[dict] | None) -> str:
+    return ", ".join(f"rank {s['rank']} ({s['node']}) {s['score']:.2f}" for s in named or []) or "-"
+
+
 def _table(results: ResultSet) -> str:
     lines = []
     for group in results.groups:
@@ -57,14 +62,16 @@ def _table(results: ResultSet) -> str:
         lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
         # Token rate and MFU only for groups that log them (language models).
         tokens = any(run.tokens_per_s is not None for run in group.runs)
+        slow = any(run.stragglers for run in group.runs)  # the column only where a straggler was named
         rows = [("run", "status", "time-to-train (min)", "quality", "samples/s",
-                 *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput", "file")]
+                 *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput",
+                 *(("stragglers",) if slow else ()), "file")]
         for i, run in enumerate(group.runs):
             rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
                          *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
                          "-" if run.restarts is None else str(run.restarts), _number(run.goodput, 3),
-                         _badput(run.badput), run.file))
+                         _badput(run.badput), *((_stragglers(run.stragglers),) if slow else ()), run.file))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         for row in rows:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -79,7 +86,7 @@ def _csv(results: ResultSet) -> str:
         for run in group.runs:
             record = run_record(run)
             writer.writerow((group.submitter, group.system, group.benchmark, group.score_min,
-                             *(json.dumps(v) if isinstance(v, dict) else v for v in map(record.get, RUN_FIELDS))))
+                             *(json.dumps(v) if isinstance(v, (dict, list)) else v for v in map(record.get, RUN_FIELDS))))
     return out.getvalue().rstrip("\n")
 
 

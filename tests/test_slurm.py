@@ -7,6 +7,7 @@ import re
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -218,3 +219,31 @@ def test_a_requeued_job_that_no_longer_fits_fails_with_the_reason(slurm_cluster,
     assert "has 1 usable" in result.stderr and "Traceback" not in result.stderr
     assert json.loads((out / "job.json").read_text())["state"] == "FAILED"
     assert any((out / "checkpoints" / "run_0").glob("step_*"))  # kept for a rerun
+
+
+@pytest.mark.slurm
+def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
+    """Each node agent adds its host:port to the run folder's prometheus-targets.json; every address answers."""
+    out = tmp_path / "run"
+    answered: dict[str, bool] = {}
+
+    def scrape(step: int) -> bool:
+        if step < 3:
+            return False
+        try:
+            groups = json.loads((out / "prometheus-targets.json").read_text())
+        except (OSError, ValueError):
+            return False
+        for group in groups:
+            for target in group["targets"]:
+                try:
+                    body = urllib.request.urlopen(f"http://{target}/metrics", timeout=5).read().decode()
+                except OSError:
+                    continue
+                answered[group["labels"]["node"]] = f'node="{group["labels"]["node"]}"' in body
+        return len(answered) == 2
+
+    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--max-steps", "80", "--metrics-port", "9460",
+                             on_step=scrape)
+    assert result.returncode in (0, 1), result.stdout + result.stderr + slurm_cluster.logs()
+    assert answered == {"node1": True, "node2": True}, answered

@@ -53,6 +53,7 @@ class Run:
     restarts: int | None = None
     goodput: float | None = None
     badput: dict[str, float] | None = None
+    stragglers: list[dict] | None = None  # ranks the straggler checks named: {"rank", "node", "score", "windows"}
     # Language models' tracked_stats also carry tokens/s and, on GPUs with a known peak, MFU (None where not logged).
     tokens_per_s: float | None = None
     mfu: float | None = None
@@ -189,5 +190,6 @@ def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
         accounting = account(path, run.run_start_ms, run.run_stop_ms)
         if accounting is not None:
             run.restarts, run.goodput, run.badput = accounting.restarts, accounting.goodput, accounting.badput
+            run.stragglers = accounting.stragglers
         runs.append(run)
     return runs

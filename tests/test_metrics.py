@@ -1,0 +1,166 @@
+"""Prometheus metrics from every node agent, and stragglers named while the job runs."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.metrics import PREFIX, Exporter, Source, metric_names
+from tests.conftest import REPO, harness
+
+DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict:
+    """name -> family, or {} while nothing answers."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _events(result: Path) -> list[dict]:
+    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in result.read_text().splitlines()
+            if ":::MLLOG " in line]
+
+
+@pytest.fixture(scope="module")
+def scraped_campaign(tmp_path_factory):
+    """`harness run resnet --runs 2` with metrics on, scraped all through its run."""
+    out = tmp_path_factory.mktemp("metrics") / "run"
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--runs", "2", "--seed", "11",
+                             "--max-steps", "30", "--straggler-window", "2", "--metrics-port", str(port),
+                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    scrapes = []
+    while proc.poll() is None:
+        families = _scrape(port)
+        if families:
+            scrapes.append(families)
+        time.sleep(0.5)
+    stdout, stderr = proc.communicate()
+    return out, scrapes, proc.returncode, stdout + stderr
+
+
+def _samples(families: dict, name: str) -> list:
+    family = families.get(name)
+    return family.samples if family else []
+
+
+def test_metrics_are_served_while_the_run_trains_and_agree_with_its_log(scraped_campaign):
+    out, scrapes, code, output = scraped_campaign
+    assert code in (0, 1), output  # 30 steps need not reach the target
+    assert scrapes, f"no scrape of /metrics answered during the run: {output}"
+    training = [f for f in scrapes if any(s.value == 1 and s.labels["state"] == "training"
+                                          for s in _samples(f, PREFIX + "state"))]
+    assert training, "no scrape saw a rank training"
+    last = scrapes[-1]
+    steps = {s.labels["rank"]: s.value for s in _samples(last, PREFIX + "train_step")}
+    assert set(steps) == {"0", "1"} and all(0 < v <= 30 for v in steps.values())
+    assert all(s.value == 0 for s in _samples(last, PREFIX + "restarts"))  # no failure, no restart
+    logged = {e["value"] for r in out.glob("result_*.txt") for e in _events(r) if e["key"] == "eval_accuracy"}
+    quality = [s.value for s in _samples(last, PREFIX + "eval_quality")]
+    assert quality and set(quality) <= logged
+    counts = [s.value for s in _samples(last, PREFIX + "step_seconds") if s.name.endswith("_count")]
+    assert counts and all(c > 0 for c in counts)
+    assert any(s.value > 0 for s in _samples(last, PREFIX + "goodput_seconds"))
+    assert "harness: metrics: http://" in output
+
+
+def test_the_logs_and_results_are_the_same_with_metrics_off(scraped_campaign, tmp_path):
+    out, _, _, _ = scraped_campaign
+    plain = tmp_path / "plain"
+    result = harness("run", "resnet", "--runs", "2", "--seed", "11", "--max-steps", "30", "--straggler-window", "2",
+                     "--metrics-port", "0", "--out", str(plain))
+    assert result.returncode in (0, 1), result.stderr
+    assert "harness: metrics:" not in result.stdout + result.stderr
+    for index in (0, 1):
+        with_metrics, without = (_events(folder / f"result_{index}.txt") for folder in (out, plain))
+        assert [e["key"] for e in with_metrics] == [e["key"] for e in without]
+    assert not (plain / "prometheus-targets.json").exists()
+
+
+def test_the_dashboard_queries_only_metrics_a_scrape_has(scraped_campaign):
+    _, scrapes, _, _ = scraped_campaign
+    dashboard = json.loads(DASHBOARD.read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bmlperf_harness_\w+", target["expr"])}
+    assert queried and queried <= set(metric_names())
+    scraped = {sample.name for families in scrapes for family in families.values() for sample in family.samples}
+    scraped |= {name for families in scrapes for name in families}  # families the run had no value for
+    exposed = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+               for n in queried}
+    assert exposed <= scraped, exposed - scraped
+    dcgm = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"\bDCGM_FI_\w+", target["expr"])}
+    assert dcgm == {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_XID_ERRORS"}
+
+
+def test_a_clean_run_names_no_straggler(scraped_campaign):
+    out, scrapes, _, _ = scraped_campaign
+    windows = [json.loads(line) for line in (out / "run_0.jsonl").read_text().splitlines()
+               if '"stragglers"' in line]
+    assert windows, "no straggler window closed"
+    report = json.loads(harness("report", str(out), "--format", "json").stdout)
+    assert all(not run["stragglers"] for group in report for run in group["runs"])
+
+
+def test_a_slow_rank_is_named_while_the_job_runs_and_in_the_report(tmp_path):
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--max-steps", "40", "--straggler-window", "2", "--inject-failure", "1:3:slow",
+                     "--metrics-port", "0", "--out", str(out))
+    assert result.returncode in (0, 1), result.stderr
+    assert re.search(r"straggler: rank 1 on \S+ computes at 0\.\d\d of the fastest rank's speed", result.stdout)
+    (group,) = json.loads(harness("report", str(out), "--format", "json").stdout)
+    (named,) = group["runs"][0]["stragglers"]
+    assert named["rank"] == 1 and named["score"] < 0.75
+    table = harness("report", str(out)).stdout
+    assert "rank 1" in table
+
+
+def test_a_pushgateway_receives_the_nodes_metrics(tmp_path):
+    pushed = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            pushed.append((self.path, self.rfile.read(int(self.headers["Content-Length"])).decode()))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    feeds = tmp_path / "feeds"
+    feeds.mkdir()
+    (feeds / "rank_0.json").write_text(json.dumps({"rank": 0, "run": 0, "state": "training", "step": 7}))
+    try:
+        exporter = Exporter(Source(tmp_path, feeds, "job-a", "resnet", "node-1"), _free_port(),
+                            pushgateway=f"http://127.0.0.1:{server.server_port}")
+        exporter.close()  # the final push
+    finally:
+        server.shutdown()
+    ((path, body),) = pushed
+    assert path == "/metrics/job/mlperf-harness-job-a/node/node-1"
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    (step,) = families[PREFIX + "train_step"].samples
+    assert step.value == 7 and step.labels["node"] == "node-1"
