@@ -3,14 +3,14 @@ FAKE API server (with a fake kubelet that runs the results pod here)."""
 
 from __future__ import annotations
 
-import base64
-import io
+import hashlib
 import json
+import os
 import re
 import shutil
-import tarfile
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -24,10 +24,10 @@ from kubernetes import client as k8s
 from harness import profiles
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
-from harness.launchers.kubernetes import unpack_run_folder
+from harness.launchers.kubernetes import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.spec import JobSpec
 from tests.conftest import REPO, SHARED, harness
-from tests.fake_kube_api import FakeKubeAPI
+from tests.fake_kube_api import LOG_ROTATE_BYTES, FakeKubeAPI, served_log
 
 CRD = SHARED / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 TRAINJOB_CRD = SHARED / "kubeflow" / "trainer.kubeflow.org_trainjobs.v2.3.yaml"
@@ -71,8 +71,15 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
         pod = replica["template"]["spec"]
         [container] = pod["containers"]
         assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
         assert env["NCCL_COLLNET_ENABLE"] == "1" and "NCCL_IB_HCA" in env and "NCCL_SOCKET_IFNAME" in env
+        # The node agent knows itself by its pod's name, which a recreated pod keeps.
+        assert env["HARNESS_NODE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert pod["automountServiceAccountToken"] is False  # training pods get no API token
+        # The job's own folder on the volume, claimed with its token; the same arguments render the same token.
+        out = container["args"][container["args"].index("--out") + 1]
+        token = container["args"][container["args"].index("--job-token") + 1]
+        assert out == f"/results/o-{token}" and re.fullmatch(r"[0-9a-f]{8}", token)
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
         assert {"mountPath": "/dev/shm", "name": "dshm"} in container["volumeMounts"]
         assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
@@ -96,6 +103,15 @@ def test_without_rdma_no_capability_is_added(tmp_path):
     assert "resources" not in container  # a CPU profile asks for no GPUs or RDMA devices
     assert job["spec"]["runPolicy"]["backoffLimit"] == 3
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "ExitCode"
+
+
+def pod_folder(fake_api: FakeKubeAPI, volume: Path, name: str, namespace: str = "default") -> Path:
+    """Where the job's pods write, on the local folder standing for the results volume."""
+    args = fake_api.jobs[(namespace, name)]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["args"]
+    out = args[args.index("--out") + 1]
+    assert out.startswith("/results/")
+    return volume / out[len("/results/"):]
 
 
 @pytest.fixture
@@ -176,11 +192,12 @@ def test_harness_run_streams_the_job_states_and_collects_the_results(fake_api, t
             time.sleep(0.1)
         for condition in ("Created", "Running", "Succeeded"):
             if condition == "Succeeded":  # rank 0 wrote its log and rank files on the volume
-                (volume / "run" / "logs").mkdir(parents=True)
-                shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
-                (volume / "run" / "logs" / "rank_0.log").write_text("rank 0 log\n")
-                (volume / "run" / "checkpoints").mkdir()
-                (volume / "run" / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
+                folder = pod_folder(fake_api, volume, "rn")
+                (folder / "logs").mkdir(parents=True)
+                shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                (folder / "logs" / "rank_0.log").write_text("rank 0 log\n")
+                (folder / "checkpoints").mkdir()
+                (folder / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
             fake_api.set_condition("default", "rn", condition)
             time.sleep(1.5)
 
@@ -275,49 +292,56 @@ def test_submit_without_a_results_volume_is_refused(fake_api, tmp_path):
     assert result.returncode == 2 and "kubernetes.results_pvc" in result.stderr and not fake_api.jobs
 
 
-def _archive(members: dict[str, bytes]) -> str:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.mark.parametrize("name", ["../escape.txt", "/etc/escape.txt", "logs/../../escape.txt"])
-def test_collected_archives_cannot_write_outside_the_run_folder(tmp_path, name):
-    run = tmp_path / "run"
-    run.mkdir()
-    with pytest.raises(HarnessError, match="unreadable"):
-        unpack_run_folder(_archive({name: b"x"}), run)
-    assert not (tmp_path / "escape.txt").exists() and list(run.iterdir()) == []
+def test_collected_names_cannot_point_outside_the_run_folder(name):
+    with pytest.raises(HarnessError, match="manifest is unreadable"):
+        parse_manifest(json.dumps([[name, 1, "0" * 64]]))
+    with pytest.raises(HarnessError, match="manifest is unreadable"):
+        parse_manifest("not json")
+
+
+def test_chunks_hold_at_most_the_limit_and_cover_every_byte():
+    files = [RemoteFile("a", 5, ""), RemoteFile("empty", 0, ""), RemoteFile("b", 12, ""), RemoteFile("c", 3, "")]
+    chunks = plan_chunks(files, limit=4)
+    assert all(sum(length for _, _, length in chunk) <= 4 for chunk in chunks)
+    covered = {}
+    for chunk in chunks:
+        for name, offset, length in chunk:
+            assert covered.get(name, 0) == offset  # in order, no gap, no overlap
+            covered[name] = offset + length
+    assert covered == {"a": 5, "empty": 0, "b": 12, "c": 3} and len(chunks) == 5
 
 
 def test_collecting_keeps_local_files_that_differ(tmp_path):
-    run = tmp_path / "run"
+    run, staging = tmp_path / "run", tmp_path / "staging"
     run.mkdir()
+    staging.mkdir()
     (run / "result_0.txt").write_text("local\n")
-    fetched, kept = unpack_run_folder(_archive({"./result_0.txt": b"remote\n", "./result_1.txt": b"new\n"}), run)
-    assert fetched == [run / "result_1.txt"] and kept == ["./result_0.txt"]
+    (staging / "result_0.txt").write_text("remote\n")
+    (staging / "result_1.txt").write_text("new\n")
+    files = [RemoteFile(f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+             for f in sorted(staging.iterdir())]
+    fetched, kept = merge_run_folder(staging, files, run)
+    assert fetched == [run / "result_1.txt"] and kept == ["result_0.txt"]
     assert (run / "result_0.txt").read_text() == "local\n" and (run / "result_1.txt").read_text() == "new\n"
-    assert sorted(p.name for p in run.iterdir()) == ["result_0.txt", "result_1.txt"]  # no staging left behind
-    with pytest.raises(HarnessError, match="unreadable"):
-        unpack_run_folder("not base64 !", run)
+    (staging / "result_0.txt").write_text("changed meanwhile\n")
+    with pytest.raises(HarnessError, match="changed on the results volume"):
+        merge_run_folder(staging, files[:1], run)
 
 
 def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
     volume = tmp_path / "pvc"
     fake_api.claims["mlperf-results"] = volume
     _, handle = submitted(tmp_path)
-    (volume / "run").mkdir(parents=True)
-    shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
+    folder = pod_folder(fake_api, volume, "rn50", namespace="mlperf")
+    folder.mkdir(parents=True)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 0, result.stderr
     assert "fetched 1 file(s)" in result.stdout and (handle.out_dir / "result_0.txt").is_file()
     fake_api.claims["mlperf-results"] = tmp_path / "empty"  # a volume without the run folder
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
-    assert result.returncode == 1 and "could not read /results/run" in result.stderr
+    assert result.returncode == 1 and f"could not read /results/{folder.name}" in result.stderr
     assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
 
 
@@ -336,4 +360,4 @@ def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):
                      "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     thread.join()
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "could not read /results/run" in result.stderr and "the job failed" in result.stderr
+    assert "could not read /results/run-" in result.stderr and "the job failed" in result.stderr
