@@ -22,7 +22,9 @@ and continue from their newest checkpoint.
 
 Every node takes its attempt number from the shared record (see next_attempt), and the
 nodes of one attempt meet at a rendezvous of that attempt alone (attempt_argv), so a
-node restarted for the next attempt never joins peers still in the last one.
+node restarted for the next attempt never joins peers still in the last one. Those
+peers see its start in the record and stop too (NewerAttemptWatch), so that the
+scheduler restarts them into the same attempt: one budget, every restart counted.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +126,44 @@ def attempt_argv(torchrun_argv: list[str], attempt: int) -> list[str]:
     outside the restart budget and under the old attempt number. The survivors fail on the lost peer
     instead, and exit to be recreated into the new attempt."""
     return [f"{arg}-{attempt}" if arg.startswith("--rdzv-id=") else arg for arg in torchrun_argv]
+
+
+def newer_attempt(records: list[dict], attempt: int) -> dict | None:
+    """The first start of an attempt after `attempt`, if some node has begun one."""
+    return next((r for r in records if r.get("event") == "start" and r["attempt"] > attempt), None)
+
+
+class NewerAttemptWatch:
+    """While this node runs `attempt`, watch the shared record for a node that has begun a newer one (the
+    scheduler restarted it after it was lost): then this node's attempt is over too, whether or not its
+    workers have noticed the lost peer yet (NCCL may take its whole timeout). `stop` ends the attempt; by
+    default it sends this process SIGTERM, which torch's agent turns into stopping the workers."""
+
+    def __init__(self, out: Path, attempt: int, poll_s: float = 5.0, stop=None):
+        self.out, self.attempt, self.poll_s = Path(out), attempt, poll_s
+        self.stop = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        self.newer: dict | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "NewerAttemptWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll_s):
+            self.newer = newer_attempt(read_records(self.out), self.attempt)
+            if self.newer:
+                self.stop()
+                return
+
+    def failure(self) -> Failure:
+        return Failure(INFRASTRUCTURE, f"{self.newer.get('node')} began attempt {self.newer['attempt']} (it was "
+                                       "restarted after a failure), so this node's attempt ended to join it")
 
 
 def claim_run_folder(out: Path, token: str, wait_s: float = 5.0) -> str | None:
@@ -267,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
         _append(args.out, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
-        cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        with NewerAttemptWatch(args.out, attempt) as watch:
+            cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        if watch.newer:  # the SIGTERM was ours: not a cancellation, a restart to join the newer attempt
+            cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
         end = {"event": "end", "attempt": attempt, "node": node, "time": time.time(), "ok": failure is None}
         if failure:

@@ -333,8 +333,10 @@ class FakeKubeAPI:
                     return self._not_found(plural, name or "")
                 if method == "GET":
                     return self._send(200, fake.jobs[(namespace, name)])
-                if method == "DELETE":
+                if method == "DELETE":  # its pods go too (the garbage collector follows their ownerReferences)
                     fake.jobs.pop((namespace, name))
+                    for pod_name in fake.job_pods(namespace, name):
+                        fake._delete_pod(namespace, pod_name)
                     return self._send(200, {"kind": "Status", "status": "Success"})
                 self._send(405, {"kind": "Status", "status": "Failure", "code": 405})
 

@@ -22,6 +22,7 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness import profiles
+from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
 from harness.launchers.kubernetes import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
@@ -361,3 +362,59 @@ def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):
     thread.join()
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "could not read /results/run-" in result.stderr and "the job failed" in result.stderr
+
+
+def job_token(fake_api: FakeKubeAPI, name: str, namespace: str = "mlperf") -> str:
+    args = fake_api.jobs[(namespace, name)]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["args"]
+    return args[args.index("--job-token") + 1]
+
+
+def test_a_second_job_with_the_same_folder_name_cannot_reuse_the_first_jobs_folder(fake_api, tmp_path):
+    """The first job's finished run stays its own: a second job with the same --out name (and job name, once
+    the first job is deleted) gets another folder on the volume, collects only from it, and its pods, were
+    they ever given the first job's folder, refuse it with one line and a code the operator never retries."""
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    fake_api.operator = True
+    launcher, first = submitted(tmp_path / "a")
+    first_folder, first_token = pod_folder(fake_api, volume, "rn50", "mlperf"), job_token(fake_api, "rn50")
+    assert claim_run_folder(first_folder, first_token) is None  # what its node agents did first
+    shutil.copy(BASELINE_LOG, first_folder / "result_0.txt")  # what its rank 0 wrote
+    launcher.cancel(first)  # the user deletes the first job and submits the same again
+    _, second = submitted(tmp_path / "b")
+    second_folder = pod_folder(fake_api, volume, "rn50", "mlperf")
+    assert first.out_dir.name == second.out_dir.name == "run"
+    assert second_folder != first_folder and second.record()["pvc_folder"] == f"/results/{second_folder.name}"
+    with pytest.raises(HarnessError, match=f"could not read /results/{second_folder.name}"):
+        launcher.collect(second)  # nothing of the first job's
+    assert not (second.out_dir / "result_0.txt").exists()
+    shutil.copytree(first_folder, second_folder)  # a folder name reused by hand, or by an older harness
+    assert fake_api.run_pod("mlperf", "rn50-master-0") == EXIT_FOLDER_TAKEN  # the real node agent, in the pod
+    log = fake_api.pods[("mlperf", "rn50-master-0")]["log"]
+    assert f"holds the results of job {first_token}, not of this job" in log and "Traceback" not in log
+    assert log.count("\n") == 1 and sorted(p.name for p in second_folder.iterdir()) == ["job-token", "result_0.txt"]
+    assert launcher.status(second) is JobState.FAILED  # 6 is in 1-127: the operator fails the job, no restart
+
+
+def test_a_collection_far_over_10_mib_comes_back_byte_identical(fake_api, tmp_path):
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    launcher, handle = submitted(tmp_path)
+    folder = pod_folder(fake_api, volume, "rn50", "mlperf")
+    (folder / "logs").mkdir(parents=True)
+    big = os.urandom(25 * 2**20)  # incompressible: 33 MiB of base64
+    (folder / "logs" / "rank_0.log").write_bytes(big)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+    (folder / "empty.txt").touch()
+    # The fake log API keeps what the kubelet keeps after rotating at 10 MiB: one pod could not carry this.
+    assert served_log("x" * (LOG_ROTATE_BYTES + 5)) == "xxxxx"
+    fetched = launcher.collect(handle)
+    assert sorted(p.relative_to(handle.out_dir).as_posix() for p in fetched) == \
+        ["empty.txt", "logs/rank_0.log", "result_0.txt"]
+    assert (handle.out_dir / "logs" / "rank_0.log").read_bytes() == big
+    assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+    started = [path for method, path in fake_api.requests if method == "POST" and path.endswith("/pods")]
+    assert len(started) == 1 + 7  # the manifest, then 25 MiB and change in chunks of 4 MiB
+    assert not fake_api.pods  # every results pod deleted
+    assert not [p for p in handle.out_dir.iterdir() if p.name.startswith(".collect-")]
