@@ -76,8 +76,8 @@ class FakeKubeAPI:
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
         self.requests: list[tuple[str, str]] = []
-        self.operations: list[tuple[str, str]] = []
-        self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would  # ("create" | "delete", pod name), as the operator did them
+        self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
+        self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

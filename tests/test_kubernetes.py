@@ -311,6 +311,10 @@ def test_chunks_hold_at_most_the_limit_and_cover_every_byte():
             assert covered.get(name, 0) == offset  # in order, no gap, no overlap
             covered[name] = offset + length
     assert covered == {"a": 5, "empty": 0, "b": 12, "c": 3} and len(chunks) == 5
+    many = [RemoteFile(f"logs/rank_{i}.log", 10, "") for i in range(3584)]  # one chunk's bytes, too many names
+    chunks = plan_chunks(many)
+    assert len(chunks) > 1 and all(len(json.dumps(chunk)) < 64 * 2**10 for chunk in chunks)
+    assert sum(len(chunk) for chunk in chunks) == len(many)
 
 
 def test_collecting_keeps_local_files_that_differ(tmp_path):

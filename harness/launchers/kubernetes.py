@@ -142,14 +142,14 @@ def pvc_folder(spec: JobSpec, token: str) -> str:
     return f"{spec.profile.kubernetes.results_mount}/{spec.out_dir.name}-{token}"
 
 
+TOKEN_HEX = 8
+
+
 def render_token(spec: JobSpec) -> str:
     """The token a dry run shows: derived from the spec, so the same arguments print the same bytes.
     `submit` draws a fresh random one instead (KubernetesLauncher.submit)."""
     canonical = json.dumps(spec.to_dict(), sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:TOKEN_HEX]
-
-
-TOKEN_HEX = 8
 
 
 def pytorch_job(spec: JobSpec, token: str) -> dict:
@@ -354,6 +354,7 @@ for name, offset, length in pieces:
 sys.stdout.write(base64.b64encode(bytes(out)).decode())
 """
 CHUNK_BYTES = 4 * 2**20  # 5.3 MiB of base64 per pod log, well under the kubelet's 10 MiB rotation
+ARG_BYTES = 64 * 2**10  # a chunk's pieces, as one argument: Linux takes at most 128 KiB in one
 COLLECT_TIMEOUT_S = 300
 
 
@@ -379,28 +380,40 @@ def parse_manifest(text: str) -> list[RemoteFile]:
         raise HarnessError(f"the results pod's manifest is unreadable: {exc}", 1) from None
 
 
-def plan_chunks(files: list[RemoteFile], limit: int = CHUNK_BYTES) -> list[list[tuple[str, int, int]]]:
-    """(name, offset, length) pieces, grouped so that no chunk holds more than `limit` bytes: small files
-    share a chunk, a large one spans several."""
-    chunks, current, room = [], [], limit
+def plan_chunks(files: list[RemoteFile], limit: int = CHUNK_BYTES,
+                arg_limit: int = ARG_BYTES) -> list[list[tuple[str, int, int]]]:
+    """(name, offset, length) pieces, grouped so that no chunk holds more than `limit` bytes, nor more
+    pieces than fit in `arg_limit` bytes of arguments: small files share a chunk, a large one spans several."""
+    chunks: list[list[tuple[str, int, int]]] = [[]]
+    room = arg_room = 0
+
+    def next_chunk() -> None:
+        nonlocal room, arg_room
+        if chunks[-1]:
+            chunks.append([])
+        room, arg_room = limit, arg_limit
+
+    next_chunk()
     for remote in files:
         offset = 0
         while True:
+            arg = len(json.dumps([remote.name, remote.size, remote.size])) + 2  # the piece's widest form
+            if arg > arg_room:
+                next_chunk()
             length = min(room, remote.size - offset)
-            current.append((remote.name, offset, length))
-            offset, room = offset + length, room - length
+            chunks[-1].append((remote.name, offset, length))
+            offset, room, arg_room = offset + length, room - length, arg_room - arg
             if room == 0:
-                chunks.append(current)
-                current, room = [], limit
+                next_chunk()
             if offset >= remote.size:
                 break
-    return chunks + ([current] if current else [])
+    return [chunk for chunk in chunks if chunk]
 
 
-def write_pieces(staging: Path, pieces: list[tuple[str, int, int]], archive_b64: str) -> None:
-    """Write one chunk's bytes into the staged files at their offsets."""
+def write_pieces(staging: Path, pieces: list[tuple[str, int, int]], log: str) -> None:
+    """Write one chunk's bytes (its pod's log, base64) into the staged files at their offsets."""
     try:
-        data = base64.b64decode(archive_b64.strip(), validate=True)
+        data = base64.b64decode(log.strip(), validate=True)
     except ValueError as exc:
         raise HarnessError(f"a results pod's chunk is unreadable: {exc}", 1) from None
     if len(data) != sum(length for _, _, length in pieces):
@@ -496,6 +509,7 @@ class KubernetesLauncher(Launcher):
         handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"),
                     pvc_folder=pvc_folder(spec, request.payload["token"]))
         return handle
+
     @staticmethod
     def _job(handle: Handle) -> tuple[JobSpec, JobApi, str, str]:
         spec = JobSpec.from_dict(handle.record()["spec"])
