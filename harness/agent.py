@@ -123,9 +123,13 @@ def attempt_argv(torchrun_argv: list[str], attempt: int) -> list[str]:
     """torchrun's arguments for one attempt: the rendezvous id names the attempt, so only the nodes of one
     attempt meet. A pod the operator recreated for the next attempt then cannot join the rendezvous its
     surviving peers still hold; there torch's agent would restart their workers as a membership change,
-    outside the restart budget and under the old attempt number. The survivors fail on the lost peer
-    instead, and exit to be recreated into the new attempt."""
-    return [f"{arg}-{attempt}" if arg.startswith("--rdzv-id=") else arg for arg in torchrun_argv]
+    outside the restart budget and under the old attempt number. The survivors end their attempt instead
+    (their workers lose the peer, or NewerAttemptWatch sees the newer one) and are recreated into it.
+    Only torchrun's own options change, not the program's after them."""
+    options = next((i for i, arg in enumerate(torchrun_argv) if arg == "-m" or not arg.startswith("-")),
+                   len(torchrun_argv))
+    return [f"{arg}-{attempt}" if arg.startswith("--rdzv-id=") else arg for arg in torchrun_argv[:options]] \
+        + torchrun_argv[options:]
 
 
 def newer_attempt(records: list[dict], attempt: int) -> dict | None:
@@ -311,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         _append(args.out, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
         with NewerAttemptWatch(args.out, attempt) as watch:
             cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
-        if watch.newer:  # the SIGTERM was ours: not a cancellation, a restart to join the newer attempt
+        if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
         end = {"event": "end", "attempt": attempt, "node": node, "time": time.time(), "ok": failure is None}

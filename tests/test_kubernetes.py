@@ -258,6 +258,10 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert {"name": "results", "persistentVolumeClaim": {"claimName": "mlperf-results"}} in pod["volumes"]
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
     assert pod["containers"][0]["securityContext"]["privileged"] is False
+    # Its runtime patch cannot say it (the CRD has no such field there), so the runtime must; that is said.
+    assert "automountServiceAccountToken" not in pod
+    assert "set automountServiceAccountToken: false in the pod template of ClusterTrainingRuntime " \
+        "'torch-distributed'" in result.stderr
     # The Trainer SDK's models read it back to the same object.
     assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
 

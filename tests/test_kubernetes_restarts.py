@@ -172,8 +172,9 @@ def test_attempt_numbers_and_rendezvous(tmp_path):
     assert next_attempt(records, "c") == 0 and newer_attempt(records, 0) is None
     records.append({"event": "start", "attempt": 1, "node": "a"})
     assert next_attempt(records, "b") == 1 and newer_attempt(records, 0)["node"] == "a"
-    argv = ["--nnodes=2", "--rdzv-id=job", "-m", "workloads", "resnet", "--rdzv-id=not-ours-after-m"]
-    assert attempt_argv(argv, 3)[:2] == ["--nnodes=2", "--rdzv-id=job-3"]
+    argv = ["--nnodes=2", "--rdzv-id=job", "-m", "workloads", "resnet", "--rdzv-id=the-programs-own"]
+    assert attempt_argv(argv, 3) == ["--nnodes=2", "--rdzv-id=job-3", *argv[2:]]
+    assert attempt_argv(["--standalone", "-m", "workloads"], 1) == ["--standalone", "-m", "workloads"]
 
 
 def test_a_survivor_stops_when_another_node_begins_a_newer_attempt(tmp_path):

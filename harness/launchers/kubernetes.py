@@ -193,7 +193,7 @@ def train_job(spec: JobSpec, token: str) -> dict:
     parts = _pod_parts(spec, nproc, token)
     pod = k8s.V1PodSpec(containers=[], volumes=parts.volumes, node_selector=kube.node_selector or None,
                         tolerations=_tolerations(kube),
-                        service_account_name=kube.service_account, automount_service_account_token=False)
+                        service_account_name=kube.service_account)
     pod_patch = to_dict(pod)
     pod_patch["containers"] = [{"name": TRAINJOB.container, "volumeMounts": to_dict(parts.mounts),
                                 "securityContext": to_dict(parts.security)}]
@@ -220,15 +220,19 @@ def train_job(spec: JobSpec, token: str) -> dict:
 
 
 def trainjob_notes(spec: JobSpec) -> list[str]:
-    """Profile settings a TrainJob cannot carry: said aloud rather than dropped silently."""
+    """Settings a TrainJob cannot carry: said aloud rather than dropped silently."""
     kube, runtime = spec.profile.kubernetes, spec.profile.kubernetes.trainjob_runtime
     unsaid = [name for name, value in (("priority_class", kube.priority_class),
                                        ("host_network", spec.profile.host_network),
                                        ("--max-restarts", spec.max_restarts)) if value]
-    if not unsaid:
-        return []
-    return [f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
-            "(podGroupPolicy, pod template, JobSet failurePolicy); set them there"]
+    # The runtime patch's pod spec has no automountServiceAccountToken (trainer v2.3's CRD), so the
+    # training pods' token is the runtime's to turn off, as a PyTorchJob's pods have it turned off.
+    notes = [f"note: a TrainJob cannot keep the service-account token out of its pods: set "
+             f"automountServiceAccountToken: false in the pod template of ClusterTrainingRuntime {runtime!r}"]
+    if unsaid:
+        notes.append(f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
+                     "(podGroupPolicy, pod template, JobSet failurePolicy); set them there")
+    return notes
 
 
 def to_dict(obj) -> dict:
