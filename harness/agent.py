@@ -18,9 +18,15 @@ no restarts of its own, and this wrapper:
 
 Who restarts differs per backend: locally this loop does (`--restart-here`); on Slurm
 the batch script requeues the job when `--decide` says so; on Kubernetes the exit code
-does it (a PyTorchJob with restartPolicy ExitCode restarts pods that exit with 128 or
+does it (a PyTorchJob with restartPolicy ExitCode recreates pods that exit with 128 or
 more and gives up on 1 to 127). The workers find the attempt number in HARNESS_ATTEMPT
 and continue from their newest checkpoint.
+
+Every node takes its attempt number from the shared record (see next_attempt), and the
+nodes of one attempt meet at a rendezvous of that attempt alone (attempt_argv), so a
+node restarted for the next attempt never joins peers still in the last one. Those
+peers see its start in the record and stop too (NewerAttemptWatch), so that the
+scheduler restarts them into the same attempt: one budget, every restart counted.
 """
 
 from __future__ import annotations
@@ -30,23 +36,31 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.common.metrics_feed import METRICS_DIR_ENV
-from workloads.common.run_record import (ATTEMPT_ENV, node_attempts_path, read_attempts, read_json_lines,
-                                         write_merged_attempts)
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
+                                         read_attempts, read_json_lines, write_merged_attempts)
 
 EXIT_WORKLOAD_ERROR = 3
 EXIT_BUDGET_SPENT = 4
 EXIT_REPEATED_FAILURE = 5
-EXIT_RETRY = 199  # 128 or more, so that Kubernetes' ExitCode policy restarts the pod
+EXIT_FOLDER_TAKEN = 6
+# 128 + SIGUSR1, so that a PyTorchJob's ExitCode policy recreates the pod: the training operator retries
+# every code of 128 or more, and its releases before that only 130, 137, 143 and this one.
+EXIT_RETRY = 138
 EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload error (not retried)", EXIT_BUDGET_SPENT: "restart budget spent",
-              EXIT_REPEATED_FAILURE: "the same failure 3 times at the same step", EXIT_RETRY: "retry"}
+              EXIT_REPEATED_FAILURE: "the same failure 3 times at the same step",
+              EXIT_FOLDER_TAKEN: "the run folder holds another job's results", EXIT_RETRY: "retry"}
+NODE_ENV = "HARNESS_NODE"  # the node's name where the hostname is not stable (a Kubernetes pod's name)
+CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose results it holds
 REPEATS_TO_STOP = 3
 INFRASTRUCTURE, WORKLOAD = "infrastructure", "workload"
 # Exception text that means the machine, the network or a peer failed, not the training code.
@@ -113,6 +127,84 @@ def next_attempt(records: list[dict], node: str) -> int:
         return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     seen = [r["attempt"] for r in records if r.get("event") == "end" or r.get("node") == node]
     return max(seen) + 1 if seen else 0
+
+
+def attempt_argv(torchrun_argv: list[str], attempt: int) -> list[str]:
+    """torchrun's arguments for one attempt: the rendezvous id names the attempt, so only the nodes of one
+    attempt meet. A pod the operator recreated for the next attempt then cannot join the rendezvous its
+    surviving peers still hold; there torch's agent would restart their workers as a membership change,
+    outside the restart budget and under the old attempt number. The survivors end their attempt instead
+    (their workers lose the peer, or NewerAttemptWatch sees the newer one) and are recreated into it.
+    Only torchrun's own options change, not the program's after them."""
+    options = next((i for i, arg in enumerate(torchrun_argv) if arg == "-m" or not arg.startswith("-")),
+                   len(torchrun_argv))
+    return [f"{arg}-{attempt}" if arg.startswith("--rdzv-id=") else arg for arg in torchrun_argv[:options]] \
+        + torchrun_argv[options:]
+
+
+def newer_attempt(records: list[dict], attempt: int) -> dict | None:
+    """The first start of an attempt after `attempt`, if some node has begun one."""
+    return next((r for r in records if r.get("event") == "start" and r["attempt"] > attempt), None)
+
+
+class NewerAttemptWatch:
+    """While this node runs `attempt`, watch the shared record for a node that has begun a newer one (the
+    scheduler restarted it after it was lost): then this node's attempt is over too, whether or not its
+    workers have noticed the lost peer yet (NCCL may take its whole timeout). `stop` ends the attempt; by
+    default it sends this process SIGTERM, which torch's agent turns into stopping the workers."""
+
+    def __init__(self, out: Path, attempt: int, poll_s: float = 5.0, stop=None):
+        self.out, self.attempt, self.poll_s = Path(out), attempt, poll_s
+        self.stop = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        self.newer: dict | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "NewerAttemptWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll_s):
+            self.newer = newer_attempt(read_records(self.out), self.attempt)
+            if self.newer:
+                self.stop()
+                return
+
+    def failure(self) -> Failure:
+        return Failure(INFRASTRUCTURE, f"{self.newer.get('node')} began attempt {self.newer['attempt']} (it was "
+                                       "restarted after a failure), so this node's attempt ended to join it")
+
+
+def claim_run_folder(out: Path, token: str, wait_s: float = 5.0) -> str | None:
+    """Claim the run folder for the job `token` names; the reason to refuse it, or None.
+
+    On Kubernetes every job writes into a folder of its own on a shared volume, but the pods cannot ask
+    the submitting machine whether a folder is theirs. The first node to start writes the token into
+    CLAIM_FILE (created exclusively, so one node wins); every node, restarted ones included, then accepts
+    the folder only if the token is its job's. A folder with results and no claim is refused too."""
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / CLAIM_FILE
+    if not marker.exists() and (any(out.glob("result_*.txt")) or (out / ATTEMPTS_FILE).exists()
+                                or (out / ATTEMPTS_DIR).exists()):
+        return f"{out} already holds results that no job claimed; this job will not write into them"
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        deadline = time.monotonic() + wait_s
+        while not (found := marker.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the winner has created the file but not yet written its token
+        if found != token:
+            return (f"{out} holds the results of job {found or '(unnamed)'}, not of this job ({token}); "
+                    "this job will not write into them")
+        return None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return None
 
 
 def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
@@ -224,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the run folder (shared by every node)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart budget for the whole job")
     parser.add_argument("--restart-here", action="store_true", help="restart attempts in this process (local)")
+    parser.add_argument("--job-token", help="claim the run folder for this job (see claim_run_folder)")
     parser.add_argument("--decide", action="store_true",
                         help="only decide, from the record, what follows the newest attempt (Slurm's script)")
     parser.add_argument("--job", default="harness", help="the job's name, a label on every metric")
@@ -233,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pushgateway", help="also push the metrics to this Prometheus Pushgateway URL")
     parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun's arguments, after --")
     args = parser.parse_args(argv)
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = os.environ.get("SLURMD_NODENAME") or os.environ.get(NODE_ENV) or socket.gethostname()
     if args.decide:
         records = read_records(args.out)
         write_merged_attempts(args.out, records)
@@ -242,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         if decision.exit_code:
             _say(decision.message)
         return decision.exit_code
+    refusal = claim_run_folder(args.out, args.job_token) if args.job_token else None
+    if refusal:
+        _say(refusal)
+        return EXIT_FOLDER_TAKEN
     Path(args.out, "logs").mkdir(parents=True, exist_ok=True)
     exporter, feed_dir = _start_metrics(args, node)
     try:
@@ -281,7 +378,10 @@ def _attempts(args, node: str) -> int:
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
         _append(args.out, node, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
-        cancelled, failure = run_attempt(torchrun_argv)
+        with NewerAttemptWatch(args.out, attempt) as watch:
+            cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
+            cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
         end = {"event": "end", "attempt": attempt, "node": node, "time": time.time(), "ok": failure is None}
         if failure:

@@ -3,15 +3,35 @@
 It speaks just the endpoints the k8s launcher uses, through the official client:
 PyTorchJob and TrainJob custom objects (create, get, delete), pods (list by
 label, create, get, delete), pod logs, and events (create). Tests move a job
-through its life by editing `jobs` and `pods` directly, as the operator and the
-kubelet would. A pod created through the API (the harness's results pod) is
-"run" as a fake kubelet would: its command runs here, with each volume claim
-named in `claims` standing for a local folder, and its stdout becomes its log.
+through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
+letting `reconcile` do what the training operator's controller does (below). A
+pod created through the API (the harness's results pods), or a job's pod passed
+to `run_pod`, is "run" as a fake kubelet would: its command runs here, with the
+pod's environment, $(VAR) expanded in its arguments, each volume claim named in
+`claims` standing for a local folder, and its output as its log. The log API
+serves what the kubelet would after rotating the container log at 10 MiB: only
+the part written since the newest rotation.
+
+The operator (kubeflow/training-operator, pkg/controller.v1/common job.go and
+pod.go, pkg/core, the PyTorchJob reconciler), as far as restarts go:
+- one pod per replica, named <job>-<master|worker>-<index>; a missing one is created;
+- restartPolicy ExitCode: the pod's own restartPolicy is Never; a pod that failed with
+  an exit code of 128 or more is deleted (condition Restarting) and, on the next
+  pass, created again under the same name; 1 to 127 fails the job. Never: any
+  failed pod fails the job;
+- backoffLimit: PastBackoffLimit sums the container restartCounts of running pods,
+  which stay 0 when pods are recreated rather than restarted in place, and the
+  "new failure" check compares the work queue's requeue count, always 0 in the
+  controller-runtime reconciler (FakeWorkQueue), with the limit: so only a limit of
+  0 ever fails a job, on its first retryable failure;
+- the Master's success is the job's; a finished job's pods are deleted as
+  cleanPodPolicy says (Running: those still running or pending; None: none).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,6 +47,26 @@ PODS = re.compile(r"/api/v1/namespaces/([^/]+)/pods$")
 POD = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 POD_LOG = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 EVENTS = re.compile(r"/api/v1/namespaces/([^/]+)/events$")
+LOG_ROTATE_BYTES = 10 * 2**20  # the kubelet's default containerLogMaxSize
+JOB_LABEL, TYPE_LABEL, INDEX_LABEL = ("training.kubeflow.org/job-name", "training.kubeflow.org/replica-type",
+                                      "training.kubeflow.org/replica-index")
+MASTER_PORT = "23456"
+VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _container_status(pod: dict, state: dict) -> dict:
+    """A pod's container status as the kubelet reports it; a container ends without restarting in place
+    (restartCount 0: pods under ExitCode have restartPolicy Never)."""
+    [container] = pod["spec"]["containers"]
+    return {"name": container["name"], "image": container["image"], "imageID": "", "ready": "running" in state,
+            "restartCount": 0, "state": state}
+
+
+def served_log(log: str) -> str:
+    """What the log API returns after the kubelet rotated the log every LOG_ROTATE_BYTES: the newest part."""
+    data = log.encode()
+    return data[len(data) - len(data) % LOG_ROTATE_BYTES:].decode(errors="replace") if len(data) > LOG_ROTATE_BYTES \
+        else log
 
 
 class FakeKubeAPI:
@@ -36,6 +76,8 @@ class FakeKubeAPI:
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
         self.requests: list[tuple[str, str]] = []
+        self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
+        self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -87,13 +129,138 @@ class FakeKubeAPI:
         claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]] for v in spec.get("volumes", [])
                   if "persistentVolumeClaim" in v and v["persistentVolumeClaim"]["claimName"] in self.claims}
         mounts = {m["mountPath"]: claims[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in claims}
-        command = [sys.executable if part == "python" else part for part in container["command"]]
+        env = {e["name"]: e["value"] if "value" in e else pod["metadata"]["name"]  # fieldRef: metadata.name
+               for e in container.get("env", [])}
+        command = [VAR.sub(lambda m: env.get(m.group(1), m.group(0)), part)
+                   for part in container["command"] + container.get("args", [])]
+        command = [sys.executable if part == "python" else part for part in command]
         for mount, folder in mounts.items():
             command = [str(folder) + part[len(mount):] if part.startswith(mount) else part for part in command]
-        done = subprocess.run(command, capture_output=True, text=True)
-        pod["status"] = {"phase": "Succeeded" if done.returncode == 0 else "Failed"}
-        pod["log"] = done.stdout + done.stderr
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+        self._ended(pod, done.returncode, done.stdout + done.stderr)
         return pod
+
+    @staticmethod
+    def _ended(pod: dict, exit_code: int, log: str = "") -> None:
+        pod["status"] = {"phase": "Succeeded" if exit_code == 0 else "Failed",
+                         "containerStatuses": [_container_status(pod, {"terminated": {"exitCode": exit_code}})]}
+        pod["log"] = pod.get("log", "") + log
+
+    # The training operator, for PyTorchJobs.
+    def job_pods(self, namespace: str, name: str) -> dict[str, dict]:
+        return {key[1]: pod for key, pod in self.pods.items()
+                if key[0] == namespace and pod["metadata"]["labels"].get(JOB_LABEL) == name}
+
+    def run_pod(self, namespace: str, name: str) -> int:
+        """The kubelet runs a job's pod to its end; then the operator reconciles. Returns its exit code."""
+        pod = self.pods[(namespace, name)]
+        self._run_pod(pod)
+        self.reconcile(namespace, pod["metadata"]["labels"][JOB_LABEL])
+        return pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"]
+
+    def exit_pod(self, namespace: str, name: str, exit_code: int) -> None:
+        """A job's pod ends with `exit_code` (137: killed), without running anything; then the operator
+        reconciles."""
+        pod = self.pods[(namespace, name)]
+        self._ended(pod, exit_code)
+        self.reconcile(namespace, pod["metadata"]["labels"][JOB_LABEL])
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        """The operator's passes over one PyTorchJob until nothing more changes (see the module's notes)."""
+        while self._reconcile_once(namespace, name):
+            pass
+
+    def _reconcile_once(self, namespace: str, name: str) -> bool:
+        job = self.jobs[(namespace, name)]
+        status = job.setdefault("status", {})
+        pods = self.job_pods(namespace, name)
+        if self._finished(job):
+            policy = job["spec"]["runPolicy"].get("cleanPodPolicy", "None")
+            doomed = [n for n, pod in pods.items() if policy == "All" or (
+                policy == "Running" and pod["status"]["phase"] in ("Running", "Pending"))]
+            for pod_name in doomed:
+                self._delete_pod(namespace, pod_name)
+            return False
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        failed = sum(pod["status"]["phase"] == "Failed" for pod in pods.values())
+        active = sum(pod["status"]["phase"] in ("Running", "Pending") for pod in pods.values())
+        limit = job["spec"]["runPolicy"].get("backoffLimit")
+        if limit is not None:
+            previously_failed = sum(r.get("failed", 0) for r in status.get("replicaStatuses", {}).values())
+            new_failure = failed > previously_failed and active != sum(r["replicas"] for r in replicas.values())
+            restarts = sum(c.get("restartCount", 0) for pod in pods.values() if pod["status"]["phase"] == "Running"
+                           for c in pod["status"].get("containerStatuses", []))
+            if (new_failure and 0 + 1 > limit) or (restarts > 0 if limit == 0 else restarts >= limit):
+                for pod_name in pods:
+                    self._delete_pod(namespace, pod_name)
+                self.set_condition(namespace, name, "Failed", f"Job {name} has failed because it has reached "
+                                                              "the specified backoff limit")
+                return False
+        changed = False
+        counts = {}
+        for rtype, spec in replicas.items():
+            count = counts[rtype] = {"active": 0, "succeeded": 0, "failed": 0}
+            for index in range(spec["replicas"]):
+                pod_name = f"{name}-{rtype.lower()}-{index}"
+                pod = pods.get(pod_name)
+                if pod is None:
+                    self._create_pod(namespace, name, pod_name, rtype, index, spec["template"])
+                    count["active"] += 1
+                    changed = True
+                    continue
+                phase = pod["status"]["phase"]
+                if phase == "Failed":
+                    code = pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"]
+                    if spec["restartPolicy"] == "ExitCode" and code >= 128:
+                        self._delete_pod(namespace, pod_name)
+                        self.set_condition(namespace, name, "Restarting",
+                                           f"PyTorchJob {name} is restarting because {rtype} replica(s) failed.")
+                        changed = True
+                        continue
+                    self.set_condition(namespace, name, "Failed",
+                                       f"PyTorchJob {name} is failing because {rtype} replica(s) failed.")
+                    changed = True
+                count[{"Running": "active", "Pending": "active"}.get(phase, phase.lower())] += 1
+        status["replicaStatuses"] = counts
+        if not self._finished(job) and counts.get("Master", {}).get("succeeded"):
+            self.set_condition(namespace, name, "Succeeded", f"PyTorchJob {name} is successfully completed.")
+            changed = True
+        elif not self._finished(job) and counts.get("Master", {}).get("active") and not changed \
+                and self._last_condition(job) != "Running":
+            self.set_condition(namespace, name, "Running", f"PyTorchJob {name} is running.")
+        return changed
+
+    @staticmethod
+    def _last_condition(job: dict) -> str | None:
+        true = [c["type"] for c in job.get("status", {}).get("conditions", []) if c["status"] == "True"]
+        return true[-1] if true else None
+
+    def _finished(self, job: dict) -> bool:
+        return any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True"
+                   for c in job.get("status", {}).get("conditions", []))
+
+    def _create_pod(self, namespace: str, job: str, pod_name: str, rtype: str, index: int, template: dict) -> None:
+        pod_spec = json.loads(json.dumps(template["spec"]))
+        pod_spec["restartPolicy"] = "Never"  # core.SetRestartPolicy: ExitCode is the operator's, not the kubelet's
+        replicas = self.jobs[(namespace, job)]["spec"]["pytorchReplicaSpecs"]
+        rank = index + (1 if rtype == "Worker" and "Master" in replicas else 0)
+        operator_env = {"PET_MASTER_ADDR": f"{job}-master-0", "PET_MASTER_PORT": MASTER_PORT,
+                        "PET_NNODES": str(sum(r["replicas"] for r in replicas.values())), "PET_NODE_RANK": str(rank)}
+        for container in pod_spec["containers"]:
+            container["env"] = container.get("env", []) + [{"name": k, "value": v} for k, v in operator_env.items()]
+        labels = {**template.get("metadata", {}).get("labels", {}), JOB_LABEL: job, TYPE_LABEL: rtype.lower(),
+                  INDEX_LABEL: str(index)}
+        self.pods[(namespace, pod_name)] = {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "namespace": namespace, "labels": labels,
+                                                            "uid": str(uuid.uuid4())},
+            "spec": pod_spec, "log": ""}
+        pod = self.pods[(namespace, pod_name)]
+        pod["status"] = {"phase": "Running", "containerStatuses": [_container_status(pod, {"running": {}})]}
+        self.operations.append(("create", pod_name))
+
+    def _delete_pod(self, namespace: str, pod_name: str) -> None:
+        self.pods.pop((namespace, pod_name))
+        self.operations.append(("delete", pod_name))
 
     def _handler(self):
         fake = self
@@ -137,7 +304,7 @@ class FakeKubeAPI:
                     return self._send(200, {"apiVersion": "v1", "kind": "PodList", "items": items})
                 if (m := POD_LOG.match(url.path)) and method == "GET":
                     pod = fake.pods.get((m.group(1), m.group(2)))
-                    return self._send(200, pod["log"]) if pod else self._not_found("pods", m.group(2))
+                    return self._send(200, served_log(pod["log"])) if pod else self._not_found("pods", m.group(2))
                 if (m := EVENTS.match(url.path)) and method == "POST":
                     event = self._body()
                     event["metadata"]["name"] = event["metadata"].get("generateName", "") + uuid.uuid4().hex[:5]
@@ -158,13 +325,18 @@ class FakeKubeAPI:
                                                 "code": 409, "message": f"{plural} {key[1]!r} already exists"})
                     job["metadata"]["uid"] = str(uuid.uuid4())
                     fake.jobs[key] = job
+                    if fake.operator and plural == "pytorchjobs":
+                        fake.set_condition(namespace, key[1], "Created")
+                        fake.reconcile(namespace, key[1])
                     return self._send(201, job)
                 if name is None or (namespace, name) not in fake.jobs:
                     return self._not_found(plural, name or "")
                 if method == "GET":
                     return self._send(200, fake.jobs[(namespace, name)])
-                if method == "DELETE":
+                if method == "DELETE":  # its pods go too (the garbage collector follows their ownerReferences)
                     fake.jobs.pop((namespace, name))
+                    for pod_name in fake.job_pods(namespace, name):
+                        fake._delete_pod(namespace, pod_name)
                     return self._send(200, {"kind": "Status", "status": "Success"})
                 self._send(405, {"kind": "Status", "status": "Failure", "code": 405})
 

@@ -17,7 +17,6 @@ import yaml
 
 from harness.agent import EXIT_BUDGET_SPENT, EXIT_RETRY, read_records
 from harness.errors import HarnessError
-from harness.launchers import get_launcher
 from harness.launchers.base import rendezvous_timeouts
 from harness.spec import JobSpec, parse_env
 from tests.conftest import REPO, harness
@@ -158,7 +157,7 @@ def test_a_rendezvous_timeout_is_an_infrastructure_failure_retried_within_the_bu
 
 
 def test_on_kubernetes_a_rendezvous_failure_exits_for_a_pod_restart(tmp_path):
-    """Without --restart-here (Kubernetes), the agent exits 199, which restartPolicy ExitCode retries, instead of
+    """Without --restart-here (Kubernetes), the agent exits 138 (EXIT_RETRY), which restartPolicy ExitCode retries, instead of
     1, which the operator treats as final; an unreachable store is the same kind of failure."""
     proc = _agent(tmp_path, "--max-restarts", "2", rdzv_conf="is_host=0,read_timeout=2,join_timeout=10")
     assert proc.returncode == EXIT_RETRY, proc.stderr

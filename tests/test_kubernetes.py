@@ -3,14 +3,14 @@ FAKE API server (with a fake kubelet that runs the results pod here)."""
 
 from __future__ import annotations
 
-import base64
-import io
+import hashlib
 import json
+import os
 import re
 import shutil
-import tarfile
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -22,12 +22,13 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness import profiles
+from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
-from harness.launchers.kubernetes import unpack_run_folder
+from harness.launchers.kubernetes import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.spec import JobSpec
 from tests.conftest import REPO, SHARED, harness
-from tests.fake_kube_api import FakeKubeAPI
+from tests.fake_kube_api import LOG_ROTATE_BYTES, FakeKubeAPI, served_log
 
 CRD = SHARED / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 TRAINJOB_CRD = SHARED / "kubeflow" / "trainer.kubeflow.org_trainjobs.v2.3.yaml"
@@ -71,8 +72,15 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
         pod = replica["template"]["spec"]
         [container] = pod["containers"]
         assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
         assert env["NCCL_COLLNET_ENABLE"] == "1" and "NCCL_IB_HCA" in env and "NCCL_SOCKET_IFNAME" in env
+        # The node agent knows itself by its pod's name, which a recreated pod keeps.
+        assert env["HARNESS_NODE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert pod["automountServiceAccountToken"] is False  # training pods get no API token
+        # The job's own folder on the volume, claimed with its token; the same arguments render the same token.
+        out = container["args"][container["args"].index("--out") + 1]
+        token = container["args"][container["args"].index("--job-token") + 1]
+        assert out == f"/results/o-{token}" and re.fullmatch(r"[0-9a-f]{8}", token)
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
         assert {"mountPath": "/dev/shm", "name": "dshm"} in container["volumeMounts"]
         assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
@@ -96,6 +104,15 @@ def test_without_rdma_no_capability_is_added(tmp_path):
     assert "resources" not in container  # a CPU profile asks for no GPUs or RDMA devices
     assert job["spec"]["runPolicy"]["backoffLimit"] == 3
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "ExitCode"
+
+
+def pod_folder(fake_api: FakeKubeAPI, volume: Path, name: str, namespace: str = "default") -> Path:
+    """Where the job's pods write, on the local folder standing for the results volume."""
+    args = fake_api.jobs[(namespace, name)]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["args"]
+    out = args[args.index("--out") + 1]
+    assert out.startswith("/results/")
+    return volume / out[len("/results/"):]
 
 
 @pytest.fixture
@@ -176,11 +193,12 @@ def test_harness_run_streams_the_job_states_and_collects_the_results(fake_api, t
             time.sleep(0.1)
         for condition in ("Created", "Running", "Succeeded"):
             if condition == "Succeeded":  # rank 0 wrote its log and rank files on the volume
-                (volume / "run" / "logs").mkdir(parents=True)
-                shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
-                (volume / "run" / "logs" / "rank_0.log").write_text("rank 0 log\n")
-                (volume / "run" / "checkpoints").mkdir()
-                (volume / "run" / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
+                folder = pod_folder(fake_api, volume, "rn")
+                (folder / "logs").mkdir(parents=True)
+                shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                (folder / "logs" / "rank_0.log").write_text("rank 0 log\n")
+                (folder / "checkpoints").mkdir()
+                (folder / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
             fake_api.set_condition("default", "rn", condition)
             time.sleep(1.5)
 
@@ -240,6 +258,10 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert {"name": "results", "persistentVolumeClaim": {"claimName": "mlperf-results"}} in pod["volumes"]
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
     assert pod["containers"][0]["securityContext"]["privileged"] is False
+    # Its runtime patch cannot say it (the CRD has no such field there), so the runtime must; that is said.
+    assert "automountServiceAccountToken" not in pod
+    assert "set automountServiceAccountToken: false in the pod template of ClusterTrainingRuntime " \
+        "'torch-distributed'" in result.stderr
     # The Trainer SDK's models read it back to the same object.
     assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
 
@@ -275,49 +297,60 @@ def test_submit_without_a_results_volume_is_refused(fake_api, tmp_path):
     assert result.returncode == 2 and "kubernetes.results_pvc" in result.stderr and not fake_api.jobs
 
 
-def _archive(members: dict[str, bytes]) -> str:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.mark.parametrize("name", ["../escape.txt", "/etc/escape.txt", "logs/../../escape.txt"])
-def test_collected_archives_cannot_write_outside_the_run_folder(tmp_path, name):
-    run = tmp_path / "run"
-    run.mkdir()
-    with pytest.raises(HarnessError, match="unreadable"):
-        unpack_run_folder(_archive({name: b"x"}), run)
-    assert not (tmp_path / "escape.txt").exists() and list(run.iterdir()) == []
+def test_collected_names_cannot_point_outside_the_run_folder(name):
+    with pytest.raises(HarnessError, match="manifest is unreadable"):
+        parse_manifest(json.dumps([[name, 1, "0" * 64]]))
+    with pytest.raises(HarnessError, match="manifest is unreadable"):
+        parse_manifest("not json")
+
+
+def test_chunks_hold_at_most_the_limit_and_cover_every_byte():
+    files = [RemoteFile("a", 5, ""), RemoteFile("empty", 0, ""), RemoteFile("b", 12, ""), RemoteFile("c", 3, "")]
+    chunks = plan_chunks(files, limit=4)
+    assert all(sum(length for _, _, length in chunk) <= 4 for chunk in chunks)
+    covered = {}
+    for chunk in chunks:
+        for name, offset, length in chunk:
+            assert covered.get(name, 0) == offset  # in order, no gap, no overlap
+            covered[name] = offset + length
+    assert covered == {"a": 5, "empty": 0, "b": 12, "c": 3} and len(chunks) == 5
+    many = [RemoteFile(f"logs/rank_{i}.log", 10, "") for i in range(3584)]  # one chunk's bytes, too many names
+    chunks = plan_chunks(many)
+    assert len(chunks) > 1 and all(len(json.dumps(chunk)) < 64 * 2**10 for chunk in chunks)
+    assert sum(len(chunk) for chunk in chunks) == len(many)
 
 
 def test_collecting_keeps_local_files_that_differ(tmp_path):
-    run = tmp_path / "run"
+    run, staging = tmp_path / "run", tmp_path / "staging"
     run.mkdir()
+    staging.mkdir()
     (run / "result_0.txt").write_text("local\n")
-    fetched, kept = unpack_run_folder(_archive({"./result_0.txt": b"remote\n", "./result_1.txt": b"new\n"}), run)
-    assert fetched == [run / "result_1.txt"] and kept == ["./result_0.txt"]
+    (staging / "result_0.txt").write_text("remote\n")
+    (staging / "result_1.txt").write_text("new\n")
+    files = [RemoteFile(f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+             for f in sorted(staging.iterdir())]
+    fetched, kept = merge_run_folder(staging, files, run)
+    assert fetched == [run / "result_1.txt"] and kept == ["result_0.txt"]
     assert (run / "result_0.txt").read_text() == "local\n" and (run / "result_1.txt").read_text() == "new\n"
-    assert sorted(p.name for p in run.iterdir()) == ["result_0.txt", "result_1.txt"]  # no staging left behind
-    with pytest.raises(HarnessError, match="unreadable"):
-        unpack_run_folder("not base64 !", run)
+    (staging / "result_0.txt").write_text("changed meanwhile\n")
+    with pytest.raises(HarnessError, match="changed on the results volume"):
+        merge_run_folder(staging, files[:1], run)
 
 
 def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
     volume = tmp_path / "pvc"
     fake_api.claims["mlperf-results"] = volume
     _, handle = submitted(tmp_path)
-    (volume / "run").mkdir(parents=True)
-    shutil.copy(BASELINE_LOG, volume / "run" / "result_0.txt")
+    folder = pod_folder(fake_api, volume, "rn50", namespace="mlperf")
+    folder.mkdir(parents=True)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 0, result.stderr
     assert "fetched 1 file(s)" in result.stdout and (handle.out_dir / "result_0.txt").is_file()
     fake_api.claims["mlperf-results"] = tmp_path / "empty"  # a volume without the run folder
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
-    assert result.returncode == 1 and "could not read /results/run" in result.stderr
+    assert result.returncode == 1 and f"could not read /results/{folder.name}" in result.stderr
     assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
 
 
@@ -336,4 +369,60 @@ def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):
                      "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     thread.join()
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "could not read /results/run" in result.stderr and "the job failed" in result.stderr
+    assert "could not read /results/run-" in result.stderr and "the job failed" in result.stderr
+
+
+def job_token(fake_api: FakeKubeAPI, name: str, namespace: str = "mlperf") -> str:
+    args = fake_api.jobs[(namespace, name)]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["args"]
+    return args[args.index("--job-token") + 1]
+
+
+def test_a_second_job_with_the_same_folder_name_cannot_reuse_the_first_jobs_folder(fake_api, tmp_path):
+    """The first job's finished run stays its own: a second job with the same --out name (and job name, once
+    the first job is deleted) gets another folder on the volume, collects only from it, and its pods, were
+    they ever given the first job's folder, refuse it with one line and a code the operator never retries."""
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    fake_api.operator = True
+    launcher, first = submitted(tmp_path / "a")
+    first_folder, first_token = pod_folder(fake_api, volume, "rn50", "mlperf"), job_token(fake_api, "rn50")
+    assert claim_run_folder(first_folder, first_token) is None  # what its node agents did first
+    shutil.copy(BASELINE_LOG, first_folder / "result_0.txt")  # what its rank 0 wrote
+    launcher.cancel(first)  # the user deletes the first job and submits the same again
+    _, second = submitted(tmp_path / "b")
+    second_folder = pod_folder(fake_api, volume, "rn50", "mlperf")
+    assert first.out_dir.name == second.out_dir.name == "run"
+    assert second_folder != first_folder and second.record()["pvc_folder"] == f"/results/{second_folder.name}"
+    with pytest.raises(HarnessError, match=f"could not read /results/{second_folder.name}"):
+        launcher.collect(second)  # nothing of the first job's
+    assert not (second.out_dir / "result_0.txt").exists()
+    shutil.copytree(first_folder, second_folder)  # a folder name reused by hand, or by an older harness
+    assert fake_api.run_pod("mlperf", "rn50-master-0") == EXIT_FOLDER_TAKEN  # the real node agent, in the pod
+    log = fake_api.pods[("mlperf", "rn50-master-0")]["log"]
+    assert f"holds the results of job {first_token}, not of this job" in log and "Traceback" not in log
+    assert log.count("\n") == 1 and sorted(p.name for p in second_folder.iterdir()) == ["job-token", "result_0.txt"]
+    assert launcher.status(second) is JobState.FAILED  # 6 is in 1-127: the operator fails the job, no restart
+
+
+def test_a_collection_far_over_10_mib_comes_back_byte_identical(fake_api, tmp_path):
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    launcher, handle = submitted(tmp_path)
+    folder = pod_folder(fake_api, volume, "rn50", "mlperf")
+    (folder / "logs").mkdir(parents=True)
+    big = os.urandom(25 * 2**20)  # incompressible: 33 MiB of base64
+    (folder / "logs" / "rank_0.log").write_bytes(big)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+    (folder / "empty.txt").touch()
+    # The fake log API keeps what the kubelet keeps after rotating at 10 MiB: one pod could not carry this.
+    assert served_log("x" * (LOG_ROTATE_BYTES + 5)) == "xxxxx"
+    fetched = launcher.collect(handle)
+    assert sorted(p.relative_to(handle.out_dir).as_posix() for p in fetched) == \
+        ["empty.txt", "logs/rank_0.log", "result_0.txt"]
+    assert (handle.out_dir / "logs" / "rank_0.log").read_bytes() == big
+    assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+    started = [path for method, path in fake_api.requests if method == "POST" and path.endswith("/pods")]
+    assert len(started) == 1 + 7  # the manifest, then 25 MiB and change in chunks of 4 MiB
+    assert not fake_api.pods  # every results pod deleted
+    assert not [p for p in handle.out_dir.iterdir() if p.name.startswith(".collect-")]

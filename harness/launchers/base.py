@@ -191,13 +191,14 @@ def rendezvous_timeouts(spec: JobSpec) -> tuple[int, int]:
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,
-                  rdzv_id: str = "harness", restart_here: bool = False) -> list[str]:
+                  rdzv_id: str = "harness", restart_here: bool = False, job_token: str | None = None) -> list[str]:
     """The command one node runs: the harness's node agent around torchrun's, then the workload.
 
     Without `rendezvous` the agent runs standalone (one node, a private port);
     otherwise all nodes meet at the c10d store at `rendezvous` (host:port).
     `restart_here`: the node agent restarts failed attempts itself (local); on clusters
-    the scheduler restarts the job (see harness.agent).
+    the scheduler restarts the job (see harness.agent). `job_token`: the node agent claims the run
+    folder for this job and refuses one that another job's results are in (Kubernetes' shared volume).
     """
     cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts),
            "--job", spec.name or spec.benchmark, "--benchmark", spec.benchmark, "--metrics-port", str(spec.metrics())]
@@ -205,6 +206,8 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
         cmd += ["--pushgateway", spec.pushgateway]
     if restart_here:
         cmd.append("--restart-here")
+    if job_token:
+        cmd += ["--job-token", job_token]
     cmd += ["--", f"--nproc-per-node={nproc_per_node}"]
     if rendezvous is None:
         cmd.append("--standalone")

@@ -6,18 +6,20 @@ our pod settings as a runtime patch. Either way each pod runs one elastic agent
 with one process per GPU, and the agents meet at a c10d rendezvous on the
 PET_MASTER_ADDR/PORT the operator gives every pod. Pods ask for the profile's
 GPUs and RDMA devices, get a memory-backed /dev/shm, add IPC_LOCK only when RDMA
-is requested, and never run privileged. Rank 0 writes the MLPerf logs to the
-results volume (a PVC); when the job ends, a one-shot read-only pod streams the
-run folder back through its log into the local run folder. The cluster is the
-system of record: each state change the harness sees is also recorded as a
-Kubernetes Event on the job.
+is requested, never run privileged, and mount no service-account token. Rank 0
+writes the MLPerf logs to the job's own folder on the results volume (a PVC),
+named with a token drawn at submit; when the job ends, short-lived read-only pods
+bring the run folder back through their logs, a manifest then bounded chunks. The
+cluster is the system of record: each state change the harness sees is also
+recorded as a Kubernetes Event on the job.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import io
+import hashlib
+import json
 import os
 import secrets
 import sys
@@ -33,6 +35,7 @@ import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
+from harness.agent import NODE_ENV
 from harness.errors import HarnessError
 from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
                                     cluster_procs_per_node, workload_plan)
@@ -55,7 +58,7 @@ class _PodParts:
     security: k8s.V1SecurityContext
 
 
-def _pod_parts(spec: JobSpec, nproc: int) -> _PodParts:
+def _pod_parts(spec: JobSpec, nproc: int, token: str) -> _PodParts:
     profile, kube = spec.profile, spec.profile.kubernetes
     if not profile.image:
         raise HarnessError(f"the k8s backend runs a container image, and profile {profile.name} names none: "
@@ -81,10 +84,10 @@ def _pod_parts(spec: JobSpec, nproc: int) -> _PodParts:
                                         read_only=read_only or None))
     _check_paths(spec)
     env = {**profile.env, **spec.env, IMAGE_ENV: profile.image}
-    in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(_pod_out_dir(spec)))
+    in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(pvc_folder(spec, token)))
     # Both operators give every pod PET_MASTER_ADDR/PORT; the kubelet expands $(VAR) in arguments.
     command = agent_command(in_pod, "python", nproc, rendezvous="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-                            rdzv_id=spec.name)
+                            rdzv_id=spec.name, job_token=token)
     return _PodParts(
         command=command, env=[k8s.V1EnvVar(name=k, value=v) for k, v in sorted(env.items())],
         resources=k8s.V1ResourceRequirements(limits=limits, requests=limits) if limits else None,
@@ -114,12 +117,17 @@ def _results_volume(claim: str) -> k8s.V1Volume:
         claim_name=claim))
 
 
-def _pod_template(spec: JobSpec, nproc: int) -> k8s.V1PodTemplateSpec:
+def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpec:
     profile, kube = spec.profile, spec.profile.kubernetes
-    parts = _pod_parts(spec, nproc)
+    parts = _pod_parts(spec, nproc, token)
+    # The operator recreates a failed pod under the same name, while its hostname is the node's under
+    # hostNetwork: the pod's name is what lets the node agent find its own unfinished attempt.
+    node = k8s.V1EnvVar(name=NODE_ENV, value_from=k8s.V1EnvVarSource(
+        field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))
     container = k8s.V1Container(
         name=PYTORCHJOB.container, image=profile.image, command=parts.command[:1], args=parts.command[1:],
-        env=parts.env, resources=parts.resources, volume_mounts=parts.mounts, security_context=parts.security)
+        env=[*parts.env, node], resources=parts.resources, volume_mounts=parts.mounts,
+        security_context=parts.security)
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=_labels(spec, job=False)),
         spec=k8s.V1PodSpec(
@@ -127,7 +135,8 @@ def _pod_template(spec: JobSpec, nproc: int) -> k8s.V1PodTemplateSpec:
             dns_policy="ClusterFirstWithHostNet" if profile.host_network else None,
             node_selector=kube.node_selector or None,
             tolerations=_tolerations(kube),
-            priority_class_name=kube.priority_class, service_account_name=kube.service_account))
+            priority_class_name=kube.priority_class, service_account_name=kube.service_account,
+            automount_service_account_token=False))  # training needs no access to the API
 
 
 def _tolerations(kube) -> list[k8s.V1Toleration] | None:
@@ -151,18 +160,32 @@ def _labels(spec: JobSpec, job: bool = True) -> dict[str, str]:
     return labels
 
 
-def _pod_out_dir(spec: JobSpec) -> str:
-    """The run folder inside the pods: on the shared results volume."""
-    return f"{spec.profile.kubernetes.results_mount}/{spec.out_dir.name}"
+def pvc_folder(spec: JobSpec, token: str) -> str:
+    """The job's own run folder inside the pods, on the shared results volume: the local folder's name and
+    the job's token, so that two jobs with the same --out name never share one (see `render`)."""
+    return f"{spec.profile.kubernetes.results_mount}/{spec.out_dir.name}-{token}"
 
 
-def pytorch_job(spec: JobSpec) -> dict:
+TOKEN_HEX = 8
+
+
+def render_token(spec: JobSpec) -> str:
+    """The token a dry run shows: derived from the spec, so the same arguments print the same bytes.
+    `submit` draws a fresh random one instead (KubernetesLauncher.submit)."""
+    canonical = json.dumps(spec.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:TOKEN_HEX]
+
+
+def pytorch_job(spec: JobSpec, token: str) -> dict:
     """The PyTorchJob for a resolved spec: `nodes` pods in all, gang-scheduled."""
     kube = spec.profile.kubernetes
     nproc = cluster_procs_per_node(spec)
-    template = _pod_template(spec, nproc)
-    # ExitCode: the operator restarts a pod whose agent exits with 128 or more (an infrastructure failure
-    # with restarts left, harness.agent.EXIT_RETRY, or a signal) and fails the job on 1 to 127.
+    template = _pod_template(spec, nproc, token)
+    # ExitCode: the operator deletes a pod whose agent exits with 128 or more (an infrastructure failure
+    # with restarts left, harness.agent.EXIT_RETRY, or a signal) and creates it again under the same name,
+    # and fails the job on 1 to 127. It counts none of this against backoffLimit (its PastBackoffLimit sums
+    # container restarts, and these pods' containers never restart in place), so the harness's own record
+    # is the budget: every recreated pod starts the next attempt, and one past the budget is refused.
     restart = "ExitCode" if spec.max_restarts else "Never"
     replicas = {"Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=restart, template=template)}
     if spec.nodes > 1:
@@ -174,13 +197,14 @@ def pytorch_job(spec: JobSpec) -> dict:
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(nproc), pytorch_replica_specs=replicas,
             run_policy=kf.KubeflowOrgV1RunPolicy(
-                backoff_limit=spec.max_restarts, clean_pod_policy="None",  # keep pods for `harness logs`
+                # Running: a failed job's pods still waiting are deleted; the ended ones stay for `harness logs`
+                backoff_limit=spec.max_restarts, clean_pod_policy="Running",
                 scheduling_policy=kf.KubeflowOrgV1SchedulingPolicy(
                     min_available=spec.nodes, queue=kube.queue, priority_class=kube.priority_class))))
     return to_dict(job)
 
 
-def train_job(spec: JobSpec) -> dict:
+def train_job(spec: JobSpec, token: str) -> dict:
     """The Trainer v2 TrainJob for a resolved spec: the trainer step of the profile's ClusterTrainingRuntime.
 
     The runtime owns what a TrainJob cannot say (gang scheduling, priority, hostNetwork,
@@ -190,7 +214,7 @@ def train_job(spec: JobSpec) -> dict:
 
     kube = spec.profile.kubernetes
     nproc = cluster_procs_per_node(spec)
-    parts = _pod_parts(spec, nproc)
+    parts = _pod_parts(spec, nproc, token)
     pod = k8s.V1PodSpec(containers=[], volumes=parts.volumes, node_selector=kube.node_selector or None,
                         tolerations=_tolerations(kube),
                         service_account_name=kube.service_account)
@@ -220,15 +244,19 @@ def train_job(spec: JobSpec) -> dict:
 
 
 def trainjob_notes(spec: JobSpec) -> list[str]:
-    """Profile settings a TrainJob cannot carry: said aloud rather than dropped silently."""
+    """Settings a TrainJob cannot carry: said aloud rather than dropped silently."""
     kube, runtime = spec.profile.kubernetes, spec.profile.kubernetes.trainjob_runtime
     unsaid = [name for name, value in (("priority_class", kube.priority_class),
                                        ("host_network", spec.profile.host_network),
                                        ("--max-restarts", spec.max_restarts)) if value]
-    if not unsaid:
-        return []
-    return [f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
-            "(podGroupPolicy, pod template, JobSet failurePolicy); set them there"]
+    # The runtime patch's pod spec has no automountServiceAccountToken (trainer v2.3's CRD), so the
+    # training pods' token is the runtime's to turn off, as a PyTorchJob's pods have it turned off.
+    notes = [f"note: a TrainJob cannot keep the service-account token out of its pods: set "
+             f"automountServiceAccountToken: false in the pod template of ClusterTrainingRuntime {runtime!r}"]
+    if unsaid:
+        notes.append(f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
+                     "(podGroupPolicy, pod template, JobSet failurePolicy); set them there")
+    return notes
 
 
 def to_dict(obj) -> dict:
@@ -278,7 +306,7 @@ class JobApi:
     kind: str
     pod_label: str  # the label the operator puts on the job's pods, valued with the job's name
     container: str  # the training container's name, which the operator looks for
-    build: Callable[[JobSpec], dict]
+    build: Callable[[JobSpec, str], dict]  # (spec, token) -> the job
     state: Callable[[dict], tuple[JobState, str]]
 
     @property
@@ -320,23 +348,144 @@ def _call(what: str, fn, *args, **kwargs):
         raise HarnessError(f"cannot reach the Kubernetes API to {what}: {exc}", 1) from None
 
 
-# Runs in a small pod on the results volume: the run folder (not its checkpoints) as one base64 tar.gz on stdout,
-# which the harness reads back through the pod-log API. Nothing but the client's own calls is needed.
-COLLECT_SCRIPT = """\
-import base64, io, sys, tarfile
-buffer = io.BytesIO()
-with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-    tar.add(sys.argv[1], arcname=".", filter=lambda m: None if m.name.startswith("./checkpoints") else m)
-sys.stdout.write(base64.b64encode(buffer.getvalue()).decode())
+# Collection runs in short-lived pods on the results volume, read-only, and reads back through the pod-log
+# API: first a manifest of the run folder (every file but the checkpoints: name, size, sha256), then the
+# files' bytes in chunks, one pod per chunk. The kubelet rotates a container's log at 10 MiB
+# (containerLogMaxSize) and the log API serves only the newest part, so no pod prints more than
+# CHUNK_BYTES (base64: 4/3 of that). Nothing but the client's pod and log calls is needed.
+MANIFEST_SCRIPT = """\
+import hashlib, json, os, sys
+root = sys.argv[1]
+if not os.path.isdir(root):
+    sys.exit(f"no folder {root}")
+files = []
+for folder, subfolders, names in os.walk(root):
+    subfolders[:] = sorted(d for d in subfolders if os.path.relpath(os.path.join(folder, d), root) != "checkpoints")
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(2**20), b""):
+                    digest.update(block)
+            files.append([os.path.relpath(path, root), os.path.getsize(path), digest.hexdigest()])
+print(json.dumps(files))
 """
+CHUNK_SCRIPT = """\
+import base64, json, os, sys
+root, pieces = sys.argv[1], json.loads(sys.argv[2])
+out = bytearray()
+for name, offset, length in pieces:
+    with open(os.path.join(root, name), "rb") as f:
+        f.seek(offset)
+        out += f.read(length)
+sys.stdout.write(base64.b64encode(bytes(out)).decode())
+"""
+CHUNK_BYTES = 4 * 2**20  # 5.3 MiB of base64 per pod log, well under the kubelet's 10 MiB rotation
+ARG_BYTES = 64 * 2**10  # a chunk's pieces, as one argument: Linux takes at most 128 KiB in one
 COLLECT_TIMEOUT_S = 300
 
 
-def collector_pod(spec: JobSpec, name: str) -> k8s.V1Pod:
-    """A one-shot pod that reads the run folder from the results volume, read-only and unprivileged."""
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str  # relative to the run folder, POSIX
+    size: int
+    sha256: str
+
+
+def parse_manifest(text: str) -> list[RemoteFile]:
+    """The results pod's manifest; a name that tarfile's `data` filter would refuse or alter (absolute,
+    '..', outside the folder) is refused, so nothing lands outside the local run folder."""
+    try:
+        files = [RemoteFile(str(name), int(size), str(digest)) for name, size, digest in json.loads(text)]
+        for remote in files:
+            member = tarfile.TarInfo(remote.name)
+            member.size = remote.size
+            if tarfile.data_filter(member, "/collect").name != remote.name or remote.size < 0:
+                raise ValueError(f"{remote.name!r} is not a plain name inside the run folder")
+        return files
+    except (ValueError, TypeError, tarfile.FilterError) as exc:
+        raise HarnessError(f"the results pod's manifest is unreadable: {exc}", 1) from None
+
+
+def plan_chunks(files: list[RemoteFile], limit: int = CHUNK_BYTES,
+                arg_limit: int = ARG_BYTES) -> list[list[tuple[str, int, int]]]:
+    """(name, offset, length) pieces, grouped so that no chunk holds more than `limit` bytes, nor more
+    pieces than fit in `arg_limit` bytes of arguments: small files share a chunk, a large one spans several."""
+    chunks: list[list[tuple[str, int, int]]] = [[]]
+    room = arg_room = 0
+
+    def next_chunk() -> None:
+        nonlocal room, arg_room
+        if chunks[-1]:
+            chunks.append([])
+        room, arg_room = limit, arg_limit
+
+    next_chunk()
+    for remote in files:
+        offset = 0
+        while True:
+            arg = len(json.dumps([remote.name, remote.size, remote.size])) + 2  # the piece's widest form
+            if arg > arg_room:
+                next_chunk()
+            length = min(room, remote.size - offset)
+            chunks[-1].append((remote.name, offset, length))
+            offset, room, arg_room = offset + length, room - length, arg_room - arg
+            if room == 0:
+                next_chunk()
+            if offset >= remote.size:
+                break
+    return [chunk for chunk in chunks if chunk]
+
+
+def write_pieces(staging: Path, pieces: list[tuple[str, int, int]], log: str) -> None:
+    """Write one chunk's bytes (its pod's log, base64) into the staged files at their offsets."""
+    try:
+        data = base64.b64decode(log.strip(), validate=True)
+    except ValueError as exc:
+        raise HarnessError(f"a results pod's chunk is unreadable: {exc}", 1) from None
+    if len(data) != sum(length for _, _, length in pieces):
+        raise HarnessError(f"a results pod's chunk holds {len(data)} bytes, not the "
+                           f"{sum(length for _, _, length in pieces)} asked for; was its log cut?", 1)
+    at = 0
+    for name, offset, length in pieces:
+        path = staging / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "r+b" if path.exists() else "wb") as f:
+            f.seek(offset)
+            f.write(data[at:at + length])
+        at += length
+
+
+def merge_run_folder(staging: Path, files: list[RemoteFile], out_dir: Path) -> tuple[list[Path], list[str]]:
+    """Move the staged files into out_dir once each matches its manifest checksum: new files are added,
+    identical ones skipped, and a local file that differs is kept as it is (and named), so nothing
+    already written is lost."""
+    for remote in files:
+        path = staging / remote.name
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != remote.sha256:
+                raise HarnessError(f"{remote.name} changed on the results volume while it was collected; "
+                                   "run `harness collect` again", 1)
+    fetched, kept = [], []
+    for remote in files:
+        source, target = staging / remote.name, out_dir / remote.name
+        if target.exists() and target.read_bytes() == source.read_bytes():
+            continue
+        if target.exists():
+            kept.append(remote.name)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        fetched.append(target)
+    return fetched, kept
+
+
+def collector_pod(spec: JobSpec, name: str, script: str, args: list[str]) -> k8s.V1Pod:
+    """A one-shot pod that runs `script` on the results volume, read-only and unprivileged."""
     kube = spec.profile.kubernetes
     container = k8s.V1Container(
-        name="collect", image=spec.profile.image, command=["python", "-c", COLLECT_SCRIPT, _pod_out_dir(spec)],
+        name="collect", image=spec.profile.image, command=["python", "-c", script, *args],
         volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}),
         security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
@@ -350,42 +499,23 @@ def collector_pod(spec: JobSpec, name: str) -> k8s.V1Pod:
                            tolerations=_tolerations(kube)))
 
 
-def unpack_run_folder(archive_b64: str, out_dir: Path) -> tuple[list[Path], list[str]]:
-    """Unpack the collector's archive into out_dir: new files are added, identical ones skipped, and a local
-    file that differs is kept as it is (and named), so nothing already written is lost."""
-    try:
-        data = base64.b64decode(archive_b64.strip(), validate=True)
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".collect-") as staging, \
-                tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            files = [m for m in tar.getmembers() if m.isfile()]
-            tar.extractall(staging, members=files, filter="data")  # refuses absolute paths, '..' and links out
-            fetched, kept = [], []
-            for member in files:
-                source, target = Path(staging, member.name), out_dir / member.name
-                if target.exists() and target.read_bytes() == source.read_bytes():
-                    continue
-                if target.exists():
-                    kept.append(member.name)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(source, target)
-                fetched.append(target)
-            return fetched, kept
-    except (ValueError, tarfile.TarError, EOFError, OSError) as exc:
-        raise HarnessError(f"the results pod's archive is unreadable: {exc}", 1) from None
-
-
 class KubernetesLauncher(Launcher):
     name = "k8s"
     paths_here = False  # --data and --init-checkpoint name paths inside the pods
 
     def render(self, spec: JobSpec) -> Request:
+        """The job with the token derived from the spec (a dry run prints the same bytes for the same
+        arguments); `submit` renders it again with a fresh random token."""
+        return self._request(spec, render_token(spec))
+
+    def _request(self, spec: JobSpec, token: str) -> Request:
         api = APIS[spec.profile.kubernetes.api]
-        body = api.build(spec)
+        body = api.build(spec, token)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
-        return Request(backend=self.name, spec=spec, text=text, payload={"body": body}, notes=notes)
+        return Request(backend=self.name, spec=spec, text=text, payload={"body": body, "token": token},
+                       notes=notes)
 
     def submit(self, request: Request) -> Handle:
         spec = request.spec
@@ -393,6 +523,9 @@ class KubernetesLauncher(Launcher):
             raise HarnessError(f"profile {spec.profile.name} names no results volume, so the MLPerf logs would "
                                "vanish with the pods: set kubernetes.results_pvc to a ReadWriteMany claim "
                                "(--set kubernetes.results_pvc=NAME)")
+        # A token of its own, so that no earlier job's folder on the volume (same --out name, same
+        # arguments) is taken for this one's; the node agents also refuse a folder another job claimed.
+        request = self._request(spec, secrets.token_hex(TOKEN_HEX // 2))
         (spec.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         api = APIS[spec.profile.kubernetes.api]
         jobs, _ = _api()
@@ -400,7 +533,8 @@ class KubernetesLauncher(Launcher):
         created = _call(f"create the {api.kind}", jobs.create_namespaced_custom_object, api.group, api.version,
                         namespace, api.plural, request.payload["body"])
         handle = Handle(backend=self.name, job_id=f"{namespace}/{created['metadata']['name']}", out_dir=spec.out_dir)
-        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"))
+        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"),
+                    pvc_folder=pvc_folder(spec, request.payload["token"]))
         return handle
 
     @staticmethod
@@ -462,28 +596,51 @@ class KubernetesLauncher(Launcher):
               api.plural, name, propagation_policy="Background")
 
     def collect(self, handle: Handle, poll_s: float = 1.0) -> list[Path]:
-        """Copy the run folder from the results volume through a one-shot pod and its log."""
+        """Copy the job's run folder from the results volume: a manifest, then the files in chunks, each
+        through a one-shot pod and its log; checked against the manifest's checksums before use."""
         spec, _, namespace, name = self._job(handle)
+        folder = handle.record().get("pvc_folder")
+        if not folder:
+            raise HarnessError(f"{handle.out_dir}/job.json names no folder on the results volume (pvc_folder); "
+                               "it was submitted by an older harness", 1)
         _, core = _api()
-        pod_name = f"{name}-collect-{secrets.token_hex(3)}"
-        _call("start the results pod", core.create_namespaced_pod, namespace, collector_pod(spec, pod_name))
+        nonce = secrets.token_hex(3)
+
+        def run_pod(step: str, script: str, args: list[str]) -> str:
+            return self._run_collector(core, spec, namespace, f"{name}-collect-{nonce}-{step}", script, args,
+                                       folder, poll_s)
+
+        files = parse_manifest(run_pod("m", MANIFEST_SCRIPT, [folder]))
+        with tempfile.TemporaryDirectory(dir=handle.out_dir, prefix=".collect-") as staging:
+            for index, pieces in enumerate(plan_chunks(files)):
+                write_pieces(Path(staging), pieces, run_pod(str(index), CHUNK_SCRIPT, [folder, json.dumps(pieces)]))
+            fetched, kept = merge_run_folder(Path(staging), files, handle.out_dir)
+        if kept:
+            print(f"harness: kept the local copies of {', '.join(kept)}, which differ from the results volume's",
+                  file=sys.stderr)
+        return fetched
+
+    @staticmethod
+    def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: str, args: list[str],
+                       folder: str, poll_s: float) -> str:
+        """Run one collector pod to its end and return its log; the pod is deleted either way."""
+        _call("start a results pod", core.create_namespaced_pod, namespace,
+              collector_pod(spec, pod_name, script, args))
         try:
             deadline = time.monotonic() + COLLECT_TIMEOUT_S
-            while (phase := _call("read the results pod", core.read_namespaced_pod, pod_name,
+            while (phase := _call("read a results pod", core.read_namespaced_pod, pod_name,
                                   namespace).status.phase) not in ("Succeeded", "Failed"):
                 if time.monotonic() > deadline:
                     raise HarnessError(f"the results pod {namespace}/{pod_name} is still {phase} after "
                                        f"{COLLECT_TIMEOUT_S} s; is the claim {spec.profile.kubernetes.results_pvc} "
                                        "mountable (ReadWriteMany)?", 1)
                 time.sleep(poll_s)
-            log = _call("read the results pod's log", core.read_namespaced_pod_log, pod_name, namespace)
+            # Raw bytes: the client would parse a log that reads as JSON (the manifest) and hand back its repr.
+            log = _call("read a results pod's log", core.read_namespaced_pod_log, pod_name, namespace,
+                        _preload_content=False).data.decode(errors="replace")
             if phase == "Failed":
-                raise HarnessError(f"the results pod could not read {_pod_out_dir(spec)} on "
+                raise HarnessError(f"the results pod could not read {folder} on "
                                    f"{spec.profile.kubernetes.results_pvc}: {log.strip()[-500:]}", 1)
+            return log
         finally:
-            _call("delete the results pod", core.delete_namespaced_pod, pod_name, namespace)
-        fetched, kept = unpack_run_folder(log, handle.out_dir)
-        if kept:
-            print(f"harness: kept the local copies of {', '.join(kept)}, which differ from the results volume's",
-                  file=sys.stderr)
-        return fetched
+            _call("delete a results pod", core.delete_namespaced_pod, pod_name, namespace)

@@ -1,0 +1,205 @@
+"""Restarts of a PyTorchJob under restartPolicy ExitCode, as the training operator makes them (the fake API's
+`reconcile`), against one restart budget kept by the node agents in the shared attempts record.
+
+The node agents here are harness.agent's own functions, step by step as its main() runs them, on the
+folder standing for the results volume; no torch processes start, except where a pod's real command
+runs to a refusal before torch (the fake kubelet runs it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import profiles
+from harness.agent import (EXIT_BUDGET_SPENT, EXIT_RETRY, INFRASTRUCTURE, Failure, NewerAttemptWatch,
+                           _append, attempt_argv, claim_run_folder, decide, newer_attempt, next_attempt,
+                           read_records)
+from harness.launchers import JobState, get_launcher
+from harness.spec import JobSpec
+from tests.fake_kube_api import FakeKubeAPI
+
+NS, JOB, BUDGET = "mlperf", "rn", 2
+PODS = ["rn-master-0", "rn-worker-0", "rn-worker-1"]
+
+
+@pytest.fixture
+def operator(tmp_path, monkeypatch):
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        api.claims["mlperf-results"] = tmp_path / "pvc"
+        api.operator = True
+        yield api
+
+
+def submit(tmp_path: Path, nodes: int = 3, max_restarts: int = BUDGET, name: str = JOB):
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), [f"kubernetes.namespace={NS}"])
+    spec = JobSpec("resnet", nodes=nodes, name=name, out_dir=tmp_path / name, profile=profile,
+                   max_restarts=max_restarts).resolved()
+    launcher = get_launcher("k8s")
+    return launcher, launcher.submit(launcher.render(spec))
+
+
+def pod_arg(api: FakeKubeAPI, flag: str) -> str:
+    args = api.jobs[(NS, JOB)]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index(flag) + 1]
+
+
+class NodeAgent:
+    """harness.agent.main on one pod, in its steps: claim the folder, take the attempt number from the
+    record, refuse one past the budget, record the start; at the end, record it and decide."""
+
+    def __init__(self, out: Path, token: str, pod: str):
+        self.out, self.token, self.pod = out, token, pod
+        self.attempt: int | None = None
+
+    def start(self) -> int | None:
+        assert claim_run_folder(self.out, self.token) is None
+        attempt = next_attempt(read_records(self.out), self.pod)
+        if attempt > BUDGET:
+            return None
+        _append(self.out, {"event": "start", "attempt": attempt, "node": self.pod, "time": time.time()})
+        self.attempt = attempt
+        return attempt
+
+    def rendezvous(self) -> str:
+        [rdzv] = attempt_argv([f"--rdzv-id={JOB}"], self.attempt)
+        return rdzv
+
+    def end(self, failure: Failure) -> int:
+        _append(self.out, {"event": "end", "attempt": self.attempt, "node": self.pod, "time": time.time(),
+                           "ok": False, "kind": failure.kind, "cause": failure.cause, "run": 0, "step": None})
+        return decide(read_records(self.out), self.attempt, BUDGET).exit_code
+
+
+def lose(api: FakeKubeAPI, agents: dict[str, NodeAgent], lost: str) -> list[str]:
+    """One node is lost in the middle of an attempt: the sequence the operator and the node agents go through.
+    Returns the rendezvous ids the nodes meet at afterwards."""
+    attempt = agents[lost].attempt
+    survivors = [pod for pod in PODS if pod != lost]
+    before = len(api.operations)
+    api.exit_pod(NS, lost, 137)  # SIGKILL: no end record
+    assert api.operations[before:] == [("delete", lost), ("create", lost)]  # same name, others untouched
+    assert agents[lost].start() == attempt + 1  # its own unfinished start tells it
+    assert agents[lost].rendezvous() == f"--rdzv-id={JOB}-{attempt + 1}"  # not the survivors' rendezvous
+    for pod in survivors:  # still running, until their watch sees the newer attempt in the record
+        assert api.pods[(NS, pod)]["status"]["phase"] == "Running"
+        stopped = threading.Event()
+        with NewerAttemptWatch(agents[pod].out, attempt, poll_s=0.01, stop=stopped.set) as watch:
+            assert stopped.wait(5)
+        assert watch.newer["node"] == lost
+        code = agents[pod].end(watch.failure())
+        assert code == (EXIT_RETRY if attempt < BUDGET else EXIT_BUDGET_SPENT)
+        api.exit_pod(NS, pod, code)
+        if code == EXIT_RETRY:
+            assert api.operations[-2:] == [("delete", pod), ("create", pod)]
+            assert agents[pod].start() == attempt + 1
+    return sorted({agent.rendezvous() for agent in agents.values()})
+
+
+def test_every_restart_counts_and_every_pod_knows_the_attempt(operator, tmp_path):
+    launcher, handle = submit(tmp_path)
+    job = operator.jobs[(NS, JOB)]
+    assert job["spec"]["runPolicy"]["backoffLimit"] == BUDGET
+    assert {r["restartPolicy"] for r in job["spec"]["pytorchReplicaSpecs"].values()} == {"ExitCode"}
+    assert operator.operations == [("create", pod) for pod in PODS]
+    out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod) for pod in PODS}
+    assert [agent.start() for agent in agents.values()] == [0, 0, 0]
+    assert launcher.status(handle) is JobState.RUNNING
+
+    assert lose(operator, agents, "rn-worker-0") == [f"--rdzv-id={JOB}-1"]  # all three meet again, in attempt 1
+    assert launcher.status(handle) is JobState.RUNNING
+    assert lose(operator, agents, "rn-master-0") == [f"--rdzv-id={JOB}-2"]
+    # Six pods recreated, and the operator's backoffLimit (2) counted none of them.
+    assert operator.operations.count(("delete", "rn-worker-0")) == 2 and launcher.status(handle) is JobState.RUNNING
+
+    # Attempt 2 is the last the budget allows: the next lost node's pod is recreated, and its real node agent
+    # (run by the fake kubelet, with the rendered command) refuses attempt 3 with a code the operator won't retry.
+    operator.exit_pod(NS, "rn-worker-1", 137)
+    assert operator.operations[-2:] == [("delete", "rn-worker-1"), ("create", "rn-worker-1")]
+    assert operator.run_pod(NS, "rn-worker-1") == EXIT_BUDGET_SPENT
+    log = operator.pods[(NS, "rn-worker-1")]["log"]
+    assert "attempt 3 refused: the restart budget (2) is spent" in log and "Traceback" not in log
+    assert launcher.status(handle) is JobState.FAILED
+    # cleanPodPolicy Running: the survivors still in attempt 2 are stopped; the ended pod stays for its log.
+    assert set(operator.job_pods(NS, JOB)) == {"rn-worker-1"}
+    starts = [(r["node"], r["attempt"]) for r in read_records(out) if r["event"] == "start"]
+    assert sorted(a for _, a in starts) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # three attempts, every pod in each
+
+
+def last_message(api: FakeKubeAPI, name: str) -> str:
+    return api.jobs[(NS, name)]["status"]["conditions"][-1]["message"]
+
+
+def test_backoff_limit_as_the_operator_counts_it(operator, tmp_path):
+    """backoffLimit under ExitCode: 0 fails the job at the first retryable failure; any other value never
+    fails it, however many pods are recreated. 1-127 under ExitCode, and any failure under Never, fail it."""
+    launcher, handle = submit(tmp_path, nodes=2)
+    for _ in range(5):
+        operator.exit_pod(NS, "rn-worker-0", 137)
+    assert launcher.status(handle) is JobState.RUNNING and operator.operations.count(("create", "rn-worker-0")) == 6
+    operator.exit_pod(NS, "rn-worker-0", 3)
+    assert launcher.status(handle) is JobState.FAILED
+    assert "failing because Worker replica(s) failed" in last_message(operator, "rn")
+
+    launcher, handle = submit(tmp_path, nodes=2, name="zero")
+    operator.jobs[(NS, "zero")]["spec"]["runPolicy"]["backoffLimit"] = 0
+    operator.exit_pod(NS, "zero-worker-0", EXIT_RETRY)
+    assert launcher.status(handle) is JobState.FAILED
+    assert "reached the specified backoff limit" in last_message(operator, "zero")
+    assert not operator.job_pods(NS, "zero")  # the operator deletes every pod before failing the job
+
+    launcher, handle = submit(tmp_path, nodes=2, max_restarts=0, name="never")
+    assert operator.jobs[(NS, "never")]["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
+    operator.exit_pod(NS, "never-worker-0", EXIT_RETRY)
+    assert launcher.status(handle) is JobState.FAILED
+
+
+def test_the_master_succeeding_is_the_jobs_success(operator, tmp_path):
+    launcher, handle = submit(tmp_path, nodes=2)
+    operator.exit_pod(NS, "rn-worker-0", 0)
+    assert launcher.status(handle) is JobState.RUNNING
+    operator.exit_pod(NS, "rn-master-0", 0)
+    assert launcher.status(handle) is JobState.SUCCEEDED
+
+
+def test_attempt_numbers_and_rendezvous(tmp_path):
+    records = [{"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"}]
+    assert next_attempt(records, "a") == 1  # a restarted node that never ended its attempt
+    assert next_attempt(records, "c") == 0 and newer_attempt(records, 0) is None
+    records.append({"event": "start", "attempt": 1, "node": "a"})
+    assert next_attempt(records, "b") == 1 and newer_attempt(records, 0)["node"] == "a"
+    argv = ["--nnodes=2", "--rdzv-id=job", "-m", "workloads", "resnet", "--rdzv-id=the-programs-own"]
+    assert attempt_argv(argv, 3) == ["--nnodes=2", "--rdzv-id=job-3", *argv[2:]]
+    assert attempt_argv(["--standalone", "-m", "workloads"], 1) == ["--standalone", "-m", "workloads"]
+
+
+def test_a_survivor_stops_when_another_node_begins_a_newer_attempt(tmp_path):
+    stopped = threading.Event()
+    _append(tmp_path, {"event": "start", "attempt": 0, "node": "a", "time": 0})
+    with NewerAttemptWatch(tmp_path, 0, poll_s=0.05, stop=stopped.set) as watch:
+        assert not stopped.wait(0.3)
+        _append(tmp_path, {"event": "start", "attempt": 1, "node": "b", "time": 0})
+        assert stopped.wait(5)
+    assert watch.newer["node"] == "b" and watch.failure().kind == INFRASTRUCTURE
+    assert "b began attempt 1" in watch.failure().cause
+
+
+def test_the_run_folder_is_claimed_once(tmp_path):
+    results = []
+    threads = [threading.Thread(target=lambda t=t: results.append(claim_run_folder(tmp_path / "run", t)))
+               for t in ("aaaa", "bbbb", "aaaa", "bbbb")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winner = (tmp_path / "run" / "job-token").read_text().strip()
+    assert sorted(r is None for r in results) == [False, False, True, True]  # the winner's two nodes
+    assert claim_run_folder(tmp_path / "run", winner) is None  # a restarted pod of the same job
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "result_0.txt").write_text("an older harness's run\n")
+    assert "no job claimed" in claim_run_folder(old, "aaaa") and not (old / "job-token").exists()
