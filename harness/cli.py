@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--api", choices=profiles.KUBERNETES_APIS,
                      help="job resource on --backend k8s: pytorchjob (Kubeflow Training v1) or trainjob (Kubeflow "
                           "Trainer v2); same as --set kubernetes.api=... (default: the profile's, pytorchjob)")
+    run.add_argument("--pod-monitor", action="store_true",
+                     help="with --backend k8s: print a Prometheus Operator PodMonitor for the job's metrics and "
+                          "submit nothing")
     run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
                                                             "manifest) and submit nothing")
     run.set_defaults(func=cmd_run)
@@ -211,6 +214,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = launcher.render(spec)
     for note in (*request.notes, *notes):
         print(f"harness: {note}", file=sys.stderr)
+    if args.pod_monitor:
+        if launcher.name != "k8s":
+            raise HarnessError(f"--pod-monitor is for --backend k8s; on {launcher.name} Prometheus finds the nodes "
+                               "through the run folder's prometheus-targets.json")
+        import yaml
+
+        from harness.launchers.kubernetes import pod_monitor
+
+        print(yaml.safe_dump(pod_monitor(spec), sort_keys=True, default_flow_style=False), end="")
+        return 0
     if args.dry_run:
         print(request.text)
         return 0

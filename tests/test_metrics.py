@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.metrics import PREFIX, Exporter, Source, metric_names
@@ -164,3 +165,20 @@ def test_a_pushgateway_receives_the_nodes_metrics(tmp_path):
     families = {f.name: f for f in text_string_to_metric_families(body)}
     (step,) = families[PREFIX + "train_step"].samples
     assert step.value == 7 and step.labels["node"] == "node-1"
+
+
+def test_kubernetes_pods_expose_the_metrics_port_and_a_pod_monitor_scrapes_it(tmp_path):
+    args = ("resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--out", str(tmp_path / "o"))
+    job = yaml.safe_load(harness("run", *args, "--dry-run").stdout)
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["ports"] == [{"containerPort": 9410, "name": "metrics"}]
+        assert "--metrics-port" in container["args"]
+    monitor = yaml.safe_load(harness("run", *args, "--pod-monitor").stdout)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"training.kubeflow.org/job-name": "resnet-tiny"}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    off = harness("run", *args, "--pod-monitor", "--metrics-port", "0")
+    assert off.returncode == 2 and "--pod-monitor needs metrics" in off.stderr
+    slurm = harness("run", "resnet", "--backend", "slurm", "--pod-monitor")
+    assert slurm.returncode == 2 and "prometheus-targets.json" in slurm.stderr

@@ -127,7 +127,8 @@ def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpe
     container = k8s.V1Container(
         name=PYTORCHJOB.container, image=profile.image, command=parts.command[:1], args=parts.command[1:],
         env=[*parts.env, node], resources=parts.resources, volume_mounts=parts.mounts,
-        security_context=parts.security)
+        security_context=parts.security,
+        ports=[k8s.V1ContainerPort(name="metrics", container_port=spec.metrics())] if spec.metrics() else None)
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=_labels(spec, job=False)),
         spec=k8s.V1PodSpec(
@@ -241,6 +242,22 @@ def train_job(spec: JobSpec, token: str) -> dict:
                 if parts.resources else None),
             runtime_patches=[patch]))
     return job.to_dict()
+
+
+def pod_monitor(spec: JobSpec) -> dict:
+    """A Prometheus Operator PodMonitor (monitoring.coreos.com/v1) that scrapes the job's pods' `metrics` port;
+    the pod's Kubernetes node becomes the `host` label (the metrics' own `node` is the pod's name)."""
+    api = APIS[spec.profile.kubernetes.api]
+    if not spec.metrics():
+        raise HarnessError("--pod-monitor needs metrics: the profile's metrics_port or --metrics-port is 0")
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": {"name": f"{spec.name}-metrics", "namespace": spec.profile.kubernetes.namespace,
+                     "labels": _labels(spec, job=False)},
+        "spec": {"selector": {"matchLabels": {api.pod_label: spec.name}},
+                 "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s",
+                                          "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                                           "targetLabel": "host"}]}]}}
 
 
 def trainjob_notes(spec: JobSpec) -> list[str]:
