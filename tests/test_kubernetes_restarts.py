@@ -60,7 +60,7 @@ class NodeAgent:
         attempt = next_attempt(read_records(self.out), self.pod)
         if attempt > BUDGET:
             return None
-        _append(self.out, {"event": "start", "attempt": attempt, "node": self.pod, "time": time.time()})
+        _append(self.out, self.pod, {"event": "start", "attempt": attempt, "node": self.pod, "time": time.time()})
         self.attempt = attempt
         return attempt
 
@@ -69,7 +69,7 @@ class NodeAgent:
         return rdzv
 
     def end(self, failure: Failure) -> int:
-        _append(self.out, {"event": "end", "attempt": self.attempt, "node": self.pod, "time": time.time(),
+        _append(self.out, self.pod, {"event": "end", "attempt": self.attempt, "node": self.pod, "time": time.time(),
                            "ok": False, "kind": failure.kind, "cause": failure.cause, "run": 0, "step": None})
         return decide(read_records(self.out), self.attempt, BUDGET).exit_code
 
@@ -179,10 +179,10 @@ def test_attempt_numbers_and_rendezvous(tmp_path):
 
 def test_a_survivor_stops_when_another_node_begins_a_newer_attempt(tmp_path):
     stopped = threading.Event()
-    _append(tmp_path, {"event": "start", "attempt": 0, "node": "a", "time": 0})
+    _append(tmp_path, "a", {"event": "start", "attempt": 0, "node": "a", "time": 0})
     with NewerAttemptWatch(tmp_path, 0, poll_s=0.05, stop=stopped.set) as watch:
         assert not stopped.wait(0.3)
-        _append(tmp_path, {"event": "start", "attempt": 1, "node": "b", "time": 0})
+        _append(tmp_path, "b", {"event": "start", "attempt": 1, "node": "b", "time": 0})
         assert stopped.wait(5)
     assert watch.newer["node"] == "b" and watch.failure().kind == INFRASTRUCTURE
     assert "b began attempt 1" in watch.failure().cause
