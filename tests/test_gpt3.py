@@ -159,3 +159,14 @@ def test_closed_preset_logs_every_closed_key(tmp_path):
     assert "closed_gpt3.yaml" in checked.stdout + checked.stderr
     failures = failed_checks(checked)
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "2.69" in failures[0], checked.stdout
+
+
+def test_mfu_matches_the_gpu_by_its_exact_name():
+    """An H100 PCIe or NVL is not given the SXM's peak (its name also holds "H100"), and an unknown GPU gets none."""
+    from workloads.common.gpu_peaks import mfu, peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.0e12 and peak_bf16_flops("NVIDIA H100 NVL") == 835.5e12
+    assert peak_bf16_flops("NVIDIA H200") == 989.4e12 and peak_bf16_flops("NVIDIA GB200") == 2500.0e12
+    assert peak_bf16_flops("NVIDIA H800") is None and mfu(1e9, 1e6, 8, "Tesla T4") is None
+    assert mfu(6e9, 100e3, 8, "NVIDIA A100-SXM4-80GB") == pytest.approx(6e9 * 100e3 / (8 * 312e12))

@@ -66,7 +66,7 @@ class MetricsFeed:
         if key == C.EVAL_ACCURACY and isinstance(value, (int, float)):
             f["eval_quality"] = value
         elif key == "tracked_stats" and isinstance(value, dict):
-            for source, name in (("throughput", "samples_per_second"), ("tokens_per_s", "tokens_per_second"),
+            for source, name in (("throughput", "samples_per_second"), ("tokens_per_second", "tokens_per_second"),
                                  ("mfu", "mfu")):
                 if isinstance(value.get(source), (int, float)):
                     f[name] = value[source]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from workloads.common import mlperf as K
 from workloads.common.cache import build_once, cache_root
+from workloads.common.gpu_peaks import mfu
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.progress import Progress
@@ -41,8 +42,6 @@ INIT_INFO = "harness-init.json"  # beside a DCP checkpoint: the step and batch i
 # preset's checkpoint is saved from one process: both by design, so torch's warnings about them are noise.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-# Dense bf16 peak FLOP/s per GPU, for MFU; GPUs not listed report no MFU rather than a guess.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class GPT3Workload(Workload):
@@ -211,10 +210,10 @@ class GPT3Workload(Workload):
     def _throughput(self, tokens_per_second: float) -> dict[str, float]:
         stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
         if self.ctx.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.ctx.device)
-            peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-            if peak:
-                stats["mfu"] = self.cfg.model.flops_per_token() * tokens_per_second / (self.ctx.world_size * peak)
+            utilisation = mfu(self.cfg.model.flops_per_token(), tokens_per_second, self.ctx.world_size,
+                              torch.cuda.get_device_name(self.ctx.device))
+            if utilisation is not None:
+                stats["mfu"] = utilisation
         return stats
 
     @torch.no_grad()
