@@ -96,6 +96,55 @@ def test_lamb_matches_the_reference_update():
     np.testing.assert_allclose(bias.detach().numpy(), [1.0 - 0.01 / (1 + 1e-6)], rtol=1e-6)  # no decay, no trust
 
 
+def _lamb_one_tensor_at_a_time(params, state, lr, betas, eps, weight_decay):
+    """The update written out per tensor, as the reference's optimization.py does: the oracle for the
+    multi-tensor version."""
+    beta1, beta2 = betas
+    for param in params:
+        step, m, v = state.setdefault(id(param), [0, torch.zeros_like(param), torch.zeros_like(param)])
+        step += 1
+        state[id(param)][0] = step
+        m.mul_(beta1).add_(param.grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        update = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps)
+        trust = 1.0
+        if weight_decay:
+            update = update + weight_decay * param
+            norms = param.norm(), update.norm()
+            trust = norms[0] / norms[1] if norms[0] > 0 and norms[1] > 0 else 1.0
+        param.sub_(lr * trust * update)
+
+
+def test_the_multi_tensor_lamb_equals_the_update_one_tensor_at_a_time():
+    """Several steps over BERT-like shapes (matrices that decay and adapt, vectors that do not), a zero weight
+    (trust 1) and a parameter without a gradient in one step."""
+    torch.manual_seed(3)
+    shapes = [(64, 32), (32,), (128, 64), (64,), (7, 5), (5,)]
+    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    theirs = [p.detach().clone() for p in ours]
+    with torch.no_grad():
+        ours[4].zero_()
+        theirs[4].zero_()
+    model = torch.nn.Module()
+    for i, p in enumerate(ours):
+        model.register_parameter(f"p{i}", p)
+    optimizer = Lamb(parameter_groups(model, 0.01), lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    state_decay, state_plain = {}, {}
+    for step in range(5):
+        grads = [torch.randn(shape) for shape in shapes]
+        for i, (p, q, g) in enumerate(zip(ours, theirs, grads)):
+            p.grad = None if (step == 2 and i == 0) else g.clone()
+            q.grad = p.grad.clone() if p.grad is not None else None
+        optimizer.step()
+        with torch.no_grad():
+            _lamb_one_tensor_at_a_time([q for q in theirs if q.ndim >= 2 and q.grad is not None], state_decay,
+                                       1e-3, (0.9, 0.999), 1e-6, 0.01)
+            _lamb_one_tensor_at_a_time([q for q in theirs if q.ndim < 2 and q.grad is not None], state_plain,
+                                       1e-3, (0.9, 0.999), 1e-6, 0.0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-7)
+
+
 def test_the_closed_plan_takes_an_rcp_and_mlperf_eval_interval():
     points = reference_points()
     assert points[256][1].base_lr == 0.00035 and points[12288][1].warmup_steps == 300

@@ -15,33 +15,52 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
+    """The update above for a whole parameter group at once, with torch's multi-tensor (`_foreach_`) kernels:
+    a handful of launches per group instead of about 15 per tensor over BERT-large's ~400 tensors."""
+
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: reading it never waits for the GPU
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            states = [self._state(p) for p in params]
+            grads = [p.grad for p in params]
+            m, v = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            steps = []
+            for state in states:
                 state["step"] += 1
-                step = state["step"].item()
-                m, v, grad = state["exp_avg"], state["exp_avg_sq"], param.grad
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                update = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt_().add_(group["eps"]))
-                trust = 1.0
-                if group["weight_decay"]:
-                    update.add_(param, alpha=group["weight_decay"])
-                    param_norm, update_norm = param.norm(), update.norm()
-                    trust = torch.where((param_norm > 0) & (update_norm > 0), param_norm / update_norm, 1.0)
-                param.sub_(update * (group["lr"] * trust))
+                steps.append(state["step"].item())
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, grads, alpha=1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+            update = torch._foreach_div(m, [1 - beta1 ** step for step in steps])
+            denominator = torch._foreach_div(v, [1 - beta2 ** step for step in steps])
+            torch._foreach_sqrt_(denominator)
+            torch._foreach_add_(denominator, group["eps"])
+            torch._foreach_div_(update, denominator)
+            if group["weight_decay"]:
+                torch._foreach_add_(update, params, alpha=group["weight_decay"])
+                param_norms = torch.stack(torch._foreach_norm(params))
+                update_norms = torch.stack(torch._foreach_norm(update))
+                trust = torch.where((param_norms > 0) & (update_norms > 0), param_norms / update_norms, 1.0)
+                torch._foreach_mul_(update, list((trust * group["lr"]).unbind()))
+                torch._foreach_sub_(params, update)
+            else:
+                torch._foreach_add_(params, update, alpha=-group["lr"])
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
