@@ -42,7 +42,8 @@ class StragglerWatch:
         self.module = getattr(model, "module", model)  # DDP's inner module: after its start-of-forward sync
         self.cuda = ctx.device.type == "cuda"
         self.window_steps: int | None = None
-        self.overhead_s = 0.0
+        self.hooks_s = 0.0  # the detector's own time in forward hooks ...
+        self.windows_s = 0.0  # ... and in calibration and window collectives
         self._events: list = []  # (start, end) CUDA events, or seconds on CPU
         self._started = None
         self._steps = 0
@@ -64,7 +65,7 @@ class StragglerWatch:
             self._started.record()
         else:
             self._started = clock
-        self.overhead_s += time.perf_counter() - clock
+        self.hooks_s += time.perf_counter() - clock
 
     def _after(self, module, args, output) -> None:
         if not module.training or self._started is None:
@@ -77,7 +78,7 @@ class StragglerWatch:
         else:
             self._events.append(clock - self._started)
         self._started = None
-        self.overhead_s += time.perf_counter() - clock
+        self.hooks_s += time.perf_counter() - clock
 
     # --- windows --------------------------------------------------------------------------------
 
@@ -102,7 +103,7 @@ class StragglerWatch:
         dist.all_gather_object(names, socket.gethostname())
         self._nodes = [str(n) for n in names]
         self._reset()
-        self.overhead_s += time.perf_counter() - clock
+        self.windows_s += time.perf_counter() - clock
 
     def _close_window(self, step: int) -> None:
         clock = time.perf_counter()
@@ -117,7 +118,7 @@ class StragglerWatch:
         means = [g.item() for g in gathered]
         scores = score(means)
         FEED.straggler_score(scores[self.ctx.rank])
-        self.overhead_s += time.perf_counter() - clock
+        self.windows_s += time.perf_counter() - clock
         if self.ctx.is_main:
             self._report(step, means, scores)
         self._reset()
@@ -131,7 +132,7 @@ class StragglerWatch:
             "forward_s": [round(m, 6) for m in means], "scores": [round(s, 4) for s in scores],
             "stragglers": [{"rank": r, "node": self._nodes[r], "score": round(scores[r], 4)} for r in slow],
             "threshold": self.threshold, "window_steps": self.window_steps,
-            "overhead_s": round(self.overhead_s, 6)})
+            "overhead_s": {"hooks": round(self.hooks_s, 6), "windows": round(self.windows_s, 6)}})
         for rank, streak in self._streak.items():
             if streak >= PERSIST and rank not in self._named:
                 self._named.add(rank)
