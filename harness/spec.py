@@ -71,6 +71,12 @@ class JobSpec:
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
+    # Preflight (harness.health, harness.preflight): check the nodes first and keep the bad ones out.
+    preflight: bool = False
+    spare_nodes: int = 0  # extra nodes allocated; the healthiest `nodes` train
+    drain_bad_nodes: bool = False  # Slurm: drain the nodes preflight kept out, with the reason
+    taint_bad_nodes: bool = False  # Kubernetes: a NoSchedule taint on them (a condition is always written)
+    exclude_nodes: list[str] = field(default_factory=list)  # nodes the training must not use
     profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
     def resolved(self, runs_root: Path | None = None) -> "JobSpec":
@@ -209,6 +215,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.gpus_per_node and spec.procs_per_node and spec.procs_per_node > spec.gpus_per_node:
         raise HarnessError(f"--procs-per-node {spec.procs_per_node} is more than --gpus-per-node "
                            f"{spec.gpus_per_node}: each process drives one GPU")
+    if spec.spare_nodes < 0:
+        raise HarnessError(f"--spare-nodes must be 0 or more, got {spec.spare_nodes}")
+    if spec.spare_nodes and not spec.preflight:
+        raise HarnessError("--spare-nodes needs --preflight: the spares replace the nodes preflight keeps out")
     if spec.max_restarts < 0:
         raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.keep_checkpoints < 1:

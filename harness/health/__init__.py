@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+NODES_DIR = Path("preflight") / "nodes"  # each node's report, <out>/preflight/nodes/<node>.json
 # Test-only fault: "NODE:CHECK:FACTOR[,...]" scales CHECK's measurement on NODE (e.g. node2:allreduce_busbw:0.1),
 # so the tests can make one node of a healthy cluster fail a check.
 FAULT_ENV = "HARNESS_PREFLIGHT_FAULT"

@@ -15,14 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness.health import Check, at_least, fault_scale, skipped
+from harness.health import NODES_DIR, at_least, fault_scale, skipped
 from harness.health.allreduce import between_nodes, intra_node
 from harness.health.gpu import NO_GPU, XidWatch, gpu_name, load_nvml, matmul_tflops, nvml_checks
 from harness.health.ib import SYSFS_ROOT, ib_checks
 from harness.health.storage import storage_checks
 from harness.health.thresholds import resolve
 
-NODES_DIR = Path("preflight") / "nodes"
 CPU_RANKS = 2  # gloo processes for the intra-node all-reduce on a CPU node
 
 
@@ -52,6 +51,12 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvm
     return checks, th
 
 
+def _write(path: Path, record: dict) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    temporary.replace(path)  # a reader never sees half a report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.health", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the run folder (shared by every node)")
@@ -64,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     node = node_name()
     nvml = load_nvml()
     checks, th = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, nvml, args.sysfs)
-    record = {"node": node, "gpu": gpu_name(nvml), "thresholds": th, "checks": [c.to_dict() for c in checks]}
+    record = {"node": node, "started": started, "gpu": gpu_name(nvml), "thresholds": th,
+              "checks": [c.to_dict() for c in checks]}
+    path = args.out / NODES_DIR / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, record)  # now, so a node that dies in the all-reduces below still shows what it measured
     if int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1:
         links = between_nodes(node, th["pair_mib"] << 20, th["pair_rounds"], nvml is not None and args.gpus > 0)
         scale = fault_scale(node, "pair_busbw")
@@ -72,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         record["world_busbw_gbps"] = links["world_busbw_gbps"] * fault_scale(node, "world_busbw")
         record["world"] = links["names"]
     record["seconds"] = round(time.time() - started, 3)
-    path = args.out / NODES_DIR / f"{node}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    _write(path, record)
     failed = [c for c in checks if c.verdict == "fail"]
     print(f"harness.health: {node}: {len(checks)} checks, {len(failed)} failed"
           + (f" ({', '.join(sorted({c.name for c in failed}))})" if failed else ""), flush=True)

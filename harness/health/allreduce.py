@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 WARMUP, ITERS = 2, 5
+TIMEOUT = timedelta(minutes=5)  # a node that never joins or hangs fails the health job, not the whole budget
 
 
 def busbw_gbps(nbytes: int, seconds: float, ranks: int) -> float:
@@ -51,7 +53,7 @@ def _intra_rank(rank: int, world: int, nbytes: int, cuda: bool, folder: str) -> 
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=TIMEOUT)
     try:
         value = measure(nbytes, f"cuda:{rank}" if cuda else "cpu")
         if rank == 0:
@@ -96,7 +98,7 @@ def between_nodes(node: str, nbytes: int, rounds: int, cuda: bool) -> dict:
     device = "cuda:0" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         names: list = [None] * world
