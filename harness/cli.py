@@ -343,6 +343,10 @@ def _summarize(out_dir: Path, job_ok: bool, runs: int, exit_code: int | None = N
 
     results = load([out_dir])
     print(render(results, "table"))
+    from harness.report import preflight_notes
+
+    for line in preflight_notes([out_dir]):
+        print(line)
     if not job_ok:
         why = EXIT_CODES.get(exit_code) if exit_code != EXIT_RETRY else None
         print(f"harness: error: the job failed{f' ({why})' if why else ''}; worker logs: harness logs {out_dir}",
@@ -373,6 +377,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     results = _load_results(args.paths, args.ruleset)
     print(render(results, args.format))
+    if args.format == "table":
+        from harness.report import preflight_notes
+
+        for line in preflight_notes(args.paths):
+            print(line)
     if args.plot:
         from harness.plots import plot
 
