@@ -32,10 +32,10 @@ def reason(check: Check) -> str:
     """`<check> <measured> < <threshold>`: a failed check in one line (a Slurm drain reason, a condition message)."""
     op, _, value = check.threshold.partition(" ")
     measured = f"{check.measured}{' ' + check.unit if check.unit else ''}"
-    where = f" on {check.where}" if check.where and not check.where.startswith("/") else ""
+    where = f" ({check.where})" if check.where else ""
     if op in _FAILING:
         return f"{check.name} {measured} {_FAILING[op]} {value}{where}"
-    return f"{check.name} {measured}, expected {check.threshold}{where}" + (f" ({check.note})" if check.note else "")
+    return f"{check.name} {measured}, expected {check.threshold}{where}" + (f": {check.note}" if check.note else "")
 
 
 def _pair_check(record: dict) -> Check | None:
@@ -47,9 +47,9 @@ def _pair_check(record: dict) -> Check | None:
     minimum = (record.get("thresholds") or {}).get("min_pair_busbw_gbps")
     peers = ", ".join(p["peer"] for p in pairs)
     if minimum is None:
-        return Check("pair_busbw", SKIPPED, round(median, 3), unit="GB/s", where=f"with {peers}",
+        return Check("pair_busbw", SKIPPED, float(f"{median:.4g}"), unit="GB/s", where=f"with {peers}",
                      note="no threshold for this GPU model")
-    return Check("pair_busbw", PASS if median >= minimum else FAIL, round(median, 3), f">= {minimum:g}", "GB/s",
+    return Check("pair_busbw", PASS if median >= minimum else FAIL, float(f"{median:.4g}"), f">= {minimum:g}", "GB/s",
                  f"median with {peers}")
 
 

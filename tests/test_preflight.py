@@ -126,3 +126,102 @@ def test_the_pair_rounds_meet_new_partners_and_stay_bounded():
         seen = [n for p in r for n in p]
         assert len(seen) == len(set(seen))  # every node in one pair per round
     assert pair_rounds(2, 3) == [[(0, 1)]]
+
+
+def _report(out: Path, node: str, busbw: float, pairs: list | None = None) -> None:
+    """A node's own report as harness.health writes it: an H100 node with one all-reduce measurement."""
+    import json
+
+    from harness.health import NODES_DIR, at_least
+
+    th = resolve({}, "NVIDIA H100 80GB HBM3")
+    checks = [at_least("allreduce_busbw", busbw, th["min_allreduce_busbw_gbps"], "GB/s", "8 GPUs, 16384 MiB")]
+    path = out / NODES_DIR / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"node": node, "started": 1.0, "gpu": "NVIDIA H100 80GB HBM3", "thresholds": th,
+                                "checks": [c.to_dict() for c in checks], "pairs": pairs or []}))
+
+
+def test_the_json_the_table_and_the_report_agree(tmp_path):
+    from harness import preflight
+    from harness.report import preflight_notes
+
+    _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 46.0}])
+    _report(tmp_path, "b", 120, [{"peer": "a", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 44.0}])
+    _report(tmp_path, "c", 480, [{"peer": "a", "busbw_gbps": 12.0}, {"peer": "b", "busbw_gbps": 11.0}])
+    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1)
+    assert record == preflight.read(tmp_path)
+    assert record["passed"] and record["kept"] == ["a"] and record["spare"] == []
+    # b: slow inside; c: slow with every partner (its link), while a and b are slow only with c; d: no report.
+    assert record["excluded"] == {"b": ["allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"],
+                                  "c": ["pair_busbw 11.5 GB/s < 40 (median with a, b)"],
+                                  "d": ["health_report missing, expected written by the node: "
+                                        "the node did not run or finish the checks"]}
+    text = preflight.table(record)
+    for node, verdict in record["nodes"].items():
+        for check in verdict["checks"]:
+            row = [line for line in text.splitlines() if line.split()[:2] == [node, check["name"]]]
+            assert len(row) == 1 and row[0].endswith(check["verdict"]) and str(check["measured"]) in row[0]
+    assert preflight_notes([tmp_path]) == [f"preflight: kept out {n}: {r[0]}" for n, r in record["excluded"].items()]
+    too_few = preflight.decide(tmp_path, ["a", "b"], 2)
+    assert not too_few["passed"] and "there is no spare node" in too_few["message"] and "b: allreduce_busbw" in \
+        too_few["message"]
+
+
+def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
+    import json
+
+    from harness import preflight
+
+    for node in ("a", "b"):
+        _report(tmp_path, node, 470)
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"},
+        {"event": "end", "attempt": 0, "node": "a", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
+         "cause": "rank 0 killed by SIGTERM"},
+        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": "SIGKILL",
+         "cause": "rank 1 killed by SIGKILL"}]))
+    record = preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)
+    assert record["kept"] == ["a"] and record["excluded"] == {
+        "b": ["training_failure rank 1 killed by SIGKILL, expected no failure in the last attempt"]}
+    assert preflight.decide(tmp_path, ["a", "b"], 1)["spare"] == ["b"]  # without --blame-failures: both healthy
+
+
+def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_avoids_the_bad_one(tmp_path,
+                                                                                               monkeypatch):
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+    from harness.remediation import without_excluded
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    out = tmp_path / "run"
+    _report(out, "gpu-a", 470)
+    _report(out, "gpu-b", 120)
+    record = preflight.decide(out, ["gpu-a", "gpu-b"], 1)
+    spec = JobSpec("resnet", nodes=1, spare_nodes=1, preflight=True, taint_bad_nodes=True, out_dir=out,
+                   profile=profiles.load("h100-ib")).resolved()
+    launcher = get_launcher("k8s")
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        api.add_node("gpu-a")
+        api.add_node("gpu-b")
+        done = launcher.remediate(spec, record)
+    why = "harness preflight: allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"
+    assert done == [f"gpu-b: condition {CONDITION}=True ({why})", "gpu-b: tainted mlperf-harness/preflight=failed:NoSchedule"]
+    conditions = {n: {c["type"]: c for c in node["status"]["conditions"]} for n, node in api.nodes.items()}
+    bad, good = conditions["gpu-b"][CONDITION], conditions["gpu-a"][CONDITION]
+    assert (bad["status"], bad["reason"], bad["message"]) == ("True", "PreflightFailed", why)
+    assert (good["status"], good["reason"]) == ("False", "PreflightPassed")
+    assert conditions["gpu-b"]["Ready"]["status"] == "True"  # merged by type, nothing else touched
+    assert [t["key"] for t in api.nodes["gpu-b"]["spec"]["taints"]] == ["example.com/other", TAINT.key]
+    assert api.nodes["gpu-b"]["spec"]["taints"][-1]["effect"] == "NoSchedule"
+    assert [t["key"] for t in api.nodes["gpu-a"]["spec"]["taints"]] == ["example.com/other"]
+    assert {ctype for _, ctype in api.patches} == {"application/strategic-merge-patch+json"}
+    told = {(e["involvedObject"]["kind"], e["involvedObject"]["name"], e["reason"]) for e in api.events}
+    assert told == {("Node", "gpu-b", "PreflightFailed"), ("PyTorchJob", "resnet-tiny-preflight", "PreflightFailed")}
+    body = launcher.render(without_excluded(spec, record)).payload["body"]
+    [term] = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-b"]}]

@@ -43,16 +43,21 @@ def skipped(name: str, why: str, where: str = "") -> Check:
     return Check(name, SKIPPED, where=where, note=why)
 
 
+def _shown(value: float) -> float:
+    """Four significant digits: enough to compare with a threshold, and small values stay visible."""
+    return value if isinstance(value, int) else float(f"{value:.4g}")
+
+
 def at_least(name: str, measured: float, minimum: float | None, unit: str = "", where: str = "") -> Check:
     if minimum is None:
         return skipped(name, NO_THRESHOLD, where)
-    return Check(name, PASS if measured >= minimum else FAIL, round(measured, 3), f">= {minimum:g}", unit, where)
+    return Check(name, PASS if measured >= minimum else FAIL, _shown(measured), f">= {minimum:g}", unit, where)
 
 
 def at_most(name: str, measured: float, maximum: float | None, unit: str = "", where: str = "") -> Check:
     if maximum is None:
         return skipped(name, NO_THRESHOLD, where)
-    return Check(name, PASS if measured <= maximum else FAIL, round(measured, 3), f"<= {maximum:g}", unit, where)
+    return Check(name, PASS if measured <= maximum else FAIL, _shown(measured), f"<= {maximum:g}", unit, where)
 
 
 def equal(name: str, measured, expected, where: str = "") -> Check:

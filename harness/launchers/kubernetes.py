@@ -34,8 +34,9 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
+from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, workload_plan)
+                                    cluster_procs_per_node, health_command, workload_plan)
 from harness.mounts import Mount, check_inside, claim_mount
 from harness.spec import JobSpec
 
@@ -231,6 +232,18 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
             "(podGroupPolicy, pod template, JobSet failurePolicy); set them there"]
 
 
+def _excluding(body: dict, nodes: list[str]) -> dict:
+    """The job's pod spec(s) with the node affinity that keeps them off `nodes` (preflight's exclusions)."""
+    if body.get("kind") == TRAINJOB.kind:
+        pods = [job["template"]["spec"]["template"]["spec"] for patch in body["spec"].get("runtimePatches", [])
+                for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]]
+    else:
+        pods = [replica["template"]["spec"] for replica in body["spec"]["pytorchReplicaSpecs"].values()]
+    for pod in pods:
+        kubernetes_nodes.with_exclusions(pod, nodes)
+    return body
+
+
 def to_dict(obj) -> dict:
     """A kubernetes-client model as the plain dict the API server receives (None fields dropped)."""
     return k8s.ApiClient().sanitize_for_serialization(obj)
@@ -381,11 +394,24 @@ class KubernetesLauncher(Launcher):
 
     def render(self, spec: JobSpec) -> Request:
         api = APIS[spec.profile.kubernetes.api]
-        body = api.build(spec)
+        body = _excluding(api.build(spec), spec.exclude_nodes)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
         return Request(backend=self.name, spec=spec, text=text, payload={"body": body}, notes=notes)
+
+    def render_preflight(self, spec: JobSpec) -> Request:
+        """The health job: a PyTorchJob with a pod on each of nodes + spare_nodes nodes (kubernetes_nodes)."""
+        checked = kubernetes_nodes.health_spec(spec)
+        in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(_pod_out_dir(checked)))
+        body = kubernetes_nodes.health_job(_excluding(pytorch_job(checked), spec.exclude_nodes), spec,
+                                           health_command(in_pod, "python"))
+        return Request(backend=self.name, spec=checked, text=yaml.safe_dump(body, sort_keys=True),
+                       payload={"body": body})
+
+    def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
+        _, core = _api()
+        return kubernetes_nodes.remediate(core, _call, spec, preflight)
 
     def submit(self, request: Request) -> Handle:
         spec = request.spec

@@ -139,7 +139,7 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container]
     expanded = set()
     if spec.preflight:  # the training step runs on the nodes preflight kept, inside the same allocation
-        srun[1:1] = [f"--nodes={spec.nodes}", '--nodelist="${training_nodes}"']
+        srun[1:1] = [f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", '--nodelist="${training_nodes}"']
         expanded.add('--nodelist="${training_nodes}"')
     # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
     python = "python" if profile.image else sys.executable
