@@ -32,7 +32,7 @@ GPU_DEFAULTS: dict[str, dict] = {
                  min_pair_busbw_gbps=40.0, pair_mib=1024, max_temperature_c=85, min_pcie_gen=5, min_pcie_width=16,
                  ib_rate_gbps=400, max_ib_link_errors=6, min_free_gib=100.0),
 }
-CPU_DEFAULTS = dict(min_allreduce_busbw_gbps=0.05, allreduce_mib=4, min_pair_busbw_gbps=0.02, pair_mib=4,
+CPU_DEFAULTS = dict(min_allreduce_busbw_gbps=0.005, allreduce_mib=4, min_pair_busbw_gbps=0.005, pair_mib=4,
                     ib_rate_gbps=0, max_ib_link_errors=6, min_free_gib=1.0)
 # Message sizes when neither the model's row nor the profile says.
 FALLBACK_SIZES = dict(allreduce_mib=1024, pair_mib=1024)

@@ -101,8 +101,8 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
         "# Preflight: every node of the allocation checks itself (harness.health); the healthiest "
         f"{spec.nodes} train.",
         'allocated=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | paste -sd, -)',
-        'export MASTER_ADDR="$(node_addr "${allocated%%,*}")"',
-        f"export MASTER_PORT={spec.profile.slurm.rendezvous_port + 1}",
+        "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
+        f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
         f"{health} || true  # a node without a report is judged failed below",
         f'training_nodes=$({shlex.join(judge)} "${{allocated}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
     ]
