@@ -239,3 +239,28 @@ def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apar
     assert {("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get"), ("events", "create")} <= granted
     job_role = yaml.safe_load((rbac / "harness-role.yaml").read_text())
     assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
+
+
+def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, exclude_nodes=["gpu-x"],
+                   profile=profiles.load("h100-ib")).resolved()
+    request = get_launcher("k8s").render_preflight(spec)
+    body = request.payload["body"]
+    assert body["kind"] == "PyTorchJob" and body["metadata"]["name"] == "resnet-tiny-preflight"
+    assert body["spec"]["nprocPerNode"] == "1" and body["spec"]["runPolicy"]["backoffLimit"] == 0
+    replicas = body["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 3  # spares are checked too
+    for replica in replicas.values():
+        pod = replica["template"]["spec"]
+        [container] = pod["containers"]
+        assert container["args"][:2] == ["-m", "harness.health"] and "--gpus" in container["args"]
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+        [anti] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti["topologyKey"] == "kubernetes.io/hostname"
+        assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-x"]
+    assert "&id" not in request.text  # no YAML anchors: every pod spec is its own
