@@ -155,6 +155,11 @@ class JobSpec:
             args.append("--synthetic")
         if self.async_checkpoint:
             args.append("--async-checkpoint")
+        args.append("--preflight" if self.preflight else "--no-preflight")  # its default depends on nodes and preset
+        if self.spare_nodes:
+            args += ["--spare-nodes", str(self.spare_nodes)]
+        args += [flag for flag, on in (("--drain-bad-nodes", self.drain_bad_nodes),
+                                       ("--taint-bad-nodes", self.taint_bad_nodes)) if on]
         return args
 
     @classmethod
