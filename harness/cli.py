@@ -314,6 +314,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(launcher.render_preflight(spec).text)
         return 0
+    launcher.render_preflight(spec)  # refused before the folder is made
     check_writable(spec.out_dir)
     record = remediation.run_health_job(launcher, spec)
     print(f"harness: wrote {spec.out_dir / 'preflight.json'}")

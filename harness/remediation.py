@@ -8,6 +8,7 @@ import dataclasses
 import sys
 
 from harness import preflight
+from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.launchers.base import Launcher
 from harness.spec import JobSpec
@@ -35,11 +36,12 @@ class PreflightWatcher:
 def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     """Run the health job on `spec.nodes + spec.spare_nodes` nodes, judge them, remediate; preflight.json's record.
     The job runs in the run folder, so its reports, table and verdicts stay beside the run's results."""
+    request = launcher.render_preflight(spec)  # refused requests leave nothing behind
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
     preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
     watcher = PreflightWatcher(launcher, spec)
-    handle = launcher.submit(launcher.render_preflight(spec))
+    handle = launcher.submit(request)
     print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
           flush=True)
     for state in launcher.watch(handle, tick=watcher):
@@ -52,8 +54,6 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     watcher()
     record = preflight.read(spec.out_dir)
     if record is None:
-        from harness.errors import HarnessError
-
         raise HarnessError(f"the preflight job ended without a verdict; its output: harness logs {spec.out_dir}", 1)
     if len(record["allocated"]) < spec.nodes + spec.spare_nodes:
         print(f"harness: preflight: only {len(record['allocated'])} of {spec.nodes + spec.spare_nodes} node(s) "

@@ -209,7 +209,8 @@ def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_a
         api.add_node("gpu-b")
         done = launcher.remediate(spec, record)
     why = "harness preflight: allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"
-    assert done == [f"gpu-b: condition {CONDITION}=True ({why})", "gpu-b: tainted mlperf-harness/preflight=failed:NoSchedule"]
+    assert done == [f"gpu-b: condition {CONDITION}=True ({why})",
+                    "gpu-b: tainted mlperf-harness/preflight=failed:NoSchedule"]
     conditions = {n: {c["type"]: c for c in node["status"]["conditions"]} for n, node in api.nodes.items()}
     bad, good = conditions["gpu-b"][CONDITION], conditions["gpu-a"][CONDITION]
     assert (bad["status"], bad["reason"], bad["message"]) == ("True", "PreflightFailed", why)
@@ -264,3 +265,16 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
         assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
             "nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-x"]
     assert "&id" not in request.text  # no YAML anchors: every pod spec is its own
+
+
+def test_preflight_options_refuse_what_cannot_work_in_one_line(tmp_path):
+    from tests.conftest import harness
+
+    spares = harness("run", "resnet", "--spare-nodes", "1", "--no-preflight", "--out", str(tmp_path / "a"), "--dry-run")
+    assert spares.returncode == 2 and spares.stderr == ("harness: error: --spare-nodes needs --preflight: the spares "
+                                                        "replace the nodes preflight keeps out\n")
+    local = harness("preflight", "--nodes", "2", "--out", str(tmp_path / "b"))
+    assert local.returncode == 2 and "Traceback" not in local.stderr
+    assert local.stderr == ("harness: error: the local backend checks this machine only: --nodes 1 and no "
+                            "--spare-nodes\n")
+    assert not (tmp_path / "b").exists()
