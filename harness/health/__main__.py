@@ -30,6 +30,13 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
+def _cuda_devices() -> int:
+    """The GPUs this process may use (a container or CUDA_VISIBLE_DEVICES can show fewer than NVML does)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvml, sysfs: Path) -> tuple[list, dict]:
     """Every check of this node alone, and the thresholds they were held to."""
     name = gpu_name(nvml)
@@ -37,7 +44,7 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvm
     watch = XidWatch(nvml) if nvml is not None else None
     checks = matmul_tflops(node, gpus, th["min_matmul_tflops"])
     cuda = name is not None
-    ranks = nvml.nvmlDeviceGetCount() if cuda else CPU_RANKS
+    ranks = _cuda_devices() if cuda else CPU_RANKS
     if ranks >= 2:
         busbw = intra_node(ranks, th["allreduce_mib"] << 20, cuda) * fault_scale(node, "allreduce_busbw")
         checks.append(at_least("allreduce_busbw", busbw, th["min_allreduce_busbw_gbps"], "GB/s",

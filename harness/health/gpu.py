@@ -66,13 +66,14 @@ class XidWatch:
 
 
 def _per_gpu(nvml, count: int, read) -> list[tuple[str, object]]:
-    """(where, reading) per GPU; a reading the GPU does not support is None."""
+    """(where, reading) per GPU; a reading the GPU does not give is None (its check says so, or is left out
+    where another check covers it)."""
     out = []
     for index in range(count):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         try:
             out.append((f"gpu {index}", read(handle)))
-        except nvml.NVMLError_NotSupported:
+        except nvml.NVMLError:  # not supported on this GPU (ECC off, pre-Ampere row remapping): not reported
             out.append((f"gpu {index}", None))
     return out
 
