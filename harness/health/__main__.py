@@ -50,7 +50,7 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvm
         checks.append(at_least("allreduce_busbw", busbw, th["min_allreduce_busbw_gbps"], "GB/s",
                                f"{ranks} {'GPUs' if cuda else 'CPU processes'}, {th['allreduce_mib']} MiB"))
     else:
-        checks.append(skipped("allreduce_busbw", "one GPU: nothing to all-reduce inside the node"))
+        checks.append(skipped("allreduce_busbw", f"{ranks} usable GPU(s): nothing to all-reduce inside the node"))
     checks += nvml_checks(nvml, gpus, th)  # after the load: PCIe links leave their idle state under work
     checks.append(watch.check() if watch else skipped("xid_events", NO_GPU))
     checks += ib_checks(th, rdma, sysfs)
