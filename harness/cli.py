@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from harness import __version__, profiles
@@ -124,7 +125,32 @@ def build_parser() -> argparse.ArgumentParser:
                           "submit nothing")
     run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
                                                             "manifest) and submit nothing")
+    run.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=None,
+                     help="check every node first (GPUs, NVML, matmul, all-reduce inside and between nodes, "
+                          "InfiniBand, the shared folder) and keep failed nodes out of the training (default: on "
+                          "for multi-node full runs)")
+    _preflight_options(run)
     run.set_defaults(func=cmd_run)
+
+    check = sub.add_parser("preflight", help="check nodes before trusting them: per-node table and preflight.json",
+                           formatter_class=_Help, description=(
+                               "Run the preflight health job on --nodes (+ --spare-nodes) nodes: per node the GPU\n"
+                               "count and model, NVML's ECC, remapped rows, XID, throttle, temperature and PCIe\n"
+                               "readings, a bf16 matmul per GPU, an all-reduce inside the node, InfiniBand ports and\n"
+                               "the shared folder; between nodes, all-reduces on node pairs and on the whole set.\n"
+                               "Thresholds: the profile's preflight section, else defaults per GPU model.\n"
+                               "Exit 0: enough healthy nodes, 6: too few."))
+    check.add_argument("--backend", default="local", help=f"where: {', '.join(BACKENDS)}")
+    check.add_argument("--nodes", type=int, default=1, help="nodes the job would need")
+    check.add_argument("--profile", default="local-cpu", help="cluster profile (name or YAML file)")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one profile setting, e.g. preflight.min_pair_busbw_gbps=35 (repeatable)")
+    check.add_argument("--out", type=Path, help="output folder (default: results/runs/preflight-<time>)")
+    check.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable "
+                       "for the health job (repeatable)")
+    check.add_argument("--dry-run", action="store_true", help="print the health job's request and submit nothing")
+    _preflight_options(check)
+    check.set_defaults(func=cmd_preflight)
 
     report = sub.add_parser("report", help="time-to-train report of MLPerf result logs", formatter_class=_Help,
                             description="Read result_*.txt files (ours or any submission's) and print each "
@@ -188,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preflight_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="N",
+                        help="allocate N more nodes than --nodes; the healthiest --nodes train")
+    parser.add_argument("--drain-bad-nodes", action="store_true",
+                        help="Slurm: drain the nodes preflight keeps out (scontrol update State=DRAIN Reason=...)")
+    parser.add_argument("--taint-bad-nodes", action="store_true",
+                        help="Kubernetes: a NoSchedule taint on the nodes preflight keeps out (each checked node "
+                             "gets an MLPerfPreflight condition either way)")
+
+
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     preset = args.preset or ("full" if args.data else "tiny")
     overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
@@ -201,7 +237,10 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                   async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile)
+                   async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,
+                   preflight=args.preflight if args.preflight is not None else (args.nodes > 1 and preset == "full"),
+                   spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
+                   taint_bad_nodes=args.taint_bad_nodes)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -232,12 +271,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
     print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
           flush=True)
+    watcher = None
+    if spec.preflight:
+        from harness import remediation
+
+        if launcher.preflight_in_allocation:
+            watcher = remediation.PreflightWatcher(launcher, spec)
+        else:
+            record = remediation.run_health_job(launcher, spec)
+            if not record["passed"]:
+                return _preflight_failed(record)
+            request = launcher.render(remediation.without_excluded(spec, record))
     handle = launcher.submit(request)
     # A CI timeout sends SIGTERM, not Ctrl-C: both cancel the job, so no workers outlive `harness run`.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         state = None
-        for state in launcher.watch(handle):
+        for state in launcher.watch(handle, tick=watcher):
             if launcher.name != "local":  # local workers print their own progress
                 print(f"harness: job {handle.job_id} {state.value}", flush=True)
     except (KeyboardInterrupt, _Terminated) as stop:
@@ -254,10 +304,47 @@ def cmd_run(args: argparse.Namespace) -> int:
         if job_ok:
             raise
         print(f"harness: {exc}", file=sys.stderr)  # a failed job may have written nothing; say why below
+    if watcher is not None:
+        watcher()  # a preflight that finished between the last poll and the end
+        from harness.preflight import read
+
+        checked = read(spec.out_dir)
+        if checked is not None and not checked["passed"]:
+            return _preflight_failed(checked)
     record = handle.record()
     if record.get("failure"):
         print(f"harness: {record['failure']}", file=sys.stderr)
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, exit_code=record.get("exit_code"))
+
+
+def _preflight_failed(record: dict) -> int:
+    from harness.preflight import EXIT_PREFLIGHT
+
+    print(f"harness: error: preflight failed before training: {record['message']}", file=sys.stderr)
+    return EXIT_PREFLIGHT
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from harness import remediation
+    from harness.launchers import get_launcher
+
+    launcher = get_launcher(args.backend)
+    profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
+    out = args.out or Path("results", "runs", f"preflight-{time.strftime('%Y%m%d-%H%M%S')}")
+    # The health job is described by a job spec like any other, with no workload to run after it.
+    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=out, env=parse_env(args.env), name="preflight",
+                   profile=profile, preflight=True, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
+                   taint_bad_nodes=args.taint_bad_nodes)
+    validate(spec, paths_here=launcher.paths_here)
+    spec = spec.resolved(runs_root=launcher.runs_root(spec))
+    if args.dry_run:
+        print(launcher.render_preflight(spec).text)
+        return 0
+    launcher.render_preflight(spec)  # refused before the folder is made
+    check_writable(spec.out_dir)
+    record = remediation.run_health_job(launcher, spec)
+    print(f"harness: wrote {spec.out_dir / 'preflight.json'}")
+    return 0 if record["passed"] else _preflight_failed(record)
 
 
 class _Terminated(Exception):
@@ -283,6 +370,10 @@ def _summarize(out_dir: Path, job_ok: bool, runs: int, exit_code: int | None = N
 
     results = load([out_dir])
     print(render(results, "table"))
+    from harness.report import preflight_notes
+
+    for line in preflight_notes([out_dir]):
+        print(line)
     if not job_ok:
         why = EXIT_CODES.get(exit_code) if exit_code != EXIT_RETRY else None
         print(f"harness: error: the job failed{f' ({why})' if why else ''}; worker logs: harness logs {out_dir}",
@@ -313,6 +404,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     results = _load_results(args.paths, args.ruleset)
     print(render(results, args.format))
+    if args.format == "table":
+        from harness.report import preflight_notes
+
+        for line in preflight_notes(args.paths):
+            print(line)
     if args.plot:
         from harness.plots import plot
 

@@ -171,7 +171,7 @@ def _preflight(out: Path, node: str) -> list[tuple[str, bool]]:
     checks = mine.get("checks") if isinstance(mine, dict) else None
     if not isinstance(checks, list):
         return []
-    return [(str(c.get("check")), c.get("verdict") == "pass") for c in checks
+    return [(str(c.get("name")), c.get("verdict") == "pass") for c in checks
             if isinstance(c, dict) and c.get("verdict") in ("pass", "fail")]
 
 

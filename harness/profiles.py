@@ -72,6 +72,26 @@ class RendezvousSettings:
 
 
 @dataclass
+class PreflightSettings:
+    """Thresholds of the preflight checks (harness.health). None: the default for the node's GPU model
+    (harness.health.thresholds, where each default says where it comes from); 0 GPUs: the CPU defaults."""
+
+    gpu_model: str | None = None  # text the NVML name must contain, e.g. "H100"; None: any model
+    min_matmul_tflops: float | None = None  # bf16 matmul, per GPU
+    min_allreduce_busbw_gbps: float | None = None  # all-reduce bus bandwidth inside one node
+    allreduce_mib: int | None = None  # all-reduce message size inside a node
+    min_pair_busbw_gbps: float | None = None  # all-reduce bus bandwidth between two nodes (one rank each)
+    pair_mib: int | None = None  # message size between nodes
+    pair_rounds: int = 3  # rounds of node pairs: every node meets up to this many partners
+    max_temperature_c: int | None = None
+    min_pcie_gen: int | None = None
+    min_pcie_width: int | None = None
+    ib_rate_gbps: int | None = None  # every active InfiniBand port's rate; 0: any rate
+    max_ib_link_errors: int | None = None  # link_downed + link_error_recovery per port
+    min_free_gib: float | None = None  # free space in the shared results folder
+
+
+@dataclass
 class Profile:
     name: str
     description: str = ""
@@ -88,6 +108,7 @@ class Profile:
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    preflight: PreflightSettings = field(default_factory=PreflightSettings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,6 +139,10 @@ def _check_value(value, kind, where: str):
         if not isinstance(value, bool):
             raise HarnessError(f"{where} must be true or false, got {value!r}")
         return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise HarnessError(f"{where} must be a number, 0 or more, got {value!r}")
+        return float(value)
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise HarnessError(f"{where} must be a whole number, 0 or more, got {value!r}")
@@ -223,7 +248,7 @@ def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:
         for part in parents:
             if not isinstance(target.get(part), dict):
                 raise HarnessError(f"--set {key}: {part!r} is not a group of settings; groups: env, kubernetes, "
-                                   "slurm, rendezvous, kubernetes.node_selector")
+                                   "slurm, rendezvous, preflight, kubernetes.node_selector")
             target = target[part]
         target[leaf] = value
     return from_dict(data, f"profile {profile.name} with --set")

@@ -112,3 +112,14 @@ def render(results: ResultSet, fmt: str) -> str:
     if fmt == "csv":
         return _csv(results)
     return _table(results)
+
+
+def preflight_notes(paths) -> list[str]:
+    """For each run folder among `paths` that ran a preflight: the nodes it kept out and why, and what the
+    cluster was told (harness.preflight's preflight.json)."""
+    from pathlib import Path
+
+    from harness.preflight import kept_out_lines, read
+
+    folders = dict.fromkeys(Path(p) if Path(p).is_dir() else Path(p).parent for p in paths)
+    return [line for folder in folders if (record := read(folder)) for line in kept_out_lines(record)]

@@ -75,6 +75,12 @@ class JobSpec:
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
+    # Preflight (harness.health, harness.preflight): check the nodes first and keep the bad ones out.
+    preflight: bool = False
+    spare_nodes: int = 0  # extra nodes allocated; the healthiest `nodes` train
+    drain_bad_nodes: bool = False  # Slurm: drain the nodes preflight kept out, with the reason
+    taint_bad_nodes: bool = False  # Kubernetes: a NoSchedule taint on them (a condition is always written)
+    exclude_nodes: list[str] = field(default_factory=list)  # nodes the training must not use
     profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
     def resolved(self, runs_root: Path | None = None) -> "JobSpec":
@@ -162,6 +168,11 @@ class JobSpec:
             args.append("--synthetic")
         if self.async_checkpoint:
             args.append("--async-checkpoint")
+        args.append("--preflight" if self.preflight else "--no-preflight")  # its default depends on nodes and preset
+        if self.spare_nodes:
+            args += ["--spare-nodes", str(self.spare_nodes)]
+        args += [flag for flag, on in (("--drain-bad-nodes", self.drain_bad_nodes),
+                                       ("--taint-bad-nodes", self.taint_bad_nodes)) if on]
         return args
 
     @classmethod
@@ -233,6 +244,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if not 0 < spec.straggler_threshold <= 1:
         raise HarnessError(f"--straggler-threshold must be above 0 and at most 1 (a share of the fastest rank's "
                            f"speed), got {spec.straggler_threshold:g}")
+    if spec.spare_nodes < 0:
+        raise HarnessError(f"--spare-nodes must be 0 or more, got {spec.spare_nodes}")
+    if spec.spare_nodes and not spec.preflight:
+        raise HarnessError("--spare-nodes needs --preflight: the spares replace the nodes preflight keeps out")
     if spec.max_restarts < 0:
         raise HarnessError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.keep_checkpoints < 1:

@@ -2,7 +2,8 @@
 
 It speaks just the endpoints the k8s launcher uses, through the official client:
 PyTorchJob and TrainJob custom objects (create, get, delete), pods (list by
-label, create, get, delete), pod logs, and events (create). Tests move a job
+label, create, get, delete), pod logs, events (create), and Nodes (list, get, and
+strategic-merge patches of the node and of its status). Tests move a job
 through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
 letting `reconcile` do what the training operator's controller does (below). A
 pod created through the API (the harness's results pods), or a job's pod passed
@@ -67,6 +68,8 @@ def served_log(log: str) -> str:
     data = log.encode()
     return data[len(data) - len(data) % LOG_ROTATE_BYTES:].decode(errors="replace") if len(data) > LOG_ROTATE_BYTES \
         else log
+NODES = re.compile(r"/api/v1/nodes$")
+NODE = re.compile(r"/api/v1/nodes/([^/]+)(/status)?$")
 
 
 class FakeKubeAPI:
@@ -75,6 +78,8 @@ class FakeKubeAPI:
         self.claims: dict[str, Path] = {}  # PersistentVolumeClaim name -> the local folder standing for it
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
+        self.nodes: dict[str, dict] = {}  # name -> Node; add_node() adds one
+        self.patches: list[tuple[str, str]] = []  # (path, Content-Type) of every PATCH
         self.requests: list[tuple[str, str]] = []
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
         self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
@@ -121,6 +126,23 @@ class FakeKubeAPI:
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": {label: job}},
             "status": {"phase": phase}, "log": log}
+
+    def add_node(self, name: str) -> None:
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                            "spec": {"taints": [{"key": "example.com/other", "effect": "NoExecute"}]},
+                            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def _patch_node(self, name: str, patch: dict, status: bool) -> dict:
+        """A strategic merge patch as the API server applies it to a Node: status conditions merge by type;
+        spec.taints (no merge key) is replaced whole."""
+        node = self.nodes[name]
+        if status:
+            conditions = node["status"]["conditions"]
+            for condition in patch.get("status", {}).get("conditions", []):
+                conditions[:] = [c for c in conditions if c["type"] != condition["type"]] + [condition]
+        else:
+            node["spec"].update(patch.get("spec", {}))
+        return node
 
     def _run_pod(self, pod: dict) -> dict:
         """The fake kubelet: run the pod's one container here, claims mapped to local folders."""
@@ -310,6 +332,15 @@ class FakeKubeAPI:
                     event["metadata"]["name"] = event["metadata"].get("generateName", "") + uuid.uuid4().hex[:5]
                     fake.events.append(event)
                     return self._send(201, event)
+                if (m := NODE.match(url.path)) and method in ("GET", "PATCH"):
+                    if m.group(1) not in fake.nodes:
+                        return self._not_found("nodes", m.group(1))
+                    if method == "GET":
+                        return self._send(200, fake.nodes[m.group(1)])
+                    fake.patches.append((url.path, self.headers.get("Content-Type", "")))
+                    return self._send(200, fake._patch_node(m.group(1), self._body(), bool(m.group(2))))
+                if NODES.match(url.path) and method == "GET":
+                    return self._send(200, {"apiVersion": "v1", "kind": "NodeList", "items": list(fake.nodes.values())})
                 self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404})
 
             def _not_found(self, kind: str, name: str) -> None:
@@ -348,5 +379,8 @@ class FakeKubeAPI:
 
             def do_DELETE(self):
                 self._route("DELETE")
+
+            def do_PATCH(self):
+                self._route("PATCH")
 
         return Handler

@@ -100,7 +100,8 @@ def test_goodput_splits_the_wall_time(tmp_path):
     assert got.restarts == 1
     # Kept: steps 1-10 (10 s), 11-30 in attempt 1 (20 s) and the eval (2 s) = 32 s of 55.
     assert got.goodput == pytest.approx(32 / 55)
-    assert got.badput == {"startup": 5.0, "save": 1.0, "restore": 2.0, "lost": 11.0, "recovery": 3.0, "other": 1.0}
+    assert got.badput == {"startup": 5.0, "save": 1.0, "restore": 2.0, "lost": 11.0, "recovery": 3.0, "other": 1.0,
+                           "preflight": 0.0}
     assert account(tmp_path / "elsewhere.txt", 0, 1) is None  # not a harness result file: nothing guessed
 
 

@@ -247,3 +247,44 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
                              on_step=scrape)
     assert result.returncode in (0, 1), result.stdout + result.stderr + slurm_cluster.logs()
     assert answered == {"node1": True, "node2": True}, answered
+
+
+@pytest.mark.slurm
+def test_preflight_on_both_slurm_nodes(slurm_cluster, tmp_path):
+    out = tmp_path / "check"
+    result = harness("preflight", "--backend", "slurm", "--nodes", "2", "--out", str(out), env=slurm_cluster.env)
+    assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
+    record = json.loads((out / "preflight.json").read_text())
+    assert record["passed"] and record["kept"] == ["node1", "node2"]
+    for node in ("node1", "node2"):
+        names = {c["name"] for c in record["nodes"][node]["checks"]}
+        assert {"allreduce_busbw", "pair_busbw", "shared_fs_rw", "gpu_count"} <= names
+        assert re.search(rf"^{node}\s+pair_busbw\s+median with node\d .* pass$", result.stdout, re.M)
+        assert re.search(rf"^{node}\s+gpu_count\s.*skipped: no GPU$", result.stdout, re.M)
+
+
+@pytest.mark.slurm
+def test_a_spare_replaces_a_node_that_fails_preflight_and_the_bad_one_is_drained(slurm_cluster, tmp_path):
+    out = tmp_path / "run"
+    try:
+        result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--spare-nodes", "1", "--preflight",
+                         "--drain-bad-nodes", "--max-steps", "2", "--out", str(out),
+                         "--env", "HARNESS_PREFLIGHT_FAULT=node2:allreduce_busbw:0.001", env=slurm_cluster.env)
+        drained = _slurm(slurm_cluster, "sinfo", "-R", "-h", "-o", "%N|%E")
+    finally:
+        _resume(slurm_cluster, ["node2"])
+    job = json.loads((out / "job.json").read_text())
+    assert job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
+    record = json.loads((out / "preflight.json").read_text())
+    assert record["kept"] == ["node1"] and list(record["excluded"]) == ["node2"]
+    [why] = record["excluded"]["node2"]
+    assert why.startswith("allreduce_busbw ") and why.endswith(" GB/s < 0.005 (2 CPU processes, 4 MiB)")
+    assert f"node2|harness preflight: {why}" in drained.splitlines()
+    # Trained on node1 alone; the table, the JSON and the report say the same about node2.
+    assert sorted(p.stem for p in (out / "attempts").glob("*.jsonl")) == ["node1"]
+    [failed] = [c for c in record["nodes"]["node2"]["checks"] if c["verdict"] == "fail"]
+    assert re.search(rf"^node2\s+allreduce_busbw\s.*{failed['measured']} GB/s\s+>= 0.005\s+fail$", result.stdout, re.M)
+    report = harness("report", str(out))
+    assert f"preflight: kept out node2: {why}" in report.stdout
+    assert f"preflight: node2 drained: harness preflight: {why}" in report.stdout
+    assert json.loads(harness("report", str(out), "--format", "json").stdout)[0]["runs"][0]["badput"]["preflight"] > 0

@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from harness.errors import HarnessError
 from harness.spec import JobSpec
@@ -91,6 +91,9 @@ class Launcher(ABC):
 
     name: ClassVar[str]
     paths_here: ClassVar[bool] = True  # the nodes see this machine's files (see spec.validate)
+    # The training request itself runs preflight inside its allocation (Slurm); otherwise `harness run`
+    # runs the health job first (render_preflight) and renders the training without the nodes it kept out.
+    preflight_in_allocation: ClassVar[bool] = False
 
     def runs_root(self, spec: JobSpec) -> Path | None:
         """Where run folders go without --out; None: results/runs under the working folder."""
@@ -99,6 +102,10 @@ class Launcher(ABC):
     @abstractmethod
     def render(self, spec: JobSpec) -> Request:
         """Build the exact request for a resolved, validated spec. Has no side effects."""
+
+    def render_preflight(self, spec: JobSpec) -> Request:
+        """The health job alone (`harness preflight`): every node of the allocation runs harness.health."""
+        raise HarnessError(f"the {self.name} backend cannot run a preflight")
 
     @abstractmethod
     def submit(self, request: Request) -> Handle:
@@ -124,10 +131,19 @@ class Launcher(ABC):
         """
         return []
 
-    def watch(self, handle: Handle, poll_s: float = 1.0) -> Iterator[JobState]:
-        """Yield each state change until the job reaches a terminal state."""
+    def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
+        """Tell the cluster about the nodes preflight judged (`preflight`: preflight.json), in the cluster's own
+        terms (a Slurm drain, a Kubernetes node condition and taint); returns what was done, one line each.
+        The default has no cluster to tell: the nodes are only kept out of this job."""
+        return [f"{node} kept out of this job" for node in preflight["excluded"]]
+
+    def watch(self, handle: Handle, poll_s: float = 1.0, tick: Callable[[], None] | None = None
+              ) -> Iterator[JobState]:
+        """Yield each state change until the job reaches a terminal state; `tick` runs at every poll."""
         last = None
         while True:
+            if tick is not None:
+                tick()
             state = self.status(handle)
             if state != last:
                 yield state
@@ -188,6 +204,14 @@ def rendezvous_timeouts(spec: JobSpec) -> tuple[int, int]:
     serves every node's agent, so 448 nodes get 1,496 s to join and 172 s per store read."""
     settings = spec.profile.rendezvous
     return (settings.join_timeout_s or 600 + 2 * spec.nodes, settings.store_timeout_s or 60 + spec.nodes // 4)
+
+
+def health_command(spec: JobSpec, python: str) -> list[str]:
+    """The command each node runs for preflight: its checks against the profile's thresholds."""
+    settings = json.dumps({k: v for k, v in dataclasses.asdict(spec.profile.preflight).items() if v is not None},
+                          sort_keys=True, separators=(",", ":"))
+    return [python, "-m", "harness.health", "--out", str(spec.out_dir), "--settings", settings,
+            "--gpus", str(spec.gpus()), "--rdma", str(spec.profile.rdma_count)]
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,

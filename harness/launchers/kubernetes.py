@@ -37,8 +37,9 @@ from kubernetes import client as k8s
 
 from harness.agent import NODE_ENV
 from harness.errors import HarnessError
+from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, workload_plan)
+                                    cluster_procs_per_node, health_command, workload_plan)
 from harness.mounts import Mount, check_inside, claim_mount
 from harness.spec import JobSpec
 
@@ -274,6 +275,18 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
         notes.append(f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
                      "(podGroupPolicy, pod template, JobSet failurePolicy); set them there")
     return notes
+
+
+def _excluding(body: dict, nodes: list[str]) -> dict:
+    """The job's pod spec(s) with the node affinity that keeps them off `nodes` (preflight's exclusions)."""
+    if body.get("kind") == TRAINJOB.kind:
+        pods = [job["template"]["spec"]["template"]["spec"] for patch in body["spec"].get("runtimePatches", [])
+                for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]]
+    else:
+        pods = [replica["template"]["spec"] for replica in body["spec"]["pytorchReplicaSpecs"].values()]
+    for pod in pods:
+        kubernetes_nodes.with_exclusions(pod, nodes)
+    return body
 
 
 def to_dict(obj) -> dict:
@@ -527,12 +540,26 @@ class KubernetesLauncher(Launcher):
 
     def _request(self, spec: JobSpec, token: str) -> Request:
         api = APIS[spec.profile.kubernetes.api]
-        body = api.build(spec, token)
+        body = _excluding(api.build(spec, token), spec.exclude_nodes)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
         return Request(backend=self.name, spec=spec, text=text, payload={"body": body, "token": token},
                        notes=notes)
+
+    def render_preflight(self, spec: JobSpec) -> Request:
+        """The health job: a PyTorchJob with a pod on each of nodes + spare_nodes nodes (kubernetes_nodes)."""
+        checked = kubernetes_nodes.health_spec(spec)
+        token = render_token(checked)
+        in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(pvc_folder(checked, token)))
+        body = kubernetes_nodes.health_job(_excluding(pytorch_job(checked, token), spec.exclude_nodes), spec,
+                                           health_command(in_pod, "python"))
+        return Request(backend=self.name, spec=checked, text=yaml.safe_dump(body, sort_keys=True),
+                       payload={"body": body, "token": token, "health": True})
+
+    def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
+        _, core = _api()
+        return kubernetes_nodes.remediate(core, _call, spec, preflight)
 
     def submit(self, request: Request) -> Handle:
         spec = request.spec
@@ -542,7 +569,8 @@ class KubernetesLauncher(Launcher):
                                "(--set kubernetes.results_pvc=NAME)")
         # A token of its own, so that no earlier job's folder on the volume (same --out name, same
         # arguments) is taken for this one's; the node agents also refuse a folder another job claimed.
-        request = self._request(spec, secrets.token_hex(TOKEN_HEX // 2))
+        if not request.payload.get("health"):  # the health job keeps its own (it trains nothing)
+            request = self._request(spec, secrets.token_hex(TOKEN_HEX // 2))
         (spec.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         api = APIS[spec.profile.kubernetes.api]
         jobs, _ = _api()

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, rank_log_files, show_files,
-                                    workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, health_command,
+                                    rank_log_files, show_files, workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -67,6 +67,14 @@ class LocalLauncher(Launcher):
         text = shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + argv) if env else shlex.join(argv)
         plan = workload_plan(spec, nproc, gpu_memory_gib() if gpus else None)
         return Request(backend=self.name, spec=spec, text=text, payload={"argv": argv, "env": env}, notes=plan)
+
+    def render_preflight(self, spec: JobSpec) -> Request:
+        """This machine's checks (one node: no pairs between nodes)."""
+        if spec.nodes + spec.spare_nodes != 1:
+            raise HarnessError("the local backend checks this machine only: --nodes 1 and no --spare-nodes")
+        argv = health_command(spec, sys.executable)
+        env = {**spec.profile.env, **spec.env}
+        return Request(backend=self.name, spec=spec, text=shlex.join(argv), payload={"argv": argv, "env": env})
 
     def submit(self, request: Request) -> Handle:
         out_dir = request.spec.out_dir

@@ -28,7 +28,9 @@ from harness.agent import EXIT_RETRY
 from harness.errors import HarnessError
 from harness.mounts import pyxis_mount, translate
 from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, rank_log_files, show_files, workload_plan)
+                                    cluster_procs_per_node, health_command, rank_log_files, show_files,
+                                    workload_plan)
+from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
 from workloads.common.rank_output import RANK_OUTPUT_ENV
 
@@ -87,11 +89,32 @@ def in_container(spec: JobSpec) -> tuple[JobSpec, list[str]]:
                     f"--container-mounts={','.join(entries)}"]
 
 
-def sbatch_script(spec: JobSpec) -> str:
-    """The whole batch script for a resolved spec: deterministic, so a dry run can be diffed."""
+def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python: str) -> list[str]:
+    """Preflight inside the allocation: every node runs its checks, then one step judges them and prints the
+    nodes training uses into ${training_nodes} (the healthiest --nodes; too few stops the job)."""
+    health = shlex.join(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container,
+                         *health_command(inside, python)])
+    judge = ["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.preflight", "--out",
+             str(inside.out_dir), "--nodes", str(spec.nodes), "--allocated"]
+    blame = ["--blame-failures"] if spec.max_restarts else []  # after a requeue: keep out the node that failed
+    return [
+        "# Preflight: every node of the allocation checks itself (harness.health); the healthiest "
+        f"{spec.nodes} train.",
+        'allocated=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | paste -sd, -)',
+        "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
+        f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
+        f"{health} || true  # a node without a report is judged failed below",
+        f'training_nodes=$({shlex.join(judge)} "${{allocated}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
+    ]
+
+
+def sbatch_script(spec: JobSpec, train: bool = True) -> str:
+    """The whole batch script for a resolved spec: deterministic, so a dry run can be diffed.
+    With spec.preflight the nodes are checked first; `train=False`: preflight only (`harness preflight`)."""
     profile, slurm = spec.profile, spec.profile.slurm
     nproc = cluster_procs_per_node(spec)
-    directives = [_directive("job-name", spec.name), _directive("nodes", spec.nodes),
+    allocation = spec.nodes + spec.spare_nodes if spec.preflight else spec.nodes
+    directives = [_directive("job-name", spec.name), _directive("nodes", allocation),
                   _directive("ntasks-per-node", 1)]
     if spec.gpus():
         directives.append(_directive("gres", f"gpu:{spec.gpus()}") if slurm.use_gres
@@ -114,15 +137,19 @@ def sbatch_script(spec: JobSpec) -> str:
     exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
     inside, container = in_container(spec)
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container]
+    expanded = set()
+    if spec.preflight:  # the training step runs on the nodes preflight kept, inside the same allocation
+        srun[1:1] = [f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", '--nodelist="${training_nodes}"']
+        expanded.add('--nodelist="${training_nodes}"')
     # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
     python = "python" if profile.image else sys.executable
     # Two values exist only on the allocation, so they stay shell variables; every other word is quoted.
     endpoint, job_id = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}"'
     agent = agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
-    expanded = {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
+    expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.
-    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *srun[3:], python, "-m", "harness.agent",
+    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.agent",
                          "--decide", "--out", str(inside.out_dir), "--max-restarts", str(spec.max_restarts)])
     lines = [
         "#!/bin/bash",
@@ -135,10 +162,22 @@ def sbatch_script(spec: JobSpec) -> str:
         "# Threads per process: the CPUs Slurm gave this node, shared by its processes (unless set above).",
         f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? '
         f'${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))}}"',
-        "# The rendezvous host: the first node of the allocation, at the address Slurm uses for it.",
-        'head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
-        'head_addr=$(scontrol show node "${head_node}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
-        'head_addr=${head_addr:-${head_node}}',
+        "# A node's address as Slurm knows it (its NodeAddr), else its name.",
+        'node_addr() { addr=$(scontrol show node "$1" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\'); '
+        'echo "${addr:-$1}"; }',
+        *(preflight_lines(spec, inside, container, python) if spec.preflight or not train else []),
+        *(_training_lines(spec, command, decide) if train else []),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _training_lines(spec: JobSpec, command: str, decide: str) -> list[str]:
+    first = '${training_nodes%%,*}' if spec.preflight else \
+        '$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)'
+    return [
+        "# The rendezvous host: the first training node, at the address Slurm uses for it.",
+        f'head_addr=$(node_addr "{first}")',
         "status=0",
         f"{command} || status=$?",
         f"decision=0; {decide} || decision=$?",
@@ -148,9 +187,7 @@ def sbatch_script(spec: JobSpec) -> str:
         "  exit 0",
         "fi",
         'exit "$(( decision != 0 ? decision : status ))"',
-        "",
     ]
-    return "\n".join(lines)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -162,6 +199,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 class SlurmLauncher(Launcher):
     name = "slurm"
+    preflight_in_allocation = True
 
     def runs_root(self, spec: JobSpec) -> Path | None:
         return Path(spec.profile.slurm.results_dir) if spec.profile.slurm.results_dir else None
@@ -170,6 +208,24 @@ class SlurmLauncher(Launcher):
         script = sbatch_script(spec)
         plan = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         return Request(backend=self.name, spec=spec, text=script, payload={"script": script}, notes=plan)
+
+    def render_preflight(self, spec: JobSpec) -> Request:
+        script = sbatch_script(spec, train=False)
+        return Request(backend=self.name, spec=spec, text=script, payload={"script": script})
+
+    def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
+        """Drain each node preflight kept out (with --drain-bad-nodes), its first failed check as the reason;
+        the training step already ran without it (srun --nodelist)."""
+        done = []
+        for node, reasons in preflight["excluded"].items():
+            if not spec.drain_bad_nodes:
+                done.append(f"{node} kept out of the training step (--drain-bad-nodes would drain it)")
+                continue
+            why = f"harness preflight: {reasons[0]}"
+            proc = _run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={why}"])
+            done.append(f"{node} drained: {why}" if proc.returncode == 0 else
+                        f"{node} not drained: scontrol said {proc.stderr.strip() or proc.stdout.strip()}")
+        return done
 
     def submit(self, request: Request) -> Handle:
         out_dir = request.spec.out_dir

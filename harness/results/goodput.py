@@ -9,18 +9,22 @@ training and evaluation whose results the run kept. The rest is badput, split in
     lost          work done after the last checkpoint a failed attempt wrote, then redone
     recovery      from a failure to the next attempt's process start (detection, restart)
     other         whatever is left (logging, waiting at barriers)
+    preflight     checking the nodes before training (harness.preflight's preflight.json, every pass after
+                  a requeue included); it comes before run_start, so it is counted on the first run and added
+                  to the wall time goodput divides by
 Logs without a run record (other people's submissions) get None: nothing is guessed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.common.run_record import read_attempts, read_json_lines, run_record_path
 
-BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other")
+BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other", "preflight")
 
 
 @dataclass
@@ -54,6 +58,14 @@ def _kept_share(interval: dict, kept_step: float) -> float:
     if first > kept_step:
         return 0.0
     return (kept_step - first + 1) / (last - first + 1)
+
+
+def _preflight_seconds(folder: Path) -> float:
+    """Seconds spent in preflight before the first run (harness.preflight writes preflight.json)."""
+    try:
+        return float(json.loads((folder / "preflight.json").read_text()).get("seconds_total") or 0.0)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0.0
 
 
 def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accounting | None:
@@ -96,9 +108,10 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
             next_start = min(r["start"] for r in intervals if r["attempt"] == later)
             spent["recovery"] += max(0.0, next_start - failed_at)
     spent["other"] = max(0.0, wall - productive - sum(spent.values()))
+    spent["preflight"] = _preflight_seconds(folder) if index == 0 else 0.0
     restarts = len(attempts) - 1 + sum(1 for a, r in ends.items() if not r.get("ok") and r.get("run") == index
                                        and a not in attempts)
-    return Accounting(restarts=restarts, goodput=min(1.0, productive / wall),
+    return Accounting(restarts=restarts, goodput=min(1.0, productive / (wall + spent["preflight"])),
                       badput={k: round(v, 3) for k, v in spent.items()}, stragglers=named_stragglers(intervals))
 
 

@@ -1,0 +1,121 @@
+"""Kubernetes and preflight: the health job, the verdicts written on each Node, and the training pods kept off
+the excluded nodes.
+
+- The health job is a PyTorchJob of `nodes + spare_nodes` pods, one per node (pod anti-affinity on the host),
+  each running `python -m harness.health` with its node's name (NODE_NAME, from the downward API) and the
+  operator's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for the between-node all-reduces. Its reports land on the
+  results volume and come back with the run folder.
+- Each checked Node gets a condition of type MLPerfPreflight, in node-problem-detector's sense: status "True"
+  when preflight found a problem (reason PreflightFailed, the failed checks as the message), "False" when it
+  found none (reason PreflightPassed). With --taint-bad-nodes a failed Node also gets a NoSchedule taint
+  (mlperf-harness/preflight=failed). An Event goes on each failed Node and on the health job.
+- The training pods get a required node affinity `kubernetes.io/hostname NotIn [excluded nodes]`.
+The ClusterRole this needs (nodes get/patch, nodes/status patch, events create) is manifests/rbac/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+
+from kubernetes import client as k8s
+
+CONDITION = "MLPerfPreflight"
+TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
+HOSTNAME = "kubernetes.io/hostname"
+ROLE_LABEL = "mlperf-harness/role"
+MESSAGE_LIMIT = 1000  # a condition message and an Event message stay readable in `kubectl describe`
+
+
+def exclusion_affinity(nodes: list[str]) -> k8s.V1Affinity | None:
+    """Required node affinity that keeps pods off `nodes`; None when there are none."""
+    if not nodes:
+        return None
+    return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
+        required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
+            k8s.V1NodeSelectorTerm(match_expressions=[
+                k8s.V1NodeSelectorRequirement(key=HOSTNAME, operator="NotIn", values=sorted(nodes))])])))
+
+
+def preflight_name(spec) -> str:
+    return f"{spec.name}-preflight"
+
+
+def health_job(job: dict, spec, command: list[str]) -> dict:
+    """The training PyTorchJob (`job`, as built for `spec` with nodes + spare_nodes pods) turned into the health
+    job: `command` in every pod, one pod per node, one process per pod, no restarts."""
+    job["metadata"]["name"] = preflight_name(spec)
+    job["spec"]["nprocPerNode"] = "1"  # WORLD_SIZE = pods, RANK = the pod's index: one rank per node
+    job["spec"]["runPolicy"]["backoffLimit"] = 0
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        # One pod per node: no two pods of this job on one host (the operator labels pods with the job's name).
+        anti = {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {
+            ROLE_LABEL: "preflight", "training.kubeflow.org/job-name": job["metadata"]["name"]}},
+            "topologyKey": HOSTNAME}]}
+        replica["restartPolicy"] = "Never"
+        template = replica["template"]
+        template["metadata"].setdefault("labels", {})[ROLE_LABEL] = "preflight"
+        template["spec"].setdefault("affinity", {})["podAntiAffinity"] = anti
+        [container] = template["spec"]["containers"]
+        container["command"], container["args"] = command[:1], command[1:]
+        container.setdefault("env", []).append(
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    return job
+
+
+def _event(namespace: str, involved: k8s.V1ObjectReference, reason: str, message: str, warning: bool):
+    now = datetime.now(timezone.utc)
+    return k8s.CoreV1Event(
+        metadata=k8s.V1ObjectMeta(generate_name=f"{involved.name}-", namespace=namespace), involved_object=involved,
+        reason=reason, message=message[:MESSAGE_LIMIT], type="Warning" if warning else "Normal",
+        first_timestamp=now, last_timestamp=now, count=1, source=k8s.V1EventSource(component="mlperf-harness"))
+
+
+def remediate(core: k8s.CoreV1Api, call, spec, record: dict) -> list[str]:
+    """Condition every checked Node, taint the failed ones (with spec.taint_bad_nodes), and record Events on the
+    failed Nodes and on the health job. `call(what, fn, *args)` turns API errors into one-line HarnessErrors."""
+    namespace = spec.profile.kubernetes.namespace
+    now = datetime.now(timezone.utc).isoformat()
+    job = k8s.V1ObjectReference(api_version="kubeflow.org/v1", kind="PyTorchJob", name=preflight_name(spec),
+                                namespace=namespace)
+    done = []
+    for node, verdict in record["nodes"].items():
+        reasons = record["excluded"].get(node, [])
+        failed = not verdict["ok"]
+        message = ("harness preflight: " + "; ".join(reasons)) if failed else "harness preflight: every check passed"
+        condition = {"type": CONDITION, "status": "True" if failed else "False",
+                     "reason": "PreflightFailed" if failed else "PreflightPassed",
+                     "message": message[:MESSAGE_LIMIT], "lastHeartbeatTime": now, "lastTransitionTime": now}
+        call(f"set the {CONDITION} condition on node {node}", core.patch_node_status, node,
+             {"status": {"conditions": [condition]}})
+        if not failed:
+            continue
+        lines = [f"{node}: condition {CONDITION}=True ({message})"]
+        if spec.taint_bad_nodes:
+            current = call(f"read node {node}", core.read_node, node).spec.taints or []
+            if not any(t.key == TAINT.key and t.effect == TAINT.effect for t in current):
+                taints = [k8s.ApiClient().sanitize_for_serialization(t) for t in [*current, TAINT]]
+                call(f"taint node {node}", core.patch_node, node, {"spec": {"taints": taints}})
+            lines.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
+        node_ref = k8s.V1ObjectReference(api_version="v1", kind="Node", name=node)
+        for target, where in ((node_ref, "default"), (job, namespace)):
+            call("record an event", core.create_namespaced_event, where,
+                 _event(where, target, "PreflightFailed", message, warning=True))
+        done += lines
+    return done
+
+
+def with_exclusions(pod_spec: dict, nodes: list[str]) -> dict:
+    """A pod spec (as a dict) with the node affinity that keeps it off `nodes`."""
+    affinity = exclusion_affinity(nodes)
+    if affinity is not None:
+        pod_spec.setdefault("affinity", {}).update(k8s.ApiClient().sanitize_for_serialization(affinity))
+    return pod_spec
+
+
+def health_spec(spec):
+    """The spec the health job is built from: every allocated node, PyTorchJob, no restarts."""
+    profile = dataclasses.replace(spec.profile,
+                                  kubernetes=dataclasses.replace(spec.profile.kubernetes, api="pytorchjob"))
+    return dataclasses.replace(spec, nodes=spec.nodes + spec.spare_nodes, spare_nodes=0, max_restarts=0,
+                               profile=profile)

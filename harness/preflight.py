@@ -1,0 +1,195 @@
+"""Preflight verdicts: which nodes are healthy, which of them a job uses, and why the others are kept out.
+
+The nodes measure (harness.health writes <out>/preflight/nodes/<node>.json); this module judges them
+with one rule for all, picks the healthiest `--nodes` of the allocation (spares included), and writes
+<out>/preflight.json. It runs where the decision is needed: inside the Slurm allocation (as
+`python -m harness.preflight`, which prints the training nodes), or on the submitting side (Kubernetes,
+local). Telling the cluster (drain, condition and taint) is each launcher's `remediate`.
+
+A node is kept out when any of its checks fails, when it wrote no report, or when the newest failed
+training attempt points at it (a rank killed by a signal other than the SIGTERM its peers get, or a node
+whose agent never wrote its end: the node was lost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from harness.health import FAIL, NODES_DIR, PASS, SKIPPED, Check
+from workloads.common.run_record import read_attempts
+
+PREFLIGHT_FILE = "preflight.json"
+EXIT_PREFLIGHT = 6  # too few healthy nodes: the job stops before training
+_FAILING = {">=": "<", "<=": ">", "==": "!="}
+
+
+def reason(check: Check) -> str:
+    """`<check> <measured> < <threshold>`: a failed check in one line (a Slurm drain reason, a condition message)."""
+    op, _, value = check.threshold.partition(" ")
+    measured = f"{check.measured}{' ' + check.unit if check.unit else ''}"
+    where = f" ({check.where})" if check.where else ""
+    if op in _FAILING:
+        return f"{check.name} {measured} {_FAILING[op]} {value}{where}"
+    return f"{check.name} {measured}, expected {check.threshold}{where}" + (f": {check.note}" if check.note else "")
+
+
+def _pair_check(record: dict) -> Check | None:
+    """The node's link check: the median of its pair bandwidths, so one slow partner does not fail it."""
+    pairs = record.get("pairs") or []
+    if not pairs:
+        return None
+    median = statistics.median(p["busbw_gbps"] for p in pairs)
+    minimum = (record.get("thresholds") or {}).get("min_pair_busbw_gbps")
+    peers = ", ".join(p["peer"] for p in pairs)
+    if minimum is None:
+        return Check("pair_busbw", SKIPPED, float(f"{median:.4g}"), unit="GB/s", where=f"with {peers}",
+                     note="no threshold for this GPU model")
+    return Check("pair_busbw", PASS if median >= minimum else FAIL, float(f"{median:.4g}"), f">= {minimum:g}", "GB/s",
+                 f"median with {peers}")
+
+
+def blamed_nodes(out: Path) -> dict[str, str]:
+    """Nodes the newest failed training attempt points at, with the cause: a rank killed by a signal other
+    than the SIGTERM its peers get when one fails, or a node that started the attempt and never ended it."""
+    records = read_attempts(out)
+    ends = [r for r in records if r.get("event") == "end"]
+    if not records:
+        return {}
+    attempt = max(r["attempt"] for r in records)
+    mine = [r for r in records if r["attempt"] == attempt]
+    if any(r.get("event") == "end" and r.get("ok") for r in mine) and not any(
+            r.get("event") == "end" and not r.get("ok") for r in mine):
+        return {}
+    blamed = {r["node"]: r.get("cause", "failed") for r in mine if r.get("event") == "end" and not r.get("ok")
+              and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
+    ended = {r["node"] for r in ends if r["attempt"] == attempt}
+    if ended:
+        blamed.update({r["node"]: "the node was lost: its agent never recorded the attempt's end" for r in mine
+                       if r.get("event") == "start" and r["node"] not in ended})
+    return blamed
+
+
+def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict[str, dict]:
+    """{node: {"gpu", "checks": [Check], "ok"}} for every allocated node, from the nodes' own reports."""
+    verdicts = {}
+    blamed = blamed_nodes(out) if blame_failures else {}
+    for node in allocated:
+        path = Path(out) / NODES_DIR / f"{node}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {"checks": [Check("health_report", FAIL, "missing", "written by the node",
+                                       note="the node did not run or finish the checks").to_dict()]}
+        checks = [Check.from_dict(c) for c in record["checks"]]
+        pair = _pair_check(record)
+        checks += [pair] if pair else []
+        if node in blamed:
+            checks.append(Check("training_failure", FAIL, blamed[node][:200], "no failure in the last attempt"))
+        verdicts[node] = {"gpu": record.get("gpu"), "started": record.get("started"), "checks": checks,
+                          "world_busbw_gbps": record.get("world_busbw_gbps"),
+                          "ok": not any(c.verdict == FAIL for c in checks)}
+    return verdicts
+
+
+def _margin(checks: list[Check]) -> float:
+    """How far above its thresholds a healthy node is: the smallest measured/threshold of its `>=` checks."""
+    ratios = [float(c.measured) / float(c.threshold.split()[1]) for c in checks if c.verdict == PASS
+              and c.threshold.startswith(">= ") and isinstance(c.measured, (int, float))
+              and float(c.threshold.split()[1]) > 0]
+    return min(ratios, default=1.0)
+
+
+def choose(verdicts: dict[str, dict], wanted: int) -> tuple[list[str], list[str]]:
+    """(the nodes training uses, healthy spares left over): the healthiest `wanted`, in allocation order."""
+    healthy = [n for n, v in verdicts.items() if v["ok"]]
+    best = sorted(healthy, key=lambda n: -_margin(verdicts[n]["checks"]))[:wanted]
+    kept = [n for n in verdicts if n in best]
+    return kept, [n for n in healthy if n not in kept]
+
+
+def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = False) -> dict:
+    """Judge, choose, and write <out>/preflight.json; returns what was written."""
+    out = Path(out)
+    verdicts = judge(out, allocated, blame_failures)
+    kept, spare = choose(verdicts, wanted)
+    excluded = {n: [reason(c) for c in v["checks"] if c.verdict == FAIL] for n, v in verdicts.items() if not v["ok"]}
+    passed = len(kept) == wanted
+    why = "; ".join(f"{n}: {', '.join(r)}" for n, r in excluded.items())
+    message = (f"{len(kept)} of {len(allocated)} node(s) healthy, {wanted} needed" + (f"; kept out: {why}" if why
+                                                                                      else ""))
+    if not passed:
+        message += ("; no spare node left" if len(allocated) > wanted else "; there is no spare node (--spare-nodes)")
+    now = time.time()
+    started = min((v["started"] for v in verdicts.values() if v.get("started")), default=now)
+    previous = read(out)
+    world = [v["world_busbw_gbps"] for v in verdicts.values() if v.get("world_busbw_gbps") is not None]
+    record = {"passed": passed, "message": message, "wanted": wanted, "allocated": allocated, "kept": kept,
+              "spare": spare, "excluded": excluded, "started": started, "seconds": round(now - started, 3),
+              "seconds_total": round(now - started + (previous or {}).get("seconds_total", 0.0), 3),
+              "world_busbw_gbps": round(statistics.median(world), 3) if world else None,
+              "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "checks": [c.to_dict() for c in v["checks"]]}
+                        for n, v in verdicts.items()},
+              "remediation": []}
+    (out / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def read(out: Path) -> dict | None:
+    try:
+        return json.loads((Path(out) / PREFLIGHT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_remediation(out: Path, lines: list[str]) -> None:
+    record = read(out)
+    record["remediation"] = record.get("remediation", []) + lines
+    (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def table(record: dict) -> str:
+    """The per-node table: node, check, where, measured, threshold, verdict; skipped checks say why."""
+    rows = [("node", "check", "where", "measured", "threshold", "verdict")]
+    for node, verdict in record["nodes"].items():
+        for c in verdict["checks"]:
+            measured = "-" if c["measured"] is None else f"{c['measured']}{' ' + c['unit'] if c['unit'] else ''}"
+            state = f"skipped: {c['note']}" if c["verdict"] == SKIPPED else c["verdict"]
+            rows.append((node, c["name"], c["where"] or "", measured, c["threshold"] or "-", state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    lines.append(f"preflight: {record['message']}; training on {', '.join(record['kept']) or 'no node'}"
+                 f" ({record['seconds']:.1f} s)")
+    return "\n".join(lines)
+
+
+def kept_out_lines(record: dict) -> list[str]:
+    """What `harness report` says about the preflight: each node kept out, and why."""
+    lines = [f"preflight: kept out {node}: {'; '.join(reasons)}" for node, reasons in record["excluded"].items()]
+    return lines + [f"preflight: {line}" for line in record.get("remediation", [])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Inside the allocation: judge the nodes and print the training nodes (comma-separated) on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m harness.preflight", description=main.__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--nodes", type=int, required=True, help="nodes the training needs")
+    parser.add_argument("--allocated", required=True, help="the allocation's nodes, comma-separated")
+    parser.add_argument("--blame-failures", action="store_true",
+                        help="also keep out the nodes the newest failed training attempt points at")
+    args = parser.parse_args(argv)
+    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures)
+    print(table(record), file=sys.stderr, flush=True)
+    if not record["passed"]:
+        print(f"harness: error: preflight failed: {record['message']}", file=sys.stderr)
+        return EXIT_PREFLIGHT
+    print(",".join(record["kept"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

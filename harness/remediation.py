@@ -1,0 +1,66 @@
+"""The submitting side of preflight: run the health job (where the training request does not run it inside
+its own allocation), show the per-node table as soon as preflight.json appears, and have the launcher tell
+the cluster about the nodes kept out (a Slurm drain; a Kubernetes condition, taint and events)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from harness import preflight
+from harness.errors import HarnessError
+from harness.health import NODES_DIR
+from harness.launchers.base import Launcher
+from harness.spec import JobSpec
+
+
+class PreflightWatcher:
+    """Called at every poll of a job: the first time a new preflight.json is there, print its table and
+    remediate, once per preflight pass (a requeued Slurm job runs preflight again)."""
+
+    def __init__(self, launcher: Launcher, spec: JobSpec):
+        self.launcher, self.spec, self.seen = launcher, spec, None
+
+    def __call__(self) -> None:
+        record = preflight.read(self.spec.out_dir)
+        if record is None or record.get("started") == self.seen:
+            return
+        self.seen = record.get("started")
+        print(preflight.table(record), flush=True)
+        lines = self.launcher.remediate(self.spec, record)
+        preflight.record_remediation(self.spec.out_dir, lines)
+        for line in lines:
+            print(f"harness: preflight: {line}", flush=True)
+
+
+def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
+    """Run the health job on `spec.nodes + spec.spare_nodes` nodes, judge them, remediate; preflight.json's record.
+    The job runs in the run folder, so its reports, table and verdicts stay beside the run's results."""
+    request = launcher.render_preflight(spec)  # refused requests leave nothing behind
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
+    preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
+    watcher = PreflightWatcher(launcher, spec)
+    handle = launcher.submit(request)
+    print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
+          flush=True)
+    for state in launcher.watch(handle, tick=watcher):
+        if launcher.name != "local":
+            print(f"harness: preflight job {handle.job_id} {state.value}", flush=True)
+    if not launcher.preflight_in_allocation:
+        launcher.collect(handle)
+        reports = sorted(p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json"))
+        preflight.decide(spec.out_dir, reports, spec.nodes)
+    watcher()
+    record = preflight.read(spec.out_dir)
+    if record is None:
+        raise HarnessError(f"the preflight job ended without a verdict; its output: harness logs {spec.out_dir}", 1)
+    if len(record["allocated"]) < spec.nodes + spec.spare_nodes:
+        print(f"harness: preflight: only {len(record['allocated'])} of {spec.nodes + spec.spare_nodes} node(s) "
+              "wrote a report", file=sys.stderr)
+    return record
+
+
+def without_excluded(spec: JobSpec, record: dict) -> JobSpec:
+    """The training spec after a preflight outside the allocation: the nodes it kept out are excluded."""
+    return dataclasses.replace(spec, exclude_nodes=sorted({*spec.exclude_nodes, *record["excluded"]}))

@@ -1,0 +1,280 @@
+"""Preflight: node checks against fake NVML and sysfs readings, the verdicts, the table, the JSON and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.health import FAIL, PASS, SKIPPED
+from harness.health.allreduce import pair_rounds
+from harness.health.gpu import nvml_checks
+from harness.health.ib import ib_checks
+from harness.health.thresholds import resolve
+
+
+class FakeNVML:
+    """The pynvml functions the checks call, over a list of fake GPUs."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_TEMPERATURE_GPU = 1, 0, 0
+    nvmlClocksThrottleReasonHwSlowdown, nvmlClocksThrottleReasonSwThermalSlowdown = 0x8, 0x20
+    nvmlClocksThrottleReasonHwThermalSlowdown, nvmlClocksThrottleReasonHwPowerBrakeSlowdown = 0x40, 0x80
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    def __init__(self, count=8, **gpu):
+        self.gpus = [{**dict(name="NVIDIA H100 80GB HBM3", ecc=0, rows=(0, 0, 0, 0), throttle=0, temp=40,
+                             pcie=(5, 16)), **gpu} for _ in range(count)]
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetName(self, h):
+        return h["name"]
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return h["ecc"]
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return h["rows"]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        raise self.NVMLError_NotSupported()
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return h["throttle"]
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return h["temp"]
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return h["pcie"][0]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return h["pcie"][1]
+
+
+H100 = resolve({"gpu_model": "H100"}, "NVIDIA H100 80GB HBM3")
+
+
+def _verdicts(checks, name):
+    return [c.verdict for c in checks if c.name == name]
+
+
+def test_a_healthy_h100_node_passes_every_nvml_check():
+    checks = nvml_checks(FakeNVML(), 8, H100)
+    assert {c.verdict for c in checks} == {PASS}
+    assert {"gpu_count", "gpu_model", "ecc_uncorrected", "remapped_rows", "throttle", "temperature",
+            "pcie_link"} == {c.name for c in checks}
+
+
+def test_a_missing_gpu_fails_the_count_with_what_was_seen():
+    [count] = [c for c in nvml_checks(FakeNVML(count=7), 8, H100) if c.name == "gpu_count"]
+    assert (count.verdict, count.measured, count.threshold) == (FAIL, 7, "== 8")
+
+
+@pytest.mark.parametrize("gpu, check", [(dict(ecc=3), "ecc_uncorrected"), (dict(rows=(0, 1, 1, 0)), "remapped_rows"),
+                                        (dict(throttle=0x40), "throttle"), (dict(temp=91), "temperature"),
+                                        (dict(pcie=(3, 8)), "pcie_link")])
+def test_each_nvml_reading_fails_its_own_check(gpu, check):
+    checks = nvml_checks(FakeNVML(**gpu), 8, H100)
+    assert {c.name for c in checks if c.verdict == FAIL} == {check}
+
+
+def test_no_gpu_is_skipped_where_none_is_promised_and_failed_where_one_is():
+    assert {c.verdict for c in nvml_checks(None, 0, resolve({}, None))} == {SKIPPED}
+    assert all(c.note == "no GPU" for c in nvml_checks(None, 0, resolve({}, None)))
+    [count] = nvml_checks(None, 8, H100)
+    assert (count.name, count.verdict, count.measured) == ("gpu_count", FAIL, 0)
+
+
+def _port(root: Path, hca: str, state="4: ACTIVE", rate="400 Gb/sec (4X NDR)", link_downed=0):
+    port = root / hca / "ports" / "1"
+    (port / "counters").mkdir(parents=True)
+    (port / "state").write_text(state + "\n")
+    (port / "rate").write_text(rate + "\n")
+    (port / "counters" / "link_downed").write_text(f"{link_downed}\n")
+    (port / "counters" / "link_error_recovery").write_text("0\n")
+
+
+def test_infiniband_ports_from_a_fake_sysfs(tmp_path):
+    for i in range(7):
+        _port(tmp_path, f"mlx5_{i}")
+    _port(tmp_path, "mlx5_7", state="1: DOWN", rate="10 Gb/sec (4X SDR)", link_downed=9)
+    checks = ib_checks(H100, 8, tmp_path)
+    failed = {(c.name, c.where) for c in checks if c.verdict == FAIL}
+    assert failed == {("ib_port_state", "mlx5_7/1"), ("ib_port_rate", "mlx5_7/1"), ("ib_link_errors", "mlx5_7/1"),
+                      ("ib_ports", "")}
+    [state] = [c for c in checks if c.name == "ib_port_state" and c.where == "mlx5_7/1"]
+    assert state.measured == "DOWN" and state.threshold == "ACTIVE"
+    assert ib_checks(H100, 8, tmp_path / "none")[0].note == "no InfiniBand ports found"
+    assert ib_checks(resolve({}, None), 0, tmp_path / "none")[0].verdict == SKIPPED
+
+
+def test_the_pair_rounds_meet_new_partners_and_stay_bounded():
+    rounds = pair_rounds(448, 3)
+    assert len(rounds) == 3 and all(len(r) == 224 for r in rounds)
+    assert len({p for r in rounds for p in r}) == 672  # no pair twice
+    for r in rounds:
+        seen = [n for p in r for n in p]
+        assert len(seen) == len(set(seen))  # every node in one pair per round
+    assert pair_rounds(2, 3) == [[(0, 1)]]
+
+
+def _report(out: Path, node: str, busbw: float, pairs: list | None = None) -> None:
+    """A node's own report as harness.health writes it: an H100 node with one all-reduce measurement."""
+    import json
+
+    from harness.health import NODES_DIR, at_least
+
+    th = resolve({}, "NVIDIA H100 80GB HBM3")
+    checks = [at_least("allreduce_busbw", busbw, th["min_allreduce_busbw_gbps"], "GB/s", "8 GPUs, 16384 MiB")]
+    path = out / NODES_DIR / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"node": node, "started": 1.0, "gpu": "NVIDIA H100 80GB HBM3", "thresholds": th,
+                                "checks": [c.to_dict() for c in checks], "pairs": pairs or []}))
+
+
+def test_the_json_the_table_and_the_report_agree(tmp_path):
+    from harness import preflight
+    from harness.report import preflight_notes
+
+    _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 46.0}])
+    _report(tmp_path, "b", 120, [{"peer": "a", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 44.0}])
+    _report(tmp_path, "c", 480, [{"peer": "a", "busbw_gbps": 12.0}, {"peer": "b", "busbw_gbps": 11.0}])
+    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1)
+    assert record == preflight.read(tmp_path)
+    assert record["passed"] and record["kept"] == ["a"] and record["spare"] == []
+    # b: slow inside; c: slow with every partner (its link), while a and b are slow only with c; d: no report.
+    assert record["excluded"] == {"b": ["allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"],
+                                  "c": ["pair_busbw 11.5 GB/s < 40 (median with a, b)"],
+                                  "d": ["health_report missing, expected written by the node: "
+                                        "the node did not run or finish the checks"]}
+    text = preflight.table(record)
+    for node, verdict in record["nodes"].items():
+        for check in verdict["checks"]:
+            row = [line for line in text.splitlines() if line.split()[:2] == [node, check["name"]]]
+            assert len(row) == 1 and row[0].endswith(check["verdict"]) and str(check["measured"]) in row[0]
+    assert preflight_notes([tmp_path]) == [f"preflight: kept out {n}: {r[0]}" for n, r in record["excluded"].items()]
+    too_few = preflight.decide(tmp_path, ["a", "b"], 2)
+    assert not too_few["passed"] and "there is no spare node" in too_few["message"] and "b: allreduce_busbw" in \
+        too_few["message"]
+
+
+def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
+    import json
+
+    from harness import preflight
+
+    for node in ("a", "b"):
+        _report(tmp_path, node, 470)
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"},
+        {"event": "end", "attempt": 0, "node": "a", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
+         "cause": "rank 0 killed by SIGTERM"},
+        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": "SIGKILL",
+         "cause": "rank 1 killed by SIGKILL"}]))
+    record = preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)
+    assert record["kept"] == ["a"] and record["excluded"] == {
+        "b": ["training_failure rank 1 killed by SIGKILL, expected no failure in the last attempt"]}
+    assert preflight.decide(tmp_path, ["a", "b"], 1)["spare"] == ["b"]  # without --blame-failures: both healthy
+
+
+def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_avoids_the_bad_one(tmp_path,
+                                                                                               monkeypatch):
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+    from harness.remediation import without_excluded
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    out = tmp_path / "run"
+    _report(out, "gpu-a", 470)
+    _report(out, "gpu-b", 120)
+    record = preflight.decide(out, ["gpu-a", "gpu-b"], 1)
+    spec = JobSpec("resnet", nodes=1, spare_nodes=1, preflight=True, taint_bad_nodes=True, out_dir=out,
+                   profile=profiles.load("h100-ib")).resolved()
+    launcher = get_launcher("k8s")
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        api.add_node("gpu-a")
+        api.add_node("gpu-b")
+        done = launcher.remediate(spec, record)
+    why = "harness preflight: allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"
+    assert done == [f"gpu-b: condition {CONDITION}=True ({why})",
+                    "gpu-b: tainted mlperf-harness/preflight=failed:NoSchedule"]
+    conditions = {n: {c["type"]: c for c in node["status"]["conditions"]} for n, node in api.nodes.items()}
+    bad, good = conditions["gpu-b"][CONDITION], conditions["gpu-a"][CONDITION]
+    assert (bad["status"], bad["reason"], bad["message"]) == ("True", "PreflightFailed", why)
+    assert (good["status"], good["reason"]) == ("False", "PreflightPassed")
+    assert conditions["gpu-b"]["Ready"]["status"] == "True"  # merged by type, nothing else touched
+    assert [t["key"] for t in api.nodes["gpu-b"]["spec"]["taints"]] == ["example.com/other", TAINT.key]
+    assert api.nodes["gpu-b"]["spec"]["taints"][-1]["effect"] == "NoSchedule"
+    assert [t["key"] for t in api.nodes["gpu-a"]["spec"]["taints"]] == ["example.com/other"]
+    assert {ctype for _, ctype in api.patches} == {"application/strategic-merge-patch+json"}
+    told = {(e["involvedObject"]["kind"], e["involvedObject"]["name"], e["reason"]) for e in api.events}
+    assert told == {("Node", "gpu-b", "PreflightFailed"), ("PyTorchJob", "resnet-tiny-preflight", "PreflightFailed")}
+    body = launcher.render(without_excluded(spec, record)).payload["body"]
+    [term] = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-b"]}]
+
+
+def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apart_from_the_job_role():
+    import yaml
+
+    from tests.conftest import REPO
+
+    rbac = REPO / "manifests" / "rbac"
+    cluster_role, binding = yaml.safe_load_all((rbac / "preflight-clusterrole.yaml").read_text())
+    granted = {(r, v) for rule in cluster_role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert cluster_role["kind"] == "ClusterRole" and binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert {("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get"), ("events", "create")} <= granted
+    job_role = yaml.safe_load((rbac / "harness-role.yaml").read_text())
+    assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
+
+
+def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, exclude_nodes=["gpu-x"],
+                   profile=profiles.load("h100-ib")).resolved()
+    request = get_launcher("k8s").render_preflight(spec)
+    body = request.payload["body"]
+    assert body["kind"] == "PyTorchJob" and body["metadata"]["name"] == "resnet-tiny-preflight"
+    assert body["spec"]["nprocPerNode"] == "1" and body["spec"]["runPolicy"]["backoffLimit"] == 0
+    replicas = body["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 3  # spares are checked too
+    for replica in replicas.values():
+        pod = replica["template"]["spec"]
+        [container] = pod["containers"]
+        assert container["args"][:2] == ["-m", "harness.health"] and "--gpus" in container["args"]
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+        [anti] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti["topologyKey"] == "kubernetes.io/hostname"
+        assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-x"]
+    assert "&id" not in request.text  # no YAML anchors: every pod spec is its own
+
+
+def test_preflight_options_refuse_what_cannot_work_in_one_line(tmp_path):
+    from tests.conftest import harness
+
+    spares = harness("run", "resnet", "--spare-nodes", "1", "--no-preflight", "--out", str(tmp_path / "a"), "--dry-run")
+    assert spares.returncode == 2 and spares.stderr == ("harness: error: --spare-nodes needs --preflight: the spares "
+                                                        "replace the nodes preflight keeps out\n")
+    local = harness("preflight", "--nodes", "2", "--out", str(tmp_path / "b"))
+    assert local.returncode == 2 and "Traceback" not in local.stderr
+    assert local.stderr == ("harness: error: the local backend checks this machine only: --nodes 1 and no "
+                            "--spare-nodes\n")
+    assert not (tmp_path / "b").exists()
