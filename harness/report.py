@@ -1,10 +1,17 @@
 """Render a ResultSet as a table, JSON, CSV, Markdown or HTML: the time-to-train report.
 
 JSON is a list of groups, one per (system, benchmark):
-  {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
-   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
-             "seed", "restarts", "goodput", "badput"}]}
-`score_min` is the MLPerf score when the group has the runs the rules require, else null.
+  {"submitter", "system", "system_id", "benchmark", "division", "score_min", "required_runs",
+   "scaling_factor", "rcp", "rcp_message", "energy", "unscorable",
+   "runs": [{"file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
+             "mfu", "seed", "restarts", "goodput", "badput"}]}
+`system` is the official system_name of a submission's systems/<folder>.json (else the logged
+platform) and `system_id` the folder. `score_min` is the MLPerf score when the group has the runs the
+rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
+the RCP verdict the official summarizer gives closed results (Pass, Fail, Interp. Fail, Missing, No
+RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`), and `energy`
+the summarizer's power score where the submission has power results. An unfinished run (no run_stop)
+has status null and time_to_train_min null, and counts as a failed run.
 `restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
 startup, save, restore, lost, recovery, other) come from the harness's run record, and are
 null for logs that have none. `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
@@ -20,7 +27,7 @@ import json
 from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
+RUN_FIELDS = ("file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
               "restarts", "goodput", "badput")
 
 
@@ -29,10 +36,11 @@ def run_record(run: Run) -> dict:
 
 
 def group_record(group: Group) -> dict:
-    divisions = {r.division for r in group.runs}
-    return {"submitter": group.submitter, "system": group.system, "benchmark": group.benchmark,
-            "division": divisions.pop() if len(divisions) == 1 else None, "score_min": group.score_min,
-            "required_runs": group.required_runs, "runs": [run_record(r) for r in group.runs]}
+    return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
+            "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
+            "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
+            "rcp_message": group.rcp_message, "energy": group.energy, "unscorable": group.unscorable,
+            "runs": [run_record(r) for r in group.runs]}
 
 
 def _number(value, digits: int) -> str:
@@ -47,20 +55,41 @@ def _badput(badput: dict[str, float] | None) -> str:
     return ", ".join(f"{k} {v:.1f}s" for v, k in top) or "-"
 
 
+def _system(group: Group) -> str:
+    """The official name, and the folder where it differs."""
+    name = group.system or "?"
+    return name if group.system_id in (None, group.system) else f"{name} ({group.system_id})"
+
+
+def _verdict(group: Group) -> str:
+    score = group.score_min
+    if group.unscorable:
+        text = f"unscorable: {group.unscorable}"
+    elif score is not None:
+        text = f"score {score:.4f} min"
+        if group.scaling_factor != 1.0:
+            text += f" (scaled by {group.scaling_factor:.4f})"
+        if group.energy is not None:
+            text += f", energy {group.energy:.1f} J"
+    elif len(group.runs) < (group.required_runs or 0):
+        text = f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
+    else:
+        text = f"no score ({sum(not r.converged for r in group.runs)} failed runs, too many)"
+    if group.rcp is not None:
+        text += f"; RCP {group.rcp}"
+    return text
+
+
 def _table(results: ResultSet) -> str:
     lines = []
     for group in results.groups:
-        score = group.score_min
-        verdict = (f"score {score:.4f} min" if score is not None else
-                   f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
-                   if len(group.runs) < (group.required_runs or 0) else "no score (too many failed runs)")
-        lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
+        lines.append(f"{group.submitter or '?'} / {_system(group)} / {group.benchmark or '?'}: {_verdict(group)}")
         # Token rate and MFU only for groups that log them (language models).
         tokens = any(run.tokens_per_s is not None for run in group.runs)
         rows = [("run", "status", "time-to-train (min)", "quality", "samples/s",
                  *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput", "file")]
         for i, run in enumerate(group.runs):
-            rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
+            rows.append((str(i), "unfinished" if run.unfinished else run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
                          *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
                          "-" if run.restarts is None else str(run.restarts), _number(run.goodput, 3),
@@ -74,11 +103,12 @@ def _table(results: ResultSet) -> str:
 def _csv(results: ResultSet) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(("submitter", "system", "benchmark", "score_min") + RUN_FIELDS)
+    writer.writerow(("submitter", "system", "system_id", "benchmark", "score_min", "rcp") + RUN_FIELDS)
     for group in results.groups:
         for run in group.runs:
             record = run_record(run)
-            writer.writerow((group.submitter, group.system, group.benchmark, group.score_min,
+            writer.writerow((group.submitter, group.system, group.system_id, group.benchmark, group.score_min,
+                             group.rcp,
                              *(json.dumps(v) if isinstance(v, dict) else v for v in map(record.get, RUN_FIELDS))))
     return out.getvalue().rstrip("\n")
 
@@ -87,7 +117,7 @@ def _documents(results: ResultSet, fmt: str) -> str:
     """Scores side by side (one row per system and benchmark, with GPUs and spread), then every run."""
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
-    runs = results.runs[["system", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
+    runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
                          "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
     title = f"MLPerf Training results (ruleset {results.ruleset})"
     if fmt == "markdown":
