@@ -2,14 +2,16 @@
 
 JSON is a list of groups, one per (system, benchmark):
   {"submitter", "system", "system_id", "benchmark", "division", "score_min", "required_runs",
-   "scaling_factor", "rcp", "rcp_message", "energy", "unscorable",
+   "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
    "runs": [{"file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
              "mfu", "seed", "restarts", "goodput", "badput"}]}
 `system` is the official system_name of a submission's systems/<folder>.json (else the logged
 platform) and `system_id` the folder. `score_min` is the MLPerf score when the group has the runs the
 rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
 the RCP verdict the official summarizer gives closed results (Pass, Fail, Interp. Fail, Missing, No
-RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`), and `energy`
+RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`); `scaling_factor`
+is the one applied (scaling.json, as the summarizer applies it) and `rcp_scaling` the one the RCP check
+computes (what the summarizer writes to scaling.json for its next run). `energy` is
 the summarizer's power score where the submission has power results. An unfinished run (no run_stop)
 has status null and time_to_train_min null, and counts as a failed run.
 `restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
@@ -39,7 +41,7 @@ def group_record(group: Group) -> dict:
     return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
             "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
             "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
-            "rcp_message": group.rcp_message, "energy": group.energy, "unscorable": group.unscorable,
+            "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy, "unscorable": group.unscorable,
             "runs": [run_record(r) for r in group.runs]}
 
 

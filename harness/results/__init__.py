@@ -31,7 +31,8 @@ RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "sta
                "accelerators", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
                "global_batch_size", "restarts", "goodput", "file"]
 SCORE_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "accelerators", "runs", "required_runs",
-                 "converged", "score_min", "scaling_factor", "rcp", "energy", "min_min", "max_min", "unscorable"]
+                 "converged", "score_min", "scaling_factor", "rcp", "rcp_scaling", "energy", "min_min", "max_min",
+                 "unscorable"]
 
 
 @dataclass
@@ -47,6 +48,8 @@ class Group:
     unscorable: str | None = None  # why the ruleset's rules cannot score this group, if they cannot
     rcp: str | None = None  # the summarizer's RCP verdict (closed division): Pass, Fail, Missing, ...
     rcp_message: str | None = None  # the RCP checker's message, or why it could not run
+    # The factor the RCP check computes, which the summarizer writes to scaling.json for its next run.
+    rcp_scaling: float | None = None
     energy: float | None = None  # the summarizer's power score, where the group has power results
 
     @property
@@ -108,27 +111,31 @@ class ResultSet:
                          "accelerators": accelerators.pop() if len(accelerators) == 1 else None,
                          "runs": len(g.runs), "required_runs": g.required_runs,
                          "converged": sum(r.converged for r in g.runs), "score_min": g.score_min,
-                         "scaling_factor": g.scaling_factor, "rcp": g.rcp, "energy": g.energy,
+                         "scaling_factor": g.scaling_factor, "rcp": g.rcp, "rcp_scaling": g.rcp_scaling,
+                         "energy": g.energy,
                          "min_min": min(minutes, default=None), "max_min": max(minutes, default=None),
                          "unscorable": g.unscorable})
         return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
     def compare_systems(self, a: str, b: str):
-        """Two systems side by side, one row per benchmark both ran.
+        """Two systems (by official name or folder) side by side, one row per benchmark both ran.
 
         `speedup` is how many times faster b trains than a (score a / score b), and
         `scaling_efficiency` is that speedup over the ratio of their accelerators:
         1.0 means b's extra GPUs pay off in full.
         """
         scores = self.scores
-        known = sorted(set(scores.system.dropna()))
+        known = sorted(set(scores.system.dropna()) | set(scores.system_id.dropna()))
         for name in (a, b):
             if name not in known:
                 raise ValueError(f"no system {name!r} in these results; they have: {', '.join(known)}")
         columns = ["benchmark", "accelerators", "score_min"]
-        side = scores[scores.system == a][columns].merge(scores[scores.system == b][columns], on="benchmark",
-                                                         suffixes=("_a", "_b"))
+
+        def of(name: str):  # a system by its official name or its folder
+            return scores[(scores.system == name) | (scores.system_id == name)][columns]
+
+        side = of(a).merge(of(b), on="benchmark", suffixes=("_a", "_b"))
         side["speedup"] = side.score_min_a / side.score_min_b
         side["accelerator_ratio"] = side.accelerators_b / side.accelerators_a
         side["scaling_efficiency"] = side.speedup / side.accelerator_ratio
@@ -168,7 +175,7 @@ def _check_rcp(group: Group, ruleset: str) -> None:
     except rcp.RcpUnavailable as exc:
         group.rcp_message = str(exc)
         return
-    group.rcp, group.rcp_message = result.verdict, result.message
+    group.rcp, group.rcp_message, group.rcp_scaling = result.verdict, result.message, result.scaling
 
 
 def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,

@@ -13,16 +13,18 @@ Nothing is written: the checker's set_scaling would rewrite scaling.json.
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlperf_logging.benchmark_meta import get_result_file_counts
+import mlperf_logging
 
 from harness.results.parse import Run
-from harness.results.rules import aggregate_metrics
+
+RCP_ROOT = Path(mlperf_logging.__file__).parent / "rcp_checker"
 
 ALPHA, TOLERANCE = 0.05, 0.0001  # RCP_Checker.__init__
 NOT_CONVERGED_EPOCHS = 1e9  # read_submission_file's value for a run that did not converge
@@ -30,9 +32,8 @@ NOT_CONVERGED_EPOCHS = 1e9  # read_submission_file's value for a run that did no
 SAMPLES_BENCHMARKS = {"llama2_70b_lora", "flux1", "llama31_405b", "llama31_8b", "gpt_oss_20b", "deepseekv3_671b",
                       "qwen35_397b_grpo", "dlrmv4"}
 SAMPLES_RCPS = {"llama2_70b_lora", "flux1"}  # RCP_Checker._process_raw_rcp_data: RCPs in "samples to converge"
-# RCP_Checker.__init__: the rulesets the checker supports.
-SUPPORTED = {"1.0.0", "1.1.0", "2.0.0", "2.1.0", "3.0.0", "3.1.0", "4.0.0", "4.1.0", "5.0.0", "5.1.0", "6.0.0",
-             "6.1.0"}
+# RCP_Checker.__init__: the rulesets the checker supports (those it ships RCPs for).
+SUPPORTED = {p.name.removeprefix("training_") for p in RCP_ROOT.glob("training_*.*.*")}
 
 
 class RcpUnavailable(ValueError):
@@ -44,6 +45,16 @@ class RcpResult:
     verdict: str  # the summarizer's RCP column: Pass, Fail, Interp. Fail, Missing, No RCP, Unknown state
     message: str  # check_directory's message, e.g. "RCP found" or "RCP Interpolation"
     scaling: float  # check_directory's score normalization (what set_scaling would write to scaling.json)
+
+
+@functools.cache
+def submission_runs() -> dict[str, int]:
+    """rcp_checker.submission_runs['training'], read from the checker's source without importing it (and scipy)."""
+    tree = ast.parse((RCP_ROOT / "rcp_checker.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "submission_runs" for t in node.targets):
+            return ast.literal_eval(node.value)["training"]
+    raise RcpUnavailable("mlperf-logging's RCP checker has no submission_runs table")
 
 
 def _mean(values: list[float]) -> float:
@@ -149,19 +160,17 @@ def pruned_rcps(ruleset: str, benchmark: str) -> tuple[dict, ...]:
     by batch size. Raises RcpUnavailable where the checker's constructor would raise."""
     if ruleset not in SUPPORTED:
         raise RcpUnavailable(f"the RCP checker does not support ruleset {ruleset}")
-    submission_runs = get_result_file_counts("training").get(benchmark)  # rcp_checker.submission_runs
-    import mlperf_logging
-
-    path = Path(mlperf_logging.__file__).parent / "rcp_checker" / f"training_{ruleset}" / f"rcps_{benchmark}.json"
-    if submission_runs is None or not path.is_file():
-        raise RcpUnavailable(f"mlperf-logging has no RCPs for {benchmark} in ruleset {ruleset}")
+    runs = submission_runs().get(benchmark)
+    path = RCP_ROOT / f"training_{ruleset}" / f"rcps_{benchmark}.json"
+    if runs is None or not path.is_file():
+        raise RcpUnavailable(f"mlperf-logging's RCP checker has no RCPs for {benchmark!r} in ruleset {ruleset}")
     records = []
     for record in json.loads(path.read_text()).values():
         unit = "samples to converge" if record["Benchmark"] in SAMPLES_RCPS else "Epochs to converge"
         epochs = sorted(record[unit])
         rejected = _rejected(record["Benchmark"])
         mean, stdev = _mean(epochs[rejected:len(epochs) - rejected]), _std(epochs)
-        min_epochs = _min_acceptable_mean(mean, stdev, len(epochs) - rejected * 2, submission_runs)
+        min_epochs = _min_acceptable_mean(mean, stdev, len(epochs) - rejected * 2, runs)
         records.append({"Benchmark": record["Benchmark"], "BS": record["BS"], "RCP Mean": mean, "RCP Stdev": stdev,
                         "Max Speedup": mean / min_epochs, "Min Epochs": min_epochs})
     records.sort(key=lambda r: r["BS"])
@@ -169,8 +178,7 @@ def pruned_rcps(ruleset: str, benchmark: str) -> tuple[dict, ...]:
     kept = [r for r in records if r["BS"] >= fastest["BS"]]
     i = 1
     while i < len(kept) - 1:
-        if kept[i]["RCP Mean"] > _interp_record(benchmark, kept[i]["BS"], kept[i - 1], kept[i + 1],
-                                                submission_runs)["RCP Mean"]:
+        if kept[i]["RCP Mean"] > _interp_record(benchmark, kept[i]["BS"], kept[i - 1], kept[i + 1], runs)["RCP Mean"]:
             del kept[i]
             i -= 1
         i += 1
@@ -238,7 +246,7 @@ def check(runs: list[Run], ruleset: str) -> RcpResult:
             passed, norm = _evaluate(exact[0], epochs, ruleset, benchmark)
             return _result(passed, "RCP found", norm)
         if below is not None and above is not None:
-            record = _interp_record(benchmark, bs, below, above, get_result_file_counts("training")[benchmark])
+            record = _interp_record(benchmark, bs, below, above, submission_runs()[benchmark])
             passed, norm = _evaluate(record, epochs, ruleset, benchmark)
             return _result(passed, "RCP Interpolation", norm)
         if below is not None:
