@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -136,7 +137,9 @@ def _target(root: Path, ruleset: str, division: str, benchmark: str) -> Target |
         raise RuleError(f"{rule_file}: the {found['NAME']} check is not an expression: {expression!r}")
     try:
         # MLCommons' rule text shipped in the installed package, never user input; stripped as the checker does.
-        code = compile(expression.strip(), str(rule_file), "eval")
+        with warnings.catch_warnings():  # a mangled rule is reported once, as unscorable, not as Python warnings
+            warnings.simplefilter("ignore", SyntaxWarning)
+            code = compile(expression.strip(), str(rule_file), "eval")
     except (SyntaxError, ValueError) as exc:
         raise RuleError(f"{rule_file}: the rule {expression!r} is not a valid expression: {exc}") from None
     return Target(str(rule_file), found["NAME"], expression, code)
