@@ -145,19 +145,25 @@ def _rejected(benchmark: str) -> int:
     return 4 if benchmark == "unet3d" else 1  # RCP_Checker.compute_rcp_stats and _eval_submission_record
 
 
-def _interp_record(benchmark: str, bs: float, low: dict, high: dict, submission_runs: int) -> dict:
-    """RCP_Checker._create_interp_rcp."""
-    mean = _interp(bs, low["BS"], high["BS"], low["RCP Mean"], high["RCP Mean"])
-    stdev = _interp(bs, low["BS"], high["BS"], low["RCP Stdev"], high["RCP Stdev"])
-    min_epochs = _min_acceptable_mean(mean, stdev, submission_runs * 2, submission_runs)
-    return {"Benchmark": benchmark, "BS": bs, "RCP Mean": mean, "RCP Stdev": stdev,
-            "Max Speedup": mean / min_epochs, "Min Epochs": min_epochs}
+def with_limits(record: dict, ref_n: int, submission_runs: int) -> dict:
+    """The record with its fastest acceptable mean ("Min Epochs") and "Max Speedup", as compute_rcp_stats and
+    _create_interp_rcp add them. Computed only for the record a verdict uses: pruning needs only the means."""
+    min_epochs = _min_acceptable_mean(record["RCP Mean"], record["RCP Stdev"], ref_n, submission_runs)
+    return {**record, "Max Speedup": record["RCP Mean"] / min_epochs, "Min Epochs": min_epochs}
+
+
+def _interp_record(benchmark: str, bs: float, low: dict, high: dict) -> dict:
+    """RCP_Checker._create_interp_rcp, without the limits (with_limits(record, 2 x runs, runs) adds them)."""
+    return {"Benchmark": benchmark, "BS": bs, "ref_n": None,
+            "RCP Mean": _interp(bs, low["BS"], high["BS"], low["RCP Mean"], high["RCP Mean"]),
+            "RCP Stdev": _interp(bs, low["BS"], high["BS"], low["RCP Stdev"], high["RCP Stdev"])}
 
 
 @functools.cache
 def pruned_rcps(ruleset: str, benchmark: str) -> tuple[dict, ...]:
     """RCP_Checker.__init__ (with _process_raw_rcp_data, compute_rcp_stats, _prune_rcps): the pruned RCPs,
-    by batch size. Raises RcpUnavailable where the checker's constructor would raise."""
+    by batch size, each with its mean, stdev and `ref_n` (the runs its mean counts). Raises RcpUnavailable
+    where the checker's constructor would raise."""
     if ruleset not in SUPPORTED:
         raise RcpUnavailable(f"the RCP checker does not support ruleset {ruleset}")
     runs = submission_runs().get(benchmark)
@@ -169,16 +175,14 @@ def pruned_rcps(ruleset: str, benchmark: str) -> tuple[dict, ...]:
         unit = "samples to converge" if record["Benchmark"] in SAMPLES_RCPS else "Epochs to converge"
         epochs = sorted(record[unit])
         rejected = _rejected(record["Benchmark"])
-        mean, stdev = _mean(epochs[rejected:len(epochs) - rejected]), _std(epochs)
-        min_epochs = _min_acceptable_mean(mean, stdev, len(epochs) - rejected * 2, runs)
-        records.append({"Benchmark": record["Benchmark"], "BS": record["BS"], "RCP Mean": mean, "RCP Stdev": stdev,
-                        "Max Speedup": mean / min_epochs, "Min Epochs": min_epochs})
+        records.append({"Benchmark": record["Benchmark"], "BS": record["BS"], "ref_n": len(epochs) - rejected * 2,
+                        "RCP Mean": _mean(epochs[rejected:len(epochs) - rejected]), "RCP Stdev": _std(epochs)})
     records.sort(key=lambda r: r["BS"])
     fastest = min(records, key=lambda r: r["RCP Mean"])
     kept = [r for r in records if r["BS"] >= fastest["BS"]]
     i = 1
     while i < len(kept) - 1:
-        if kept[i]["RCP Mean"] > _interp_record(benchmark, kept[i]["BS"], kept[i - 1], kept[i + 1], runs)["RCP Mean"]:
+        if kept[i]["RCP Mean"] > _interp_record(benchmark, kept[i]["BS"], kept[i - 1], kept[i + 1])["RCP Mean"]:
             del kept[i]
             i -= 1
         i += 1
@@ -210,6 +214,8 @@ def submission_epochs(run: Run, ruleset: str) -> float:
 
 def _evaluate(record: dict, epochs: list[float], ruleset: str, benchmark: str) -> tuple[bool, float]:
     """RCP_Checker._eval_submission_record (without writing scaling.json)."""
+    runs = submission_runs()[benchmark]
+    record = with_limits(record, runs * 2 if record["ref_n"] is None else record["ref_n"], runs)
     max_speedup = record["Max Speedup"]
     if tuple(map(int, ruleset.split("."))) >= (5, 0, 0) and benchmark == "llama31_405b":
         max_speedup = record["RCP Mean"] / (record["Min Epochs"] - 46080)
@@ -246,7 +252,7 @@ def check(runs: list[Run], ruleset: str) -> RcpResult:
             passed, norm = _evaluate(exact[0], epochs, ruleset, benchmark)
             return _result(passed, "RCP found", norm)
         if below is not None and above is not None:
-            record = _interp_record(benchmark, bs, below, above, submission_runs()[benchmark])
+            record = _interp_record(benchmark, bs, below, above)
             passed, norm = _evaluate(record, epochs, ruleset, benchmark)
             return _result(passed, "RCP Interpolation", norm)
         if below is not None:
