@@ -222,7 +222,7 @@ def _evaluate(record: dict, epochs: list[float], ruleset: str, benchmark: str) -
     epochs = sorted(epochs)
     rejected = _rejected(record["Benchmark"])
     mean = _mean(epochs[rejected:len(epochs) - rejected])
-    norm = record["RCP Mean"] / mean
+    norm = record["RCP Mean"] / mean if mean else math.inf  # numpy's division gives inf
     return mean >= record["RCP Mean"] / max_speedup, (1.0 if norm < 1 else norm)
 
 
