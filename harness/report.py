@@ -29,8 +29,8 @@ import json
 from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
-              "restarts", "goodput", "badput")
+RUN_FIELDS = ("file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
+              "seed", "restarts", "goodput", "badput")
 
 
 def run_record(run: Run) -> dict:
@@ -41,8 +41,8 @@ def group_record(group: Group) -> dict:
     return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
             "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
             "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
-            "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy, "unscorable": group.unscorable,
-            "runs": [run_record(r) for r in group.runs]}
+            "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy,
+            "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs]}
 
 
 def _number(value, digits: int) -> str:
@@ -91,7 +91,8 @@ def _table(results: ResultSet) -> str:
         rows = [("run", "status", "time-to-train (min)", "quality", "samples/s",
                  *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput", "file")]
         for i, run in enumerate(group.runs):
-            rows.append((str(i), "unfinished" if run.unfinished else run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
+            status = "unfinished" if run.unfinished else run.status or "?"
+            rows.append((str(i), status, _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
                          *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
                          "-" if run.restarts is None else str(run.restarts), _number(run.goodput, 3),
@@ -119,8 +120,8 @@ def _documents(results: ResultSet, fmt: str) -> str:
     """Scores side by side (one row per system and benchmark, with GPUs and spread), then every run."""
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
-    runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
-                         "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
+    runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min",
+                         "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
     title = f"MLPerf Training results (ruleset {results.ruleset})"
     if fmt == "markdown":
         return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"

@@ -160,12 +160,25 @@ def test_a_corrupt_log_beside_real_ones_is_named_and_scores_stand(tmp_path):
         assert scores[(row["system"], row["benchmark"])] == pytest.approx(row["score_min"], rel=1e-9), row
 
 
-def test_report_path_does_not_import_torch():
+def test_report_path_does_not_import_torch_or_numpy():
+    """torch: reports run anywhere; numpy (through mlperf-logging's logger): a quarter of a report's CPU time."""
     import subprocess
     import sys
 
-    code = "import sys, harness.report, harness.results; harness.results.load([]); print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    code = ("import sys, harness.cli, harness.report, harness.results; harness.results.load([]); "
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split() == \
+        ["False", "False"]
+
+
+def test_the_key_names_are_mlperf_loggings_and_the_writers():
+    from mlperf_logging.mllog import constants
+
+    from harness.results.keys import C, TRACKED_STATS
+    from workloads.common.mlperf import TRACKED_STATS as WRITTEN
+
+    assert TRACKED_STATS == WRITTEN
+    assert {k: v for k, v in vars(C).items() if k.isupper()} == {k: v for k, v in vars(constants).items() if k.isupper()}
 
 
 def test_the_rulesets_target_check_decides_convergence(tmp_path):

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import orjson
-from mlperf_logging.mllog import constants as C
 
 from harness.results.goodput import account
-from workloads.common.mlperf import TRACKED_STATS  # the writer's key names (torch-free module)
+from harness.results.keys import C, TRACKED_STATS
 
 TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
 

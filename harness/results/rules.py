@@ -22,9 +22,8 @@ from pathlib import Path
 from types import CodeType
 
 import yaml
-from mlperf_logging.mllog import constants as C
-
 from harness.errors import HarnessError
+from harness.results.keys import C
 
 DEFAULT_RULESET = "4.0.0"
 AGGREGATED = "aggregated_eval_accuracy"  # the virtual key of two-metric evals (stable diffusion)
