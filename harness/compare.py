@@ -8,12 +8,16 @@ of the converged runs. Run-to-run noise is the baseline's own relative spread,
     candidate > baseline * (1 + max_slowdown + noise)
 
 or when any candidate run failed to converge while every baseline run did.
+Runs of different systems are never pooled: a benchmark that each side ran on one system is
+compared across the two (so differently named systems still meet); where a side ran it on
+several, each system is compared with the same system (folder) on the other side.
 Exit codes: 0 pass, 1 regression, 2 unusable input.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 
 from harness.errors import HarnessError
@@ -24,7 +28,7 @@ PASS, REGRESSION = 0, 1  # unusable input raises HarnessError (exit 2)
 
 @dataclass
 class Verdict:
-    benchmark: str
+    benchmark: str  # the benchmark, with the system where a side holds several
     metric: str  # "score" or "median"
     baseline_min: float
     candidate_min: float
@@ -48,29 +52,41 @@ def _minutes(group: Group) -> list[float]:
     return [r.time_to_train_min for r in group.runs if r.converged]
 
 
-def _merge(results: ResultSet) -> dict[str, Group]:
-    """One group per benchmark, so a baseline and a candidate from differently named systems still meet."""
-    merged: dict[str, Group] = {}
+def _by_benchmark(results: ResultSet) -> dict[str, list[Group]]:
+    found: dict[str, list[Group]] = defaultdict(list)
     for group in results.groups:
-        key = group.benchmark or "?"
-        if key in merged:
-            merged[key].runs.extend(group.runs)
-        else:
-            merged[key] = Group(group.submitter, group.system, group.benchmark, list(group.runs),
-                                group.scaling_factor)
-    return merged
+        found[group.benchmark or "?"].append(group)
+    return found
 
 
-def compare(baseline: ResultSet, candidate: ResultSet, max_slowdown: float) -> list[Verdict]:
-    """Verdicts for every benchmark in both sets; `max_slowdown` is a fraction (0.1 = 10%)."""
-    base, cand = _merge(baseline), _merge(candidate)
+def _pairs(baseline: ResultSet, candidate: ResultSet) -> list[tuple[str, Group, Group]]:
+    """(label, baseline group, candidate group) for each comparison; two systems' runs never share a group."""
+    base, cand = _by_benchmark(baseline), _by_benchmark(candidate)
     common = sorted(base.keys() & cand.keys())
     if not common:
         raise HarnessError(f"no benchmark in common: baseline has {', '.join(sorted(base)) or 'none'}, "
                            f"candidate has {', '.join(sorted(cand)) or 'none'}")
-    verdicts = []
+    pairs = []
     for name in common:
-        b, c = base[name], cand[name]
+        if len(base[name]) == 1 and len(cand[name]) == 1:
+            pairs.append((name, base[name][0], cand[name][0]))
+            continue
+        by_system = {g.system_id: g for g in base[name]}
+        matched = [(f"{name} on {c.system_id}", by_system[c.system_id], c) for c in cand[name]
+                   if c.system_id in by_system]
+        if not matched:
+            raise HarnessError(f"{name}: several systems ran it and none is on both sides (baseline: "
+                               f"{', '.join(sorted(str(g.system_id) for g in base[name]))}; candidate: "
+                               f"{', '.join(sorted(str(g.system_id) for g in cand[name]))}); compare one system "
+                               f"per side, or the same systems")
+        pairs.extend(matched)
+    return pairs
+
+
+def compare(baseline: ResultSet, candidate: ResultSet, max_slowdown: float) -> list[Verdict]:
+    """Verdicts for every benchmark in both sets; `max_slowdown` is a fraction (0.1 = 10%)."""
+    verdicts = []
+    for name, b, c in _pairs(baseline, candidate):
         b_times = _minutes(b)
         if not b_times:
             raise HarnessError(f"{name}: no baseline run converged, so there is nothing to compare against")

@@ -66,7 +66,8 @@ def _time_to_train(results: ResultSet) -> Figure:
         for x, group in enumerate(groups):
             for converged, style in ((True, dict(color="tab:blue", s=18)),
                                      (False, dict(color="tab:red", marker="x", s=24))):
-                minutes = [r.time_to_train_min for r in group.runs if r.converged == converged]
+                minutes = [r.time_to_train_min for r in group.runs
+                           if r.converged == converged and r.time_to_train_min is not None]
                 if minutes:
                     ax.scatter([x] * len(minutes), minutes, **style,
                                label=label("run" if converged else "did not converge"))

@@ -1,10 +1,19 @@
 """Render a ResultSet as a table, JSON, CSV, Markdown or HTML: the time-to-train report.
 
 JSON is a list of groups, one per (system, benchmark):
-  {"submitter", "system", "benchmark", "division", "score_min", "required_runs",
-   "runs": [{"file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
-             "seed", "restarts", "goodput", "badput", "stragglers"}]}
-`score_min` is the MLPerf score when the group has the runs the rules require, else null.
+  {"submitter", "system", "system_id", "benchmark", "division", "score_min", "required_runs",
+   "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
+   "runs": [{"file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
+             "mfu", "seed", "restarts", "goodput", "badput", "stragglers"}]}
+`system` is the official system_name of a submission's systems/<folder>.json (else the logged
+platform) and `system_id` the folder. `score_min` is the MLPerf score when the group has the runs the
+rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
+the RCP verdict the official summarizer gives closed results (Pass, Fail, Interp. Fail, Missing, No
+RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`); `scaling_factor`
+is the one applied (scaling.json, as the summarizer applies it) and `rcp_scaling` the one the RCP check
+computes (what the summarizer writes to scaling.json for its next run). `energy` is
+the summarizer's power score where the submission has power results. An unfinished run (no run_stop)
+has status null and time_to_train_min null, and counts as a failed run.
 `restarts` (int), `goodput` (a fraction of the wall time) and `badput` (seconds by cause:
 startup, save, restore, lost, recovery, other) come from the harness's run record, and are
 null for logs that have none; so do `stragglers`, the ranks the straggler checks named
@@ -21,8 +30,8 @@ import json
 from harness.results import Group, ResultSet, Run
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "seed",
-              "restarts", "goodput", "badput", "stragglers")
+RUN_FIELDS = ("file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
+              "seed", "restarts", "goodput", "badput", "stragglers")
 
 
 def run_record(run: Run) -> dict:
@@ -30,10 +39,11 @@ def run_record(run: Run) -> dict:
 
 
 def group_record(group: Group) -> dict:
-    divisions = {r.division for r in group.runs}
-    return {"submitter": group.submitter, "system": group.system, "benchmark": group.benchmark,
-            "division": divisions.pop() if len(divisions) == 1 else None, "score_min": group.score_min,
-            "required_runs": group.required_runs, "runs": [run_record(r) for r in group.runs]}
+    return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
+            "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
+            "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
+            "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy,
+            "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs]}
 
 
 def _number(value, digits: int) -> str:
@@ -52,14 +62,35 @@ def _stragglers(named: list[dict] | None) -> str:
     return ", ".join(f"rank {s['rank']} ({s['node']}) {s['score']:.2f}" for s in named or []) or "-"
 
 
+def _system(group: Group) -> str:
+    """The official name, and the folder where it differs."""
+    name = group.system or "?"
+    return name if group.system_id in (None, group.system) else f"{name} ({group.system_id})"
+
+
+def _verdict(group: Group) -> str:
+    score = group.score_min
+    if group.unscorable:
+        text = f"unscorable: {group.unscorable}"
+    elif score is not None:
+        text = f"score {score:.4f} min"
+        if group.scaling_factor != 1.0:
+            text += f" (scaled by {group.scaling_factor:.4f})"
+        if group.energy is not None:
+            text += f", energy {group.energy:.1f} J"
+    elif len(group.runs) < (group.required_runs or 0):
+        text = f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
+    else:
+        text = f"no score ({sum(not r.converged for r in group.runs)} failed runs, too many)"
+    if group.rcp is not None:
+        text += f"; RCP {group.rcp}"
+    return text
+
+
 def _table(results: ResultSet) -> str:
     lines = []
     for group in results.groups:
-        score = group.score_min
-        verdict = (f"score {score:.4f} min" if score is not None else
-                   f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
-                   if len(group.runs) < (group.required_runs or 0) else "no score (too many failed runs)")
-        lines.append(f"{group.submitter or '?'} / {group.system or '?'} / {group.benchmark or '?'}: {verdict}")
+        lines.append(f"{group.submitter or '?'} / {_system(group)} / {group.benchmark or '?'}: {_verdict(group)}")
         # Token rate and MFU only for groups that log them (language models).
         tokens = any(run.tokens_per_s is not None for run in group.runs)
         slow = any(run.stragglers for run in group.runs)  # the column only where a straggler was named
@@ -67,7 +98,8 @@ def _table(results: ResultSet) -> str:
                  *(("tokens/s", "MFU") if tokens else ()), "restarts", "goodput", "badput",
                  *(("stragglers",) if slow else ()), "file")]
         for i, run in enumerate(group.runs):
-            rows.append((str(i), run.status or "?", _number(run.time_to_train_min, 4), _number(run.quality, 4),
+            status = "unfinished" if run.unfinished else run.status or "?"
+            rows.append((str(i), status, _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
                          *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
                          "-" if run.restarts is None else str(run.restarts), _number(run.goodput, 3),
@@ -81,11 +113,12 @@ def _table(results: ResultSet) -> str:
 def _csv(results: ResultSet) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(("submitter", "system", "benchmark", "score_min") + RUN_FIELDS)
+    writer.writerow(("submitter", "system", "system_id", "benchmark", "score_min", "rcp") + RUN_FIELDS)
     for group in results.groups:
         for run in group.runs:
             record = run_record(run)
-            writer.writerow((group.submitter, group.system, group.benchmark, group.score_min,
+            writer.writerow((group.submitter, group.system, group.system_id, group.benchmark, group.score_min,
+                             group.rcp,
                              *(json.dumps(v) if isinstance(v, (dict, list)) else v for v in map(record.get, RUN_FIELDS))))
     return out.getvalue().rstrip("\n")
 
@@ -94,8 +127,8 @@ def _documents(results: ResultSet, fmt: str) -> str:
     """Scores side by side (one row per system and benchmark, with GPUs and spread), then every run."""
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
-    runs = results.runs[["system", "benchmark", "status", "converged", "seed", "time_to_train_min", "quality",
-                         "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
+    runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min",
+                         "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
     title = f"MLPerf Training results (ruleset {results.ruleset})"
     if fmt == "markdown":
         return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"

@@ -75,3 +75,26 @@ def test_project_ci_gate_against_the_committed_tiny_baseline(tiny_campaign):
     out, _ = tiny_campaign
     result = harness("compare", str(BASELINE), str(out), "--max-slowdown", "200")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_two_systems_are_compared_each_with_itself_never_pooled(tmp_path):
+    """A fast and a slow system on both sides: only the one that slowed down regresses."""
+    from tests.test_results import write_run
+
+    def campaign(root: Path, minutes: dict[str, float]) -> Path:
+        for system, m in minutes.items():
+            folder = root / system
+            folder.mkdir(parents=True)
+            for i in range(5):
+                write_run(folder / f"result_{i}.txt", m, accuracy=0.76, platform=system)
+        return root
+
+    base = campaign(tmp_path / "base", {"small": 4.0, "big": 1.0})
+    cand = campaign(tmp_path / "cand", {"small": 4.0, "big": 1.5})
+    result = harness("compare", str(base), str(cand), "--max-slowdown", "10")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "resnet on big: REGRESSION" in result.stdout and "+50.0%" in result.stdout
+    assert "resnet on small: pass" in result.stdout and "+0.0%" in result.stdout
+    other = campaign(tmp_path / "other", {"tiny": 4.0, "huge": 1.0})  # no system in common with base
+    result = harness("compare", str(base), str(other))
+    assert result.returncode == 2 and "none is on both sides" in result.stderr and "Traceback" not in result.stderr

@@ -1,21 +1,28 @@
-"""Fuzzing the log parser: damaged logs are reported and left out, never crash a report.
+"""Fuzzing the log parser and the rule files: damage is reported and contained, never crashes a report.
 
 Each example writes five valid ResNet runs and one log damaged by Hypothesis
 (truncated, bytes flipped or inserted, lines dropped or duplicated, JSON values
 swapped for arbitrary ones) into a fresh folder, then loads the folder the way
 `harness report` does. Whatever the damage: no exception escapes, the five good
 runs are still scored, and the damaged file is either parsed or named as skipped.
+Rule files get the same treatment: a mangled target expression, or any text as a rule file,
+makes at most its own (system, benchmark) group unscorable, with the reason.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
+from importlib import resources
 from pathlib import Path
+from unittest import mock
 
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.report import render
 from harness.results import load
 from tests.test_results import mllog, write_run
 
@@ -124,3 +131,91 @@ def test_a_damaged_run_stop_is_named(tmp_path):
     skipped = []
     load([tmp_path], on_error=lambda path, reason: skipped.append((path.name, reason)))
     assert skipped and skipped[0][0] == "result_1.txt" and "line 2: damaged MLLOG record" in skipped[0][1]
+
+
+# Rule files: a mangled rule, or a rule for a benchmark that has none, must cost at most its own group.
+
+RULESET = "4.0.0"
+REAL_RULES = Path(str(resources.files("mlperf_logging") / "compliance_checker" / f"training_{RULESET}"))
+SSD_SCORE = 3.0  # olympic mean of 1..5 minutes
+
+
+@st.composite
+def mangled_expression(draw) -> str:
+    """The real resnet target with characters deleted, replaced or inserted, or any text at all."""
+    if draw(st.booleans()):
+        return draw(st.text(max_size=40))
+    text = list("v['value'] >= 0.7590 and v['value'] < 1.0")
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(text)))
+        kind = draw(st.sampled_from(["delete", "replace", "insert"]))
+        if kind == "delete" and at < len(text):
+            del text[at]
+        elif kind == "replace" and at < len(text):
+            text[at] = draw(st.characters())
+        else:
+            text.insert(at, draw(st.sampled_from([" ", "(", ")", "'", "[", "]", ":", "\n", "x", "1/0", "s['k']"])))
+    return "".join(text)
+
+
+def rule_file(expression: str, key: str = "eval_accuracy") -> str:
+    return yaml.safe_dump([{"KEY": {"NAME": key, "REQ": "AT_LEAST_ONE", "ATLEAST_ONE_CHECK": expression}}])
+
+
+def check_rules(resnet_rule: str, newbench_rule: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "rules"
+        rules = root / f"training_{RULESET}"
+        rules.mkdir(parents=True)
+        shutil.copy(REAL_RULES / "closed_ssd.yaml", rules)
+        (rules / "closed_resnet.yaml").write_text(resnet_rule)
+        (rules / "closed_newbench.yaml").write_text(newbench_rule)  # a benchmark mlperf-logging has no rule for
+        logs = Path(tmp) / "logs"
+        for benchmark, accuracy in (("resnet", 0.76), ("ssd", 0.35), ("newbench", 0.5)):
+            (logs / benchmark).mkdir(parents=True)
+            for i in range(5):
+                write_run(logs / benchmark / f"result_{i}.txt", 1.0 + i, accuracy=accuracy, benchmark=benchmark,
+                          platform=f"box-{benchmark}")
+        with mock.patch("harness.results.rules.rules_root", return_value=root):
+            results = load([logs], ruleset=RULESET)
+            for fmt in ("table", "json", "csv"):
+                render(results, fmt)
+        groups = {g.benchmark: g for g in results.groups}
+        assert groups.keys() == {"resnet", "ssd", "newbench"}
+        assert groups["ssd"].unscorable is None and abs(groups["ssd"].score_min - SSD_SCORE) < 1e-9
+        for name in ("resnet", "newbench"):
+            group = groups[name]
+            if group.unscorable:  # the reason names the rule file
+                assert group.score_min is None and f"closed_{name}.yaml" in group.unscorable
+
+
+rule_fuzz = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@rule_fuzz
+@given(mangled_expression())
+def test_a_mangled_rule_costs_only_its_own_group(expression):
+    check_rules(rule_file(expression), rule_file("v['value'] >= 0.4"))
+
+
+@rule_fuzz
+@given(st.text(max_size=200), st.sampled_from(["eval_accuracy", "aggregated_eval_accuracy"]), mangled_expression())
+def test_any_rule_file_text_costs_only_its_own_group(text, key, expression):
+    check_rules(text, rule_file(expression, key))
+
+
+def test_an_unevaluable_rule_is_named_and_the_rest_scored():
+    """The classic case: a rule that names what the checker does not give it; the report says why."""
+    check_rules(rule_file("v['value'] >= s['target']"), rule_file("v['value'] >= 0.4"))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for i in range(5):
+            write_run(folder / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+        rules = folder / "rules" / f"training_{RULESET}"
+        rules.mkdir(parents=True)
+        (rules / "closed_resnet.yaml").write_text(rule_file("v['value'] >="))
+        with mock.patch("harness.results.rules.rules_root", return_value=folder / "rules"):
+            [group] = load([folder], ruleset=RULESET).groups
+            table = render(load([folder], ruleset=RULESET), "table")
+    assert group.score_min is None and "is not a valid expression" in group.unscorable
+    assert "unscorable: " in table and "closed_resnet.yaml" in table

@@ -13,16 +13,22 @@ from harness.results.parse import LogError, parse_file
 from harness.results.score import benchmark_score, olympic_score, required_runs
 from tests.conftest import SHARED, harness
 
-COREWEAVE = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave"
-# The official scores, from ../shared/mlperf-results/README.md (MLCommons' result_summarizer).
-OFFICIAL = {
-    ("coreweave_hgxh100_n96_ngc23.04_pytorch", "gpt3"): 45.60585,
-    ("coreweave_hgxh100_n192_ngc23.04_pytorch", "gpt3"): 23.611233333333335,
-    ("coreweave_hgxh100_n448_ngc23.04_pytorch", "gpt3"): 10.940416666666666,
-    ("coreweave_hgxh100_n384_ngc23.04_pytorch", "bert"): 0.13380625000000002,
-    ("coreweave_hgxh100_n448_ngc23.04_mxnet", "resnet"): 0.18298333333333336,
-}
-needs_shared = pytest.mark.skipif(not COREWEAVE.is_dir(), reason=f"shared MLPerf results not found at {COREWEAVE}")
+SHARED_RESULTS = SHARED / "mlperf-results"
+COREWEAVE = SHARED_RESULTS / "training_v3.0" / "NVIDIA_CoreWeave"
+needs_shared = pytest.mark.skipif(not (SHARED_RESULTS / "official-scores.json").is_file(),
+                                  reason=f"shared MLPerf results not found at {SHARED_RESULTS}")
+
+
+def official_scores() -> dict[tuple[str, str], list[dict]]:
+    """(folder, ruleset) -> the official rows, from MLCommons' result_summarizer (official-scores.json)."""
+    rows: dict[tuple[str, str], list[dict]] = {}
+    path = SHARED_RESULTS / "official-scores.json"
+    for row in json.loads(path.read_text())["scores"] if path.is_file() else []:
+        rows.setdefault((row["folder"], row["ruleset"]), []).append(row)
+    return rows
+
+
+OFFICIAL = official_scores()
 
 
 def mllog(key, value=None, t=0, **metadata) -> str:
@@ -31,13 +37,14 @@ def mllog(key, value=None, t=0, **metadata) -> str:
 
 
 def write_run(path: Path, minutes: float, status: str = "success", prefix: str = "", division: str = "closed",
-              accuracy: float = 0.8) -> Path:
-    lines = [mllog("submission_benchmark", "resnet"), mllog("submission_division", division),
-             mllog("submission_org", "ACME"),
-             mllog("submission_platform", "box"), "plain noise from a worker",
+              accuracy: float = 0.8, benchmark: str = "resnet", platform: str = "box", batch_size: int = 3264,
+              epochs: float = 2) -> Path:
+    lines = [mllog("submission_benchmark", benchmark), mllog("submission_division", division),
+             mllog("submission_org", "ACME"), mllog("global_batch_size", batch_size),
+             mllog("submission_platform", platform), "plain noise from a worker",
              mllog("run_start", t=1000), mllog("eval_accuracy", 0.5, t=2000, epoch_num=1),
              mllog("tracked_stats", {"throughput": 100.0}, t=2000, step=1),
-             mllog("eval_accuracy", accuracy, t=3000, epoch_num=2),
+             mllog("eval_accuracy", accuracy, t=3000, epoch_num=epochs),
              mllog("run_stop", t=1000 + minutes * 60000, status=status)]
     path.write_text("".join(prefix + line + "\n" for line in lines))
     return path
@@ -83,7 +90,7 @@ def test_parse_takes_the_first_run_stop_among_duplicates(tmp_path):
     (b"just text\n", "no MLLOG"),
     (b':::MLLOG {"key": "run_start", "time_ms": 1\n', "damaged"),
     (b"\x00\xff\xfe:::MLLOG \x81\x82\n", "damaged"),
-    (mllog("run_start", t=1).encode() + b"\n", "run_stop not recorded"),
+    (mllog("run_stop", t=1).encode() + b"\n", "run_start not recorded"),
 ])
 def test_unusable_files_are_named_with_a_reason(tmp_path, content, reason):
     path = tmp_path / "result_0.txt"
@@ -123,13 +130,20 @@ def test_scaling_json_is_applied_and_never_written(tmp_path):
 
 
 @needs_shared
-def test_coreweave_scores_equal_the_official_ones(tmp_path):
-    groups = json.loads(harness("report", str(COREWEAVE), "--ruleset", "3.0.0", "--format", "json").stdout)
-    scores = {(g["system"], g["benchmark"]): g["score_min"] for g in groups}
-    assert scores.keys() == OFFICIAL.keys()
-    for key, official in OFFICIAL.items():
-        assert scores[key] == pytest.approx(official, rel=1e-9), key
-    assert {g["submitter"] for g in groups} == {"NVIDIA+CoreWeave"}
+@pytest.mark.parametrize("folder, ruleset", sorted(OFFICIAL))
+def test_every_official_score_under_the_official_name_with_its_rcp_verdict(folder, ruleset):
+    """All 28 scores of official-scores.json, each submission folder reported as a user would, with its ruleset."""
+    result = harness("report", str(SHARED_RESULTS / folder), "--ruleset", ruleset, "--format", "json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    groups = {(g["system"], g["benchmark"]): g for g in json.loads(result.stdout)}
+    for row in OFFICIAL[(folder, ruleset)]:
+        group = groups[(row["system"], row["benchmark"])]
+        assert group["score_min"] == pytest.approx(row["score_min"], rel=1e-9), row
+        assert group["rcp"] == row["rcp"], row
+        assert group["system_id"] == Path(group["runs"][0]["file"]).parts[-3]
+    table = harness("report", str(SHARED_RESULTS / folder), "--ruleset", ruleset).stdout
+    for row in OFFICIAL[(folder, ruleset)]:
+        assert f"{row['score_min']:.4f} min" in table
 
 
 @needs_shared
@@ -142,24 +156,43 @@ def test_a_corrupt_log_beside_real_ones_is_named_and_scores_stand(tmp_path):
     assert result.returncode == 0
     assert str(bad) in result.stderr
     scores = {(g["system"], g["benchmark"]): g["score_min"] for g in json.loads(result.stdout)}
-    for key, official in OFFICIAL.items():
-        assert scores[key] == pytest.approx(official, rel=1e-9), key
+    for row in OFFICIAL[("training_v3.0/NVIDIA_CoreWeave", "3.0.0")]:
+        assert scores[(row["system"], row["benchmark"])] == pytest.approx(row["score_min"], rel=1e-9), row
 
 
-def test_report_path_does_not_import_torch():
+def test_report_path_does_not_import_torch_or_numpy():
+    """torch: reports run anywhere; numpy (through mlperf-logging's logger): a quarter of a report's CPU time."""
     import subprocess
     import sys
 
-    code = "import sys, harness.report, harness.results; harness.results.load([]); print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    code = ("import sys, harness.cli, harness.report, harness.results; harness.results.load([]); "
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split() == \
+        ["False", "False"]
+
+
+def test_the_key_names_are_mlperf_loggings_and_the_writers():
+    from mlperf_logging.mllog import constants
+
+    from harness.results.keys import C, TRACKED_STATS
+    from workloads.common.mlperf import TRACKED_STATS as WRITTEN
+
+    assert TRACKED_STATS == WRITTEN
+    assert {k: v for k, v in vars(C).items() if k.isupper()} == {k: v for k, v in vars(constants).items() if k.isupper()}
 
 
 def test_the_rulesets_target_check_decides_convergence(tmp_path):
     from harness.results.rules import target_check
 
-    assert target_check("4.0.0", "closed", "resnet")(0.759) and not target_check("4.0.0", "closed", "resnet")(0.75)
-    assert target_check("4.1.0", "closed", "gpt3")(2.69) and not target_check("4.1.0", "closed", "gpt3")(2.7)
-    assert target_check("5.0.0", "closed", "bert")(0.72) and not target_check("5.0.0", "closed", "bert")(0.71)
+    def meets(ruleset, benchmark, value):
+        return target_check(ruleset, "closed", benchmark).met_by([(value, {"epoch_num": 1})])
+
+    assert meets("4.0.0", "resnet", 0.759) and not meets("4.0.0", "resnet", 0.75)
+    assert meets("4.1.0", "gpt3", 2.69) and not meets("4.1.0", "gpt3", 2.7)
+    assert meets("5.0.0", "bert", 0.72) and not meets("5.0.0", "bert", 0.71)
+    assert meets("4.0.0", "unet3d", 0.91) and not meets("4.0.0", "unet3d", 0.9)  # its rule starts with a space
+    assert meets("3.0.0", "maskrcnn", {"BBOX": 0.38, "SEGM": 0.35})  # a value that is no plain number
+    assert not meets("3.0.0", "maskrcnn", {"BBOX": 0.38, "SEGM": 0.30}) and not meets("4.0.0", "resnet", "0.8")
     for i, accuracy in enumerate([0.76, 0.77, 0.75, 0.78, 0.79]):  # run 2 logged success below the target
         write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=accuracy)
     results = load([tmp_path], ruleset="4.0.0")
@@ -174,7 +207,8 @@ def test_frames_of_a_result_set(tmp_path):
     for i in range(5):
         write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
     results = load([tmp_path])
-    assert list(results.runs.columns[:6]) == ["submitter", "system", "benchmark", "division", "status", "converged"]
+    assert list(results.runs.columns[:7]) == ["submitter", "system", "system_id", "benchmark", "division", "status",
+                                              "converged"]
     assert len(results.runs) == 5 and results.runs.time_to_train_min.tolist() == pytest.approx([1, 2, 3, 4, 5])
     events = results.events
     assert set(events.key) >= {"run_start", "run_stop", "eval_accuracy", "tracked_stats"}
@@ -215,3 +249,176 @@ def test_compare_systems_names_the_known_systems_on_a_typo():
     results = load([COREWEAVE], ruleset="3.0.0")
     with pytest.raises(ValueError, match="no system 'n96'.*coreweave_hgxh100_n96_ngc23.04_pytorch"):
         results.compare_systems("n96", "coreweave_hgxh100_n448_ngc23.04_pytorch")
+
+
+def summarizer():
+    """MLCommons' result_summarizer module (slow to import: scipy, pandas), for comparisons."""
+    from mlperf_logging.result_summarizer import result_summarizer
+
+    return result_summarizer
+
+
+def test_an_unfinished_run_is_a_failed_run_scored_as_the_summarizer_scores_it(tmp_path):
+    minutes = [2.0, 1.0, 4.0, 3.0]
+    for i, m in enumerate(minutes):
+        write_run(tmp_path / f"result_{i}.txt", m, accuracy=0.76)
+    unfinished = write_run(tmp_path / "result_4.txt", 0.5, accuracy=0.76)
+    unfinished.write_text("".join(line + "\n" for line in unfinished.read_text().splitlines()[:-1]))  # no run_stop
+    skipped = []
+    results = load([tmp_path], ruleset="4.0.0", on_error=lambda path, why: skipped.append(path))
+    assert not skipped and len(results.records) == 5
+    run = next(r for r in results.records if r.file.endswith("result_4.txt"))
+    assert run.unfinished and run.time_to_train_min is None and not run.converged
+    # The summarizer: the run failed, so one fewer score is dropped from the slow end.
+    expected = summarizer()._compute_olympic_average(list(minutes), 1, 1)
+    assert results.groups[0].score_min == pytest.approx(expected, rel=1e-12)
+    table = harness("report", str(tmp_path), "--ruleset", "4.0.0").stdout
+    assert "unfinished" in table and f"score {expected:.4f} min" in table
+
+
+def test_the_olympic_mean_mirrors_the_summarizers():
+    import random
+
+    average = summarizer()._compute_olympic_average
+    rng = random.Random(7)
+    for _ in range(300):
+        benchmark = rng.choice(["resnet", "unet3d", "gpt3"])
+        scores = [rng.uniform(1, 100) for _ in range(rng.randint(1, 45))]
+        dropped = rng.randint(0, 4 if benchmark == "unet3d" else 1)
+        expected = average(list(scores), dropped, 4 if benchmark == "unet3d" else 1)
+        assert olympic_score(scores, dropped, benchmark) == expected
+
+
+def test_two_metric_evals_meet_their_own_targets():
+    """Stable diffusion logs FID and CLIP as two eval_accuracy events; the aggregate must meet both."""
+    from harness.results.rules import aggregate_metrics, target_check
+
+    target = target_check("4.0.0", "closed", "stable_diffusion")
+    passing = [(80.0, {"metric": "FID", "samples_count": 512}), (0.16, {"metric": "CLIP", "samples_count": 512})]
+    assert target.met_by(passing)
+    assert not target.met_by([(80.0, {"metric": "FID", "samples_count": 512}),
+                              (0.14, {"metric": "CLIP", "samples_count": 512})])  # CLIP short of its target
+    assert not target.met_by([(80.0, {"metric": "FID", "samples_count": 512}),
+                              (0.16, {"metric": "CLIP", "samples_count": 1024})])  # never both at one step
+    assert not target.met_by(passing[:1])  # CLIP never logged
+    assert aggregate_metrics(passing) == [{"samples_count": 512, "FID": 80.0, "CLIP": 0.16}]
+
+
+def test_aggregate_metrics_mirrors_the_rule_files_begin_block():
+    """The BEGIN block of mlperf-logging's stable diffusion rules, run on the same records, builds the same values."""
+    from dataclasses import dataclass
+
+    import yaml
+    from harness.results.rules import aggregate_metrics, rules_root
+
+    @dataclass
+    class LogLine:  # the fields mlp_parser's LogLine has
+        full_string: str
+        timestamp: float
+        key: str
+        value: dict
+        lineno: int
+
+    records = [(85.0, {"metric": "FID", "samples_count": 1}), (0.1, {"metric": "CLIP", "samples_count": 1}),
+               (0.2, {"metric": "CLIP", "samples_count": 2}), (0.9, {"epoch_num": 3}),
+               (70.0, {"metric": "FID", "samples_count": 2})]
+    loglines = [LogLine("", float(i), "eval_accuracy", {"value": v, "metadata": m}, i)
+                for i, (v, m) in enumerate(records)]
+    for ruleset in ("4.0.0", "5.0.0"):
+        rules = yaml.safe_load((rules_root() / f"training_{ruleset}" / "closed_stable_diffusion.yaml").read_text())
+        code = next(r["BEGIN"]["CODE"] for r in rules if "BEGIN" in r)
+        scope = {"loglines": list(loglines)}
+        exec(code, scope)  # noqa: S102 - mlperf-logging's own rule text
+        theirs = [line.value["value"] for line in scope["loglines"] if line.key == "aggregated_eval_accuracy"]
+        assert theirs == aggregate_metrics(records)
+
+
+def test_the_t_test_equals_scipys():
+    from scipy import stats
+
+    from harness.results.rcp import p_value
+
+    for subm, ref, stdev, n_subm, n_ref in [(10, 12, 1.5, 8, 18), (3.1, 3.0, 0.2, 3, 1), (40, 41, 5, 36, 78),
+                                            (0.5, 0.9, 0.01, 8, 8), (100, 100.0001, 3, 1, 18)]:
+        t, p = stats.ttest_ind_from_stats(subm, stdev, n_subm, ref, stdev, n_ref, equal_var=True)
+        expected = p / 2 if t < 0 else 1 - p / 2
+        assert p_value(subm, stdev, n_subm, ref, stdev, n_ref) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+def test_the_pruned_rcps_equal_the_rcp_checkers_for_every_ruleset_and_benchmark():
+    from mlperf_logging.rcp_checker.rcp_checker import RCP_Checker
+
+    from harness.results.rcp import RCP_ROOT, SUPPORTED, RcpUnavailable, pruned_rcps, submission_runs, with_limits
+
+    compared = 0
+    for ruleset in sorted(SUPPORTED):
+        for path in sorted((RCP_ROOT / f"training_{ruleset}").glob("rcps_*.json")):
+            benchmark = path.stem.removeprefix("rcps_")
+            try:
+                theirs = RCP_Checker("training", ruleset, benchmark, False).pruned_rcp_data.values()
+            except KeyError:  # a benchmark the checker has no run count for (dlrm): it cannot check it, nor can we
+                with pytest.raises(RcpUnavailable):
+                    pruned_rcps(ruleset, benchmark)
+                continue
+            ours = pruned_rcps(ruleset, benchmark)
+            assert [r["BS"] for r in ours] == [r["BS"] for r in theirs], (ruleset, benchmark)
+            for mine, their in zip(ours, theirs):
+                mine = with_limits(mine, mine["ref_n"], submission_runs()[benchmark])
+                for field in ("RCP Mean", "RCP Stdev", "Min Epochs", "Max Speedup"):
+                    assert mine[field] == pytest.approx(their[field], rel=1e-9), (ruleset, benchmark, field)
+            compared += 1
+    assert compared > 50
+
+
+@needs_shared
+def test_rcp_verdicts_equal_the_rcp_checkers_on_every_shared_folder():
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    from harness.results.rcp import check
+
+    seen = set()
+    for (folder, ruleset), rows in OFFICIAL.items():
+        results = load([SHARED_RESULTS / folder], ruleset=ruleset)
+        for group in results.groups:
+            if (ruleset, group.benchmark) in seen:  # one folder per RCP table keeps the test short
+                continue
+            seen.add((ruleset, group.benchmark))
+            directory = str(Path(group.runs[0].file).parent)
+            passed, message, norm = rcp_checker.check_directory(directory, "training", ruleset, False, False,
+                                                                rcp_pass="pruned_rcps", set_scaling=False)
+            ours = check(group.runs, ruleset)
+            assert (ours.verdict == "Pass", ours.message) == (passed, message), directory
+            assert ours.scaling == pytest.approx(norm, rel=1e-9), directory
+
+
+@pytest.mark.parametrize("epochs, batch_size", [(37, 3264), (34, 3264), (30, 3264), (37, 3000), (10, 3000),
+                                                (37, 100000)])
+def test_rcp_verdicts_equal_the_rcp_checkers_on_made_up_runs(tmp_path, epochs, batch_size):
+    """Pass, Fail (too fast), interpolated and missing RCPs, against the checker on the same files."""
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    from harness.results.rcp import check
+
+    for i in range(5):
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76, batch_size=batch_size, epochs=epochs + i % 2)
+    [group] = load([tmp_path], ruleset="4.0.0").groups
+    passed, message, norm = rcp_checker.check_directory(str(tmp_path), "training", "4.0.0", False, False,
+                                                        rcp_pass="pruned_rcps", set_scaling=False)
+    assert (group.rcp == "Pass", group.rcp_message) == (passed, message)
+    assert check(group.runs, "4.0.0").scaling == pytest.approx(norm, rel=1e-9)
+
+
+def test_energy_of_power_results_as_the_summarizer_computes_it(tmp_path):
+    """Node power readings of 1000 W for a run's whole time-to-train are 1000 W x the run's seconds."""
+    for i in range(5):
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+        node = tmp_path / "power" / f"result_{i}"
+        node.mkdir(parents=True)
+        seconds = (1.0 + i) * 60
+        node.joinpath("node_0.txt").write_text("\n".join([
+            mllog("power_measurement_start", t=0), *(mllog("power_reading", 1000.0, t=k * 1000)
+                                                      for k in range(1, int(seconds) + 1)),
+            mllog("power_measurement_stop", t=seconds * 1000)]) + "\n")
+    [group] = load([tmp_path], ruleset="4.0.0").groups
+    assert group.energy == pytest.approx(1000 * (2 + 3 + 4) * 60 / 3)  # the olympic mean of the runs' joules
+    assert "energy 180000.0 J" in harness("report", str(tmp_path), "--ruleset", "4.0.0").stdout

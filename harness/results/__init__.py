@@ -5,6 +5,10 @@
     rs.runs     # pandas: one row per run
     rs.events   # pandas: every MLLOG event of every run
     rs.scores   # pandas: one row per (submitter, system, benchmark)
+
+Systems go by the official `system_name` of a submission's systems/<folder>.json
+(`system`), with the folder as `system_id`; groups are kept apart by the folder, as
+the official summarizer keeps them, since several folders can share one name.
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
+from harness.results import rcp
 from harness.results.parse import ErrorSink, LogError, Run, iter_events, load_runs, parse_file
-from harness.results.rules import DEFAULT_RULESET, check_ruleset, converged, target_check
+from harness.results.power import energy, has_power
+from harness.results.rules import DEFAULT_RULESET, RuleError, check_ruleset, converged, target_check
 from harness.results.score import benchmark_score, required_runs
 
 # Columns of ResultSet.runs, each an attribute of Run.
-RUN_COLUMNS = ["submitter", "system", "benchmark", "division", "status", "converged", "seed", "accelerators",
-               "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "global_batch_size", "restarts",
-               "goodput", "file"]
+RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "seed",
+               "accelerators", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
+               "global_batch_size", "restarts", "goodput", "file"]
+SCORE_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "accelerators", "runs", "required_runs",
+                 "converged", "score_min", "scaling_factor", "rcp", "rcp_scaling", "energy", "min_min", "max_min",
+                 "unscorable"]
 
 
 @dataclass
@@ -34,10 +43,24 @@ class Group:
     system: str | None
     benchmark: str | None
     runs: list[Run]
-    scaling_factor: float = 1.0
+    scaling_factor: float = 1.0  # from scaling.json, as the summarizer applies it
+    system_id: str | None = None
+    unscorable: str | None = None  # why the ruleset's rules cannot score this group, if they cannot
+    rcp: str | None = None  # the summarizer's RCP verdict (closed division): Pass, Fail, Missing, ...
+    rcp_message: str | None = None  # the RCP checker's message, or why it could not run
+    # The factor the RCP check computes, which the summarizer writes to scaling.json for its next run.
+    rcp_scaling: float | None = None
+    energy: float | None = None  # the summarizer's power score, where the group has power results
+
+    @property
+    def division(self) -> str | None:
+        divisions = {r.division for r in self.runs}
+        return divisions.pop() if len(divisions) == 1 else None
 
     @property
     def score_min(self) -> float | None:
+        if self.unscorable:
+            return None
         return benchmark_score([r.time_to_train_min for r in self.runs], [r.converged for r in self.runs],
                                self.benchmark or "", self.scaling_factor)
 
@@ -81,32 +104,38 @@ class ResultSet:
 
         rows = []
         for g in self.groups:
-            minutes = [r.time_to_train_min for r in g.runs]
+            minutes = [r.time_to_train_min for r in g.runs if r.time_to_train_min is not None]
             accelerators = {r.accelerators for r in g.runs} - {None}
-            rows.append({"submitter": g.submitter, "system": g.system, "benchmark": g.benchmark,
+            rows.append({"submitter": g.submitter, "system": g.system, "system_id": g.system_id,
+                         "benchmark": g.benchmark, "division": g.division,
                          "accelerators": accelerators.pop() if len(accelerators) == 1 else None,
                          "runs": len(g.runs), "required_runs": g.required_runs,
                          "converged": sum(r.converged for r in g.runs), "score_min": g.score_min,
-                         "min_min": min(minutes), "max_min": max(minutes)})
-        return pd.DataFrame(rows, columns=["submitter", "system", "benchmark", "accelerators", "runs",
-                                           "required_runs", "converged", "score_min", "min_min", "max_min"])
+                         "scaling_factor": g.scaling_factor, "rcp": g.rcp, "rcp_scaling": g.rcp_scaling,
+                         "energy": g.energy,
+                         "min_min": min(minutes, default=None), "max_min": max(minutes, default=None),
+                         "unscorable": g.unscorable})
+        return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
     def compare_systems(self, a: str, b: str):
-        """Two systems side by side, one row per benchmark both ran.
+        """Two systems (by official name or folder) side by side, one row per benchmark both ran.
 
         `speedup` is how many times faster b trains than a (score a / score b), and
         `scaling_efficiency` is that speedup over the ratio of their accelerators:
         1.0 means b's extra GPUs pay off in full.
         """
         scores = self.scores
-        known = sorted(set(scores.system.dropna()))
+        known = sorted(set(scores.system.dropna()) | set(scores.system_id.dropna()))
         for name in (a, b):
             if name not in known:
                 raise ValueError(f"no system {name!r} in these results; they have: {', '.join(known)}")
         columns = ["benchmark", "accelerators", "score_min"]
-        side = scores[scores.system == a][columns].merge(scores[scores.system == b][columns], on="benchmark",
-                                                         suffixes=("_a", "_b"))
+
+        def of(name: str):  # a system by its official name or its folder
+            return scores[(scores.system == name) | (scores.system_id == name)][columns]
+
+        side = of(a).merge(of(b), on="benchmark", suffixes=("_a", "_b"))
         side["speedup"] = side.score_min_a / side.score_min_b
         side["accelerator_ratio"] = side.accelerators_b / side.accelerators_a
         side["scaling_efficiency"] = side.speedup / side.accelerator_ratio
@@ -125,22 +154,54 @@ def _report_to_stderr(path: Path, reason: str) -> None:
     print(f"harness: skipping {path}: {reason}", file=sys.stderr)
 
 
+def _judge(group: Group, ruleset: str) -> None:
+    """Convergence of each run by the ruleset's target; a rule that cannot be applied makes the group unscorable."""
+    try:
+        for run in group.runs:
+            run.converged = converged(run.status, run.eval_records,
+                                      target_check(ruleset, run.division, run.benchmark))
+    except RuleError as exc:
+        group.unscorable = str(exc)
+        for run in group.runs:
+            run.converged = False
+
+
+def _check_rcp(group: Group, ruleset: str) -> None:
+    """The summarizer runs the RCP checker on closed results only."""
+    if group.division != "closed":
+        return
+    try:
+        result = rcp.check(group.runs, ruleset)
+    except rcp.RcpUnavailable as exc:
+        group.rcp_message = str(exc)
+        return
+    group.rcp, group.rcp_message, group.rcp_scaling = result.verdict, result.message, result.scaling
+
+
 def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
          on_error: ErrorSink = _report_to_stderr) -> ResultSet:
-    """Parse every result_*.txt under `paths` and judge convergence by `ruleset`'s targets.
+    """Parse every result_*.txt under `paths`, judge convergence by `ruleset`'s targets, check RCPs.
 
-    Unusable files go to `on_error` and are left out; nothing under `paths` is written.
+    Files that are no MLPerf log go to `on_error` and are left out; a run that never finished is
+    kept as a failed run. Nothing under `paths` is written.
     """
     check_ruleset(ruleset)
     runs = load_runs([Path(p) for p in paths], on_error)
     grouped: dict[tuple, Group] = {}
     for run in runs:
-        run.converged = converged(run.status, [acc for _, acc in run.evals],
-                                  target_check(ruleset, run.division, run.benchmark))
-        key = (run.submitter, run.system, run.benchmark)
+        # Keyed by system folder (system_id), not by name, as the official summarizer keeps them apart.
+        key = (run.submitter, run.system_id, run.benchmark)
         if key not in grouped:
-            grouped[key] = Group(*key, runs=[], scaling_factor=_scaling_factor(Path(run.file).parent))
+            grouped[key] = Group(run.submitter, run.system, run.benchmark, runs=[], system_id=run.system_id,
+                                 scaling_factor=_scaling_factor(Path(run.file).parent))
         grouped[key].runs.append(run)
+    for group in grouped.values():
+        _judge(group, ruleset)
+        _check_rcp(group, ruleset)
+        folder = Path(group.runs[0].file).parent
+        if has_power(folder) and group.score_min is not None:
+            group.energy = energy(folder, group.runs, ruleset, group.benchmark or "", group.scaling_factor,
+                                  on_error)
     return ResultSet(records=runs, groups=list(grouped.values()), ruleset=ruleset)
 
 

@@ -1,9 +1,12 @@
 """Read MLPerf result logs (ours and anyone's) into Run records.
 
 A line counts when it holds `:::MLLOG {json}` anywhere, so prefixes such as
-srun's `-l` rank labels are ignored, as are all other lines. A file that cannot
-be used is reported through `on_error(path, reason)` and left out; it never
-stops the others. This module must not import torch: reports run anywhere.
+srun's `-l` rank labels are ignored, as are all other lines. A file that is no
+MLPerf log (empty, no MLLOG record, a damaged record, no run_start) is reported
+through `on_error(path, reason)` and left out; it never stops the others. A log
+that started but never logged run_stop is a run that did not finish: it is kept,
+as a failed run (`Run.unfinished`), since the official summarizer counts it so.
+This module must not import torch: reports run anywhere.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import orjson
-from mlperf_logging.mllog import constants as C
 
 from harness.results.goodput import account
-from workloads.common.mlperf import TRACKED_STATS  # the writer's key names (torch-free module)
+from harness.results.keys import C, TRACKED_STATS
 
 TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
 
@@ -36,17 +38,24 @@ class Run:
 
     file: str
     benchmark: str | None
-    system: str | None
+    system: str | None  # the official system_name of systems/<folder>.json, else the logged submission_platform
     submitter: str | None
     division: str | None
     status: str | None
     seed: int | None
     run_start_ms: float
-    run_stop_ms: float
-    quality: float | None  # the last eval_accuracy
+    run_stop_ms: float | None  # None: the run never logged run_stop (it did not finish)
+    quality: float | None  # the last eval_accuracy that is a plain number
     samples_per_s: float | None  # mean logged throughput (tracked_stats)
     global_batch_size: int | None
-    evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy)
+    evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy), numbers only
+    # Every eval_accuracy as logged, for the ruleset's target: (value of any JSON type, metadata), in file order.
+    eval_records: list[tuple[object, dict]] = field(default_factory=list)
+    system_id: str | None = None  # the results/<folder> name in a submission tree, else the logged platform
+    # What mlperf-logging's RCP checker reads, which differs from the above on per-rank duplicates:
+    # the last global_batch_size, and at the last run_stop the evals logged before it and its status.
+    last_batch_size: object = None
+    last_stop: tuple[int, object] | None = None  # (len(eval_records) before the last run_stop, its status)
     accelerators: int | None = None  # from the submission's system description, where there is one
     converged: bool = False  # set by harness.results.load under a ruleset's target check
     # From the harness's run record beside the log (None for logs without one): see goodput.py.
@@ -59,8 +68,12 @@ class Run:
     mfu: float | None = None
 
     @property
-    def time_to_train_min(self) -> float:
-        return (self.run_stop_ms - self.run_start_ms) / 60000
+    def unfinished(self) -> bool:
+        return self.run_stop_ms is None
+
+    @property
+    def time_to_train_min(self) -> float | None:
+        return None if self.run_stop_ms is None else (self.run_stop_ms - self.run_start_ms) / 60000
 
 
 def iter_events(data: bytes) -> Iterable[dict]:
@@ -88,8 +101,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def parse_file(path: Path, system: str | None = None, submitter: str | None = None) -> Run:
-    """One result file -> Run. `system` and `submitter` override the logged values (submission trees)."""
+def parse_file(path: Path, system: str | None = None, submitter: str | None = None,
+               system_id: str | None = None) -> Run:
+    """One result file -> Run. `system`, `system_id` and `submitter` override the logged values (submission trees)."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -99,6 +113,8 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
     first: dict[str, dict] = {}
     run_start = run_stop = None
     evals: list[tuple[float, float]] = []
+    eval_records: list[tuple[object, dict]] = []
+    last_batch_size = last_stop = None
     stats: dict[str, list[float]] = {name: [] for name in TRACKED}
     for event in iter_events(data):
         key = event["key"]
@@ -109,8 +125,16 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
                 run_start = event
             elif key == C.RUN_STOP and run_start is not None:
                 run_stop = event
-        if key == C.EVAL_ACCURACY and _is_number(event.get("value")):
-            evals.append((float(event["time_ms"]), float(event["value"])))
+        if key == C.GLOBAL_BATCH_SIZE:
+            last_batch_size = event.get("value")
+        elif key == C.RUN_STOP:
+            stop_metadata = event.get("metadata")
+            last_stop = (len(eval_records), stop_metadata.get(C.STATUS) if isinstance(stop_metadata, dict) else None)
+        if key == C.EVAL_ACCURACY:
+            metadata = event.get("metadata")
+            eval_records.append((event.get("value"), metadata if isinstance(metadata, dict) else {}))
+            if _is_number(event.get("value")):
+                evals.append((float(event["time_ms"]), float(event["value"])))
         elif key == TRACKED_STATS and isinstance(event.get("value"), dict):
             for name, values in stats.items():
                 value = event["value"].get(name)
@@ -120,16 +144,15 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
         raise LogError("no MLLOG records")
     if run_start is None:
         raise LogError("run_start not recorded")
-    if run_stop is None:
-        raise LogError("run_stop not recorded")
-    start_ms, stop_ms = float(run_start["time_ms"]), float(run_stop["time_ms"])
+    start_ms = float(run_start["time_ms"])
+    stop_ms = None if run_stop is None else float(run_stop["time_ms"])
 
     def value(key: str, kind: type):
         """The first logged value of `key`, or None where it is missing or of the wrong type."""
         found = first[key].get("value") if key in first else None
         return found if isinstance(found, kind) and not isinstance(found, bool) else None
 
-    metadata = run_stop.get("metadata") if isinstance(run_stop.get("metadata"), dict) else {}
+    metadata = run_stop.get("metadata") if run_stop and isinstance(run_stop.get("metadata"), dict) else {}
     status = metadata.get(C.STATUS)
     evals.sort()
     return Run(
@@ -140,7 +163,9 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
         samples_per_s=_mean(stats["throughput"]), tokens_per_s=_mean(stats["tokens_per_second"]),
         mfu=_mean(stats["mfu"]),
         global_batch_size=value(C.GLOBAL_BATCH_SIZE, int),
-        evals=[(t - start_ms, acc) for t, acc in evals],
+        evals=[(t - start_ms, acc) for t, acc in evals], eval_records=eval_records,
+        system_id=system_id or value(C.SUBMISSION_PLATFORM, str), last_batch_size=last_batch_size,
+        last_stop=last_stop,
     )
 
 
@@ -156,8 +181,8 @@ def result_files(paths: Iterable[Path]) -> list[Path]:
 
 
 def system_description(path: Path) -> tuple[str, dict] | None:
-    """(system, description) for a file at <org>/results/<system>/<benchmark>/result_*.txt beside
-    <org>/systems/<system>.json; None elsewhere, so the log's own keys count."""
+    """(folder, description) for a file at <org>/results/<folder>/<benchmark>/result_*.txt beside
+    <org>/systems/<folder>.json; None elsewhere, so the log's own keys count."""
     parts = path.absolute().parts
     if len(parts) < 5 or parts[-4] != "results":
         return None
@@ -180,14 +205,18 @@ def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
     runs = []
     for path in result_files(paths):
         found = system_description(path)
-        system, description = found if found else (None, {})
+        folder, description = found if found else (None, {})
+        name = description.get("system_name")  # what the official results table calls the system
         try:
-            run = parse_file(path, system, description.get("submitter"))
+            run = parse_file(path, name if isinstance(name, str) and name else folder, description.get("submitter"),
+                             folder)
         except LogError as exc:
             on_error(path, str(exc))
             continue
         run.accelerators = _accelerators(description)
-        accounting = account(path, run.run_start_ms, run.run_stop_ms)
+        if run.division is None and isinstance(description.get("division"), str):
+            run.division = description["division"]
+        accounting = None if run.unfinished else account(path, run.run_start_ms, run.run_stop_ms)
         if accounting is not None:
             run.restarts, run.goodput, run.badput = accounting.restarts, accounting.goodput, accounting.badput
             run.stragglers = accounting.stragglers

@@ -1,34 +1,56 @@
 """The quality targets of a ruleset, read from mlperf-logging's own compliance rule files.
 
 Each `compliance_checker/training_<ruleset>/<division>_<benchmark>.yaml` states
-the target as an `ATLEAST_ONE_CHECK` on `eval_accuracy` (for example
-`v['value'] >= 0.7590 and v['value'] < 1.0`). We evaluate exactly that
-expression on each logged accuracy, instead of running the whole, slow checker.
+the target as an `ATLEAST_ONE_CHECK`, for example on `eval_accuracy`
+(`v['value'] >= 0.7590 and v['value'] < 1.0`), or, for a two-metric eval such as
+stable diffusion's FID and CLIP, on the virtual key `aggregated_eval_accuracy`
+that the rule file's BEGIN block builds. We evaluate exactly that expression, as
+the checker does (stripped, with `v` = {'value', 'metadata'}), instead of running
+the whole, slow checker. A rule that cannot be read or evaluated raises RuleError:
+the caller makes that one (system, benchmark) group unscorable and goes on.
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import math
+import warnings
+from dataclasses import dataclass
 from importlib import resources
-from typing import Callable
+from pathlib import Path
+from types import CodeType
 
 import yaml
-from mlperf_logging.mllog import constants as C
-
 from harness.errors import HarnessError
+from harness.results.keys import C
 
 DEFAULT_RULESET = "4.0.0"
-TargetCheck = Callable[[float], bool]
+AGGREGATED = "aggregated_eval_accuracy"  # the virtual key of two-metric evals (stable diffusion)
+# What a rule expression may call: the names mlperf-logging's checker gives it (`math`, `s`) and plain builtins.
+_BUILTINS = {name: getattr(builtins, name)
+             for name in ("abs", "min", "max", "len", "float", "int", "round", "isinstance", "all", "any")}
+
+
+class RuleError(ValueError):
+    """Why a ruleset's target cannot be applied to a group."""
+
+
+def rules_root() -> Path:
+    """mlperf-logging's compliance rule folders: a new round's rules come with a newer mlperf-logging."""
+    return Path(str(resources.files("mlperf_logging") / "compliance_checker"))
 
 
 @functools.cache
-def rulesets() -> tuple[str, ...]:
-    """Training rulesets the installed mlperf-logging knows, oldest first."""
-    root = resources.files("mlperf_logging") / "compliance_checker"
+def _rulesets(root: Path) -> tuple[str, ...]:
     names = [p.name.removeprefix("training_") for p in root.iterdir()
              if p.name.startswith("training_") and p.name.count(".") == 2 and "_warn" not in p.name]
     return tuple(sorted(names, key=lambda r: tuple(int(x) for x in r.split("."))))
+
+
+def rulesets() -> tuple[str, ...]:
+    """Training rulesets the installed mlperf-logging knows, oldest first."""
+    return _rulesets(rules_root())
 
 
 def check_ruleset(ruleset: str) -> str:
@@ -37,27 +59,101 @@ def check_ruleset(ruleset: str) -> str:
     return ruleset
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def aggregate_metrics(records: list[tuple[object, dict]]) -> list[dict]:
+    """eval_accuracy records told apart by metadata['metric'] -> one value per samples_count, e.g.
+    {'samples_count': 512000, 'FID': 80.1, 'CLIP': 0.16}.
+
+    Mirrors the BEGIN block of mlperf-logging's closed_stable_diffusion.yaml (which builds
+    `aggregated_eval_accuracy`); tests/test_results.py runs that block on the same records.
+    """
+    merged: dict[object, dict] = {}
+    for value, metadata in records:
+        if "metric" not in metadata or "samples_count" not in metadata:
+            continue
+        samples = metadata["samples_count"]
+        try:
+            entry = merged.setdefault(samples, {"samples_count": samples})
+        except TypeError:  # an unhashable samples_count: no eval step to file it under
+            continue
+        try:
+            entry[metadata["metric"]] = value
+        except TypeError:
+            continue
+    return list(merged.values())
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ruleset's ATLEAST_ONE_CHECK for a (division, benchmark)."""
+
+    rule_file: str
+    key: str  # eval_accuracy, or AGGREGATED for two-metric evals
+    expression: str
+    code: CodeType
+
+    def _holds(self, value, metadata: dict) -> bool:
+        try:
+            return bool(eval(self.code, {"__builtins__": _BUILTINS, "math": math, "s": {}},  # noqa: S307
+                             {"v": {"value": value, "metadata": metadata}}))
+        except Exception as exc:  # noqa: BLE001 - a rule file is outside our control
+            if _is_number(value) or self.key == AGGREGATED:
+                if self.key == AGGREGATED and isinstance(exc, KeyError):
+                    return False  # an eval step that logged only one of the metrics
+                raise RuleError(f"{self.rule_file}: the rule {self.expression.strip()!r} cannot be evaluated "
+                                f"on {value!r}: {type(exc).__name__}: {exc}") from None
+            return False  # a logged value of a kind the rule does not read (text, a list) meets no target
+
+    def met_by(self, records: list[tuple[object, dict]]) -> bool:
+        """Whether any logged eval meets the target. Raises RuleError when the rule cannot be evaluated."""
+        if self.key == AGGREGATED:
+            return any(self._holds(value, {}) for value in aggregate_metrics(records))
+        return any(self._holds(value, metadata) for value, metadata in records)
+
+
 @functools.cache
-def target_check(ruleset: str, division: str | None, benchmark: str | None) -> TargetCheck | None:
-    """The ruleset's target test for one accuracy value, or None where its rule files state none."""
-    if division not in (C.CLOSED, C.OPEN) or not benchmark or not benchmark.replace("_", "").isalnum():
-        return None  # a logged name that is no rule file's (and no path)
-    rule_file = (resources.files("mlperf_logging") / "compliance_checker" / f"training_{ruleset}"
-                 / f"{division}_{benchmark}.yaml")
+def _target(root: Path, ruleset: str, division: str, benchmark: str) -> Target | None:
+    rule_file = root / f"training_{ruleset}" / f"{division}_{benchmark}.yaml"
     if not rule_file.is_file():
         return None
-    records = yaml.safe_load(rule_file.read_text()) or []
-    for record in records:
+    try:
+        records = yaml.safe_load(rule_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise RuleError(f"{rule_file}: cannot be read: {exc}") from None
+    found = None
+    for record in records if isinstance(records, list) else []:
         key = record.get("KEY") if isinstance(record, dict) else None
-        if key and key.get("NAME") == C.EVAL_ACCURACY and key.get("ATLEAST_ONE_CHECK"):
-            # The expression is MLCommons' rule text shipped in the installed package, never user input.
-            code = compile(key["ATLEAST_ONE_CHECK"], str(rule_file), "eval")
-            return lambda value: bool(eval(code, {"__builtins__": {}, "math": math}, {"v": {"value": value}}))
-    return None
+        if isinstance(key, dict) and key.get("NAME") in (C.EVAL_ACCURACY, AGGREGATED) and \
+                "ATLEAST_ONE_CHECK" in key:
+            found = key  # as in the checker, a later record of a key replaces an earlier one
+    if found is None:
+        return None
+    expression = found["ATLEAST_ONE_CHECK"]
+    if not isinstance(expression, str):
+        raise RuleError(f"{rule_file}: the {found['NAME']} check is not an expression: {expression!r}")
+    try:
+        # MLCommons' rule text shipped in the installed package, never user input; stripped as the checker does.
+        with warnings.catch_warnings():  # a mangled rule is reported once, as unscorable, not as Python warnings
+            warnings.simplefilter("ignore", SyntaxWarning)
+            code = compile(expression.strip(), str(rule_file), "eval")
+    except (SyntaxError, ValueError) as exc:
+        raise RuleError(f"{rule_file}: the rule {expression!r} is not a valid expression: {exc}") from None
+    return Target(str(rule_file), found["NAME"], expression, code)
 
 
-def converged(status: str | None, accuracies: list[float], check: TargetCheck | None) -> bool:
+def target_check(ruleset: str, division: str | None, benchmark: str | None) -> Target | None:
+    """The ruleset's target for a (division, benchmark), or None where its rule files state none.
+    Raises RuleError for a rule file that cannot be read or compiled."""
+    if division not in (C.CLOSED, C.OPEN) or not benchmark or not benchmark.replace("_", "").isalnum():
+        return None  # a logged name that is no rule file's (and no path)
+    return _target(rules_root(), ruleset, division, benchmark)
+
+
+def converged(status: str | None, records: list[tuple[object, dict]], target: Target | None) -> bool:
     """A run converged if it logged success and, where the ruleset states a target, an eval met it."""
     if status != C.SUCCESS:
         return False
-    return check is None or any(check(value) for value in accuracies)
+    return target is None or target.met_by(records)
