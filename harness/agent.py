@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.metrics_feed import METRICS_DIR_ENV
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
 
@@ -351,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_metrics(args, node: str):
     """The workers' feed folder (node-local) and, unless --metrics-port is 0, this node's /metrics endpoint."""
+    from workloads.common.metrics_feed import METRICS_DIR_ENV  # here: it loads mlperf-logging (and numpy)
+
     feed_dir = Path(tempfile.mkdtemp(prefix="harness-metrics-"))
     os.environ[METRICS_DIR_ENV] = str(feed_dir)  # the workers inherit it
     if not args.metrics_port:
