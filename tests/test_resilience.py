@@ -112,10 +112,10 @@ def one_rank_world():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from workloads.common.distributed import DistContext
+    from workloads.common.distributed import DistContext, shutdown_distributed
 
     yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def _model_state(seed: int) -> dict:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
-from workloads.common.distributed import DistContext, broadcast_object, init_distributed
+from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
 from workloads.common.progress import announce
 from workloads.common.resilience import Resilience
@@ -177,7 +177,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
-                             opts.async_checkpoint, opts.inject_failure)
+                             opts.async_checkpoint, opts.inject_failure, mlog)
         reached = workload.train(mlog, f"run {index + 1}/{opts.runs}", support)
         status = C.SUCCESS if reached else C.ABORTED
         mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
@@ -185,4 +185,4 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
         dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from workloads.common.distributed import DistContext
+from workloads.common.distributed import DistContext, checkpoint_group
 
 log = logging.getLogger("workloads")
 
@@ -75,9 +75,7 @@ class Checkpointer:
     def __init__(self, root: Path, ctx: DistContext, keep: int = 2, async_save: bool = False,
                  report: Callable[[str], None] = log.warning):
         self.root, self.ctx, self.keep, self.async_save, self.report = Path(root), ctx, keep, async_save, report
-        # Checkpoint traffic gets its own gloo group: the async writer's collectives then never interleave
-        # with training's, and it works the same under NCCL.
-        self.group = dist.new_group(backend="gloo")
+        self.group = checkpoint_group()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         # One stager for the run: its host buffers (pinned on GPU machines) are reused by every save, so a
         # save after the first only copies into memory that already exists.

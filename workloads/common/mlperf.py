@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,12 @@ class ResultLog:
         for key, value in values.items():
             if self._logger:
                 self._logger.event(key=key, value=value)
+
+    def sync(self) -> None:
+        """Force what is logged so far onto the disk (a checkpoint is about to be taken from this point)."""
+        if self._handler:
+            self._handler.flush()
+            os.fsync(self._handler.stream.fileno())
 
     def close(self) -> None:
         if self._handler:

@@ -28,9 +28,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from workloads import STARTED
 from workloads.common.checkpoint import Checkpointer
 from workloads.common.distributed import DistContext
+from workloads.common.mlperf import ResultLog
 from workloads.common.progress import announce
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
+from workloads.common.save_schedule import SaveSchedule
 
 
 class TrainingDiverged(RuntimeError):
@@ -75,11 +77,11 @@ class Resilience:
     """Checkpoints, restore, fault injection and the run record of one run (see the module docstring)."""
 
     def __init__(self, workload, out: Path, run_index: int, checkpoint_every: str | None, keep: int,
-                 async_save: bool, inject_failure: str | None):
-        self.workload, self.ctx = workload, workload.ctx
+                 async_save: bool, inject_failure: str | None, mlog: ResultLog):
+        self.workload, self.ctx, self.mlog = workload, workload.ctx, mlog
         ctx: DistContext = self.ctx
         self.attempt = current_attempt()
-        self.every = CheckpointEvery.parse(checkpoint_every) if checkpoint_every else None
+        self.schedule = SaveSchedule(CheckpointEvery.parse(checkpoint_every) if checkpoint_every else None, ctx)
         self.checkpointer = Checkpointer(Path(out) / "checkpoints" / f"run_{run_index}", ctx, keep=keep,
                                          async_save=async_save, report=lambda text: announce(text, ctx.is_main))
         fault = FaultPlan.parse(inject_failure) if inject_failure else None
@@ -87,7 +89,6 @@ class Resilience:
         self.fault = fault if fault and fault.rank == ctx.rank and self.attempt == 0 else None
         self.record_path = run_record_path(out, run_index)
         self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
-        self._last_save = (0, time.monotonic())  # (step, when)
         self._step_started = time.time()
 
     # --- start ---------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class Resilience:
             self.workload.load_position(restored.extra.get("position", {}))
             self.record.interval("restore", started, time.time(), (step, step))
             announce(f"resumed from {restored.path} at step {step}", self.ctx.is_main)
-        self._last_save = (step, time.monotonic())
+        self.schedule.restart(step)
         self._step_started = time.time()
         return step
 
@@ -124,18 +125,18 @@ class Resilience:
             raise TrainingDiverged(f"the training loss is {loss} at step {step}")
         if self.fault and step == self.fault.step:
             self._inject(step)
-        last_step, last_time = self._last_save
-        if self.every and self.every.due(step - last_step, time.monotonic() - last_time):
+        if self.schedule.due(step):
             self.save(step)
         self._step_started = time.time()
 
     def save(self, step: int) -> None:
         self.record.flush()
+        self.mlog.sync()  # on disk before the checkpoint: a run resumed from it never finds its log behind it
         started = time.time()
         self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict(),
                                                      "position": self.workload.position()})
         self.record.interval("save", started, time.time(), (step, step))
-        self._last_save = (step, time.monotonic())
+        self.schedule.restart(step)
 
     @contextmanager
     def phase(self, kind: str, step: int):
