@@ -153,3 +153,22 @@ def test_the_result_log_is_on_disk_before_its_checkpoint(tmp_path):
     [rank] = run_ranks(_save_with_a_result_log, 1, tmp_path)
     synced = [Path(p).name for p in rank["synced"]]
     assert "result_0.txt" in synced and synced.index("result_0.txt") < synced.index("manifest.json"), synced
+
+
+def _resume_with_a_stale_listing(ctx, folder: Path) -> dict:
+    from workloads.common.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(folder, ctx)
+    for step in (10, 20):
+        checkpointer.save(step, {"weights": torch.full((4,), float(step))}, {})
+    if ctx.rank == 1:  # this node's directory cache has not seen step 20 yet
+        listed = checkpointer.committed()
+        checkpointer.committed = lambda: [(step, path) for step, path in listed if step != 20]
+    state = {"weights": torch.zeros(4)}
+    restored = checkpointer.restore(lambda manifest: state)
+    return {"step": restored.step, "weights": state["weights"].tolist()}
+
+
+def test_every_rank_resumes_from_rank_0s_choice(tmp_path):
+    ranks = run_ranks(_resume_with_a_stale_listing, 2, tmp_path)
+    assert ranks == [{"step": 20, "weights": [20.0] * 4}] * 2
