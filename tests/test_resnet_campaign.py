@@ -10,6 +10,7 @@ from mlperf_logging.mllog import constants as C
 from harness.results import parse_file
 from harness.results.parse import iter_events
 from tests.conftest import TINY_RUNS, compliance, failed_checks, harness
+from workloads.common.run_record import read_json_lines
 
 
 def test_tiny_campaign_reaches_target_and_prints_time_to_train(tiny_campaign):
@@ -47,6 +48,16 @@ def test_runs_log_distinct_seeds_and_the_required_keys(tiny_campaign):
         assert all(C.EPOCH_NUM in e["metadata"] for e in events if e["key"] == C.EVAL_ACCURACY)
         seeds.append(next(e["value"] for e in events if e["key"] == C.SEED))
     assert len(set(seeds)) == TINY_RUNS
+
+
+def test_cache_clear_logs_whether_the_page_cache_was_dropped(tiny_campaign):
+    """Each run logs cache_clear as it happened, and its run record says why not when it was not dropped."""
+    out, result = tiny_campaign
+    for i in range(TINY_RUNS):
+        logged = [e["value"] for e in iter_events((out / f"result_{i}.txt").read_bytes()) if e["key"] == C.CACHE_CLEAR]
+        [noted] = [r for r in read_json_lines(out / f"run_{i}.jsonl") if r["kind"] == "cache_clear"]
+        assert logged == [noted["cleared"]]
+        assert noted["cleared"] or ("why_not" in noted and "was not dropped" in result.stderr)
 
 
 def test_only_rank_zero_writes_the_log_and_every_rank_logs_progress(tiny_campaign):

@@ -172,3 +172,28 @@ def _resume_with_a_stale_listing(ctx, folder: Path) -> dict:
 def test_every_rank_resumes_from_rank_0s_choice(tmp_path):
     ranks = run_ranks(_resume_with_a_stale_listing, 2, tmp_path)
     assert ranks == [{"step": 20, "weights": [20.0] * 4}] * 2
+
+
+# --- cache_clear: the log tells the truth ------------------------------------------------------------------------
+
+def _clear_page_caches(ctx, folder: Path, control: str) -> dict:
+    from workloads.common.page_cache import clear_page_caches
+
+    return {"not_dropped": clear_page_caches(ctx, folder / control.format(rank=ctx.rank))}
+
+
+def test_the_page_cache_is_dropped_once_per_node(tmp_path):
+    for rank in range(2):
+        (tmp_path / f"drop_caches{rank}").write_text("")
+    ranks = run_ranks(_clear_page_caches, 2, tmp_path, "drop_caches{rank}")
+    assert ranks == [{"not_dropped": []}] * 2
+    # Both ranks are on one node here (local ranks 0 and 1): only local rank 0 drops it.
+    assert [(tmp_path / f"drop_caches{rank}").read_text() for rank in range(2)] == ["3\n", ""]
+
+
+def test_a_node_that_cannot_drop_the_page_cache_says_so(tmp_path, capfd):
+    ranks = run_ranks(_clear_page_caches, 2, tmp_path, "read-only/drop_caches")
+    [why] = ranks[0]["not_dropped"]
+    assert ranks[1] == ranks[0] and "cannot write" in why and "read-only/drop_caches" in why
+    err = capfd.readouterr().err
+    assert err.count("was not dropped") == 1 and "the run logs cache_clear false" in err, err

@@ -1,7 +1,7 @@
 """The benchmark-independent part of a campaign: K runs, each a complete MLPerf timed run.
 
-For every run this module owns what the rules fix (cache_clear, init_start/stop,
-the submission keys, the seed, run_start, run_stop with its status); the
+For every run this module owns what the rules fix (dropping the page cache and cache_clear,
+init_start/stop, the submission keys, the seed, run_start, run_stop with its status); the
 workload owns its model, data, hyperparameters and training loop.
 """
 
@@ -27,7 +27,8 @@ from workloads.common.distributed import DistContext, broadcast_object, init_dis
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
 from workloads.common.progress import announce
 from workloads.common.resilience import Resilience
-from workloads.common.run_record import current_attempt
+from workloads.common.page_cache import clear_page_caches
+from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 
 log = logging.getLogger("workloads")
@@ -164,7 +165,11 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
-            mlog.event(C.CACHE_CLEAR, True)
+            not_dropped = clear_page_caches(ctx)  # the nodes that could not, and why
+            cleared = not not_dropped
+            mlog.event(C.CACHE_CLEAR, cleared)
+            record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
+            record.moment("cache_clear", cleared=cleared, **({} if cleared else {"why_not": not_dropped}))
             mlog.start(C.INIT_START)
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
