@@ -7,7 +7,6 @@ lacks are spelled once, below, exactly as the compliance checker's rule files
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from typing import Any
 
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
+
+from workloads.common.mllog_reader import iter_events
 
 TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
 # ResNet's SGD keys (compliance_checker/training_*/closed_resnet_sgd.yaml).
@@ -41,15 +42,9 @@ def logged_run(path: Path) -> LoggedRun:
     started = stopped = False
     seed = None
     if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            _, marker, body = line.partition(":::MLLOG ")
-            if not marker:
-                continue
-            try:
-                event = json.loads(body)
-            except ValueError:
-                continue  # a line cut by the failure; ResultLog drops it on reopening
-            key = event.get("key")
+        # A line cut by the failure is left out (ResultLog drops it on reopening).
+        for event in iter_events(path.read_bytes(), skip_damaged=True):
+            key = event["key"]
             started |= key == C.RUN_START
             stopped |= key == C.RUN_STOP
             if key == C.SEED and isinstance(event.get("value"), int):
