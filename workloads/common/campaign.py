@@ -54,6 +54,7 @@ class RunOptions:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND]
+    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -75,6 +76,8 @@ class RunOptions:
         p.add_argument("--keep-checkpoints", type=int, default=2)
         p.add_argument("--async-checkpoint", action="store_true")
         p.add_argument("--inject-failure")
+        p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
+                       help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
         return cls(**vars(p.parse_args(argv)))
 
     @property
