@@ -25,9 +25,9 @@ from mlperf_logging.mllog import constants as C
 
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
+from workloads.common.page_cache import clear_page_caches
 from workloads.common.progress import announce
 from workloads.common.resilience import Resilience
-from workloads.common.page_cache import clear_page_caches
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 

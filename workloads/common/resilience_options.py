@@ -33,11 +33,6 @@ class CheckpointEvery:
         count, unit = int(found.group(1)), found.group(2)
         return cls(seconds=count * _UNITS[unit]) if unit else cls(steps=count)
 
-    def due(self, steps_since: int, seconds_since: float) -> bool:
-        if self.steps is not None:
-            return steps_since >= self.steps
-        return seconds_since >= self.seconds
-
 
 @dataclass(frozen=True)
 class FaultPlan:
