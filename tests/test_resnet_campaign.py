@@ -152,6 +152,13 @@ def test_the_global_batch_chooses_the_optimizer_and_its_lr():
     assert lars_step(full, full.batch_size * 512) == LarsStep(32768, 31.2, 25)  # 512 GPUs: not SGD's LR 51.2
 
 
+def test_optimizer_is_refused_for_other_benchmarks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "workloads", "bert", "--out", str(tmp_path), "--optimizer", "lars"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--optimizer applies to resnet only, not bert" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
     """ResNet-50, synthetic input, one step with LARS forced: the checker's only complaint is the unreached target."""
     out = tmp_path / "closed"

@@ -78,7 +78,10 @@ class RunOptions:
         p.add_argument("--inject-failure")
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
                        help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
-        return cls(**vars(p.parse_args(argv)))
+        args = p.parse_args(argv)
+        if args.optimizer and args.benchmark != "resnet":
+            p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
+        return cls(**vars(args))
 
     @property
     def division(self) -> str:
