@@ -84,7 +84,7 @@ class Checkpointer:
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=on_gpu))
         self._pending: Future | None = None
-        self.fault_hook: Callable[[str], None] | None = None  # fault injection: called at "written"
+        self.fault_hook: Callable[[int], None] | None = None  # fault injection: called with the step once written
         if ctx.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -119,7 +119,7 @@ class Checkpointer:
         own = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                for p in sorted(partial.glob(f"__{self.ctx.rank}_*"))}
         if self.fault_hook:
-            self.fault_hook("written")
+            self.fault_hook(step)
         part = partial / _PART.format(self.ctx.rank)
         written = part.with_suffix(".tmp")
         written.write_text(json.dumps(own))

@@ -161,8 +161,9 @@ class Resilience:
         if kind == "exception":
             raise InjectedFault(f"injected workload error at step {step}")
         if kind == "kill-in-save":
-            self.checkpointer.fault_hook = lambda stage: self._kill(step)
-            self.save(step)
+            # A save is a collective, which no rank may start alone: the fault waits for the next agreed save.
+            self.checkpointer.fault_hook = self._kill
+            return
         if kind == "corrupt":
             committed = self.checkpointer.committed()
             if committed:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 FAULT_KINDS = {
     "kill": "SIGKILL the worker (a lost process or node)",
     "exception": "raise an exception in the training code (a workload error, which is not retried)",
-    "kill-in-save": "SIGKILL the worker while it writes the checkpoint taken at STEP",
+    "kill-in-save": "SIGKILL the worker while it writes the first checkpoint taken at or after STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
 }
 _UNITS = {"s": 1, "m": 60, "h": 3600}
