@@ -14,10 +14,11 @@ from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
 from workloads.bert.data import TrainStream, collate, pack, read_rows, tiny_pair, write_tiny_dataset
-from workloads.bert.lamb import Lamb, parameter_groups
+from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
 from workloads.bert.train import model_outputs
 from workloads.common import tiny_text
+from workloads.common.param_groups import parameter_groups
 
 TINY = PRESETS["tiny"]
 SMALL = BertConfig(vocab_size=128, max_seq_len=64, n_layer=1, n_head=2, d_model=16, d_ff=32, dropout=0.0)

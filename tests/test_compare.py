@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.results.parse import MARKER
+from workloads.common.mllog_reader import MARKER
 from tests.conftest import REPO, harness
 
 BASELINE = REPO / "results" / "baselines" / "resnet-tiny"

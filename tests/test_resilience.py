@@ -113,10 +113,10 @@ def one_rank_world():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from workloads.common.distributed import DistContext
+    from workloads.common.distributed import DistContext, shutdown_distributed
 
     yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def _model_state(seed: int) -> dict:
@@ -205,8 +205,10 @@ def test_a_rank_killed_at_a_random_step_loses_at_most_one_interval(tmp_path, tri
 
 
 def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    """Armed at step 7, between saves: rank 1 dies writing step 10's checkpoint, which every rank takes (a rank
+    starting a save alone would hang the others)."""
     out = tmp_path / "run"
-    result = harness("run", "resnet", "--inject-failure", "1:10:kill-in-save", "--checkpoint-every", "5",
+    result = harness("run", "resnet", "--inject-failure", "1:7:kill-in-save", "--checkpoint-every", "5",
                      "--max-steps", "20", "--out", str(out))
     assert json.loads((out / "job.json").read_text())["state"] == "SUCCEEDED", result.stdout + result.stderr
     assert _restored_step(out) == 5  # step 10's checkpoint was never committed

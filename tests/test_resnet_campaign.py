@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
+import torch
 from mlperf_logging.mllog import constants as C
+from PIL import Image
 
 from harness.results import parse_file
 from harness.results.parse import iter_events
-from tests.conftest import TINY_RUNS, compliance, failed_checks, harness
+from tests.conftest import REPO, TINY_RUNS, Completed, compliance, failed_checks, harness
+from workloads.common.distributed import DistContext
+from workloads.common.param_groups import parameter_groups
+from workloads.common.run_record import read_json_lines
+from workloads.resnet.config import PRESETS, LarsStep, default_optimizer, lars_step
+from workloads.resnet.data import image_folder_loaders
+from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
 
 
 def test_tiny_campaign_reaches_target_and_prints_time_to_train(tiny_campaign):
@@ -47,6 +59,16 @@ def test_runs_log_distinct_seeds_and_the_required_keys(tiny_campaign):
         assert all(C.EPOCH_NUM in e["metadata"] for e in events if e["key"] == C.EVAL_ACCURACY)
         seeds.append(next(e["value"] for e in events if e["key"] == C.SEED))
     assert len(set(seeds)) == TINY_RUNS
+
+
+def test_cache_clear_logs_whether_the_page_cache_was_dropped(tiny_campaign):
+    """Each run logs cache_clear as it happened, and its run record says why not when it was not dropped."""
+    out, result = tiny_campaign
+    for i in range(TINY_RUNS):
+        logged = [e["value"] for e in iter_events((out / f"result_{i}.txt").read_bytes()) if e["key"] == C.CACHE_CLEAR]
+        [noted] = [r for r in read_json_lines(out / f"run_{i}.jsonl") if r["kind"] == "cache_clear"]
+        assert logged == [noted["cleared"]]
+        assert noted["cleared"] or ("why_not" in noted and "was not dropped" in result.stderr)
 
 
 def test_only_rank_zero_writes_the_log_and_every_rank_logs_progress(tiny_campaign):
@@ -90,3 +112,87 @@ def test_closed_preset_logs_every_closed_key(tmp_path):
     assert "closed_resnet.yaml" in checked.stdout + checked.stderr
     run = parse_file(out / "result_0.txt")
     assert run.division == C.CLOSED and run.status == C.ABORTED
+
+
+# --- large batches: LARS, and each run's own data order --------------------------------------------------------
+
+def worker_run(out: Path, *args: str, procs: int = 1, timeout: float = 600) -> Completed:
+    """`python -m workloads resnet` under torchrun, for the worker options `harness run` does not pass on."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(procs), "-m", "workloads", "resnet", "--out", str(out), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_lars_matches_the_reference_update():
+    """Weights adapt by eta*||w||/(||g|| + wd*||w||) and decay; biases (and batch norm) take plain momentum SGD."""
+    weight = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))  # norm 5
+    bias = torch.nn.Parameter(torch.tensor([1.0]))
+    model = torch.nn.Module()
+    model.weight, model.bias = weight, bias
+    optimizer = Lars(parameter_groups(model, 0.1), lr=2.0, momentum=0.9, weight_decay=0.1)
+    grad = np.array([1.0, -2.0])
+    for _ in range(2):
+        weight.grad, bias.grad = torch.tensor([grad.tolist()]), torch.tensor([0.5])
+        optimizer.step()
+    w, velocity = np.array([3.0, 4.0]), 0.0
+    for _ in range(2):
+        trust = TRUST_COEFFICIENT * np.linalg.norm(w) / (np.linalg.norm(grad) + 0.1 * np.linalg.norm(w))
+        velocity = 0.9 * velocity + 2.0 * trust * (grad + 0.1 * w)
+        w = w - velocity
+    np.testing.assert_allclose(weight.detach().numpy()[0], w, rtol=1e-6)
+    np.testing.assert_allclose(bias.item(), 1.0 - 2.0 * 0.5 - (0.9 * 2.0 * 0.5 + 2.0 * 0.5), rtol=1e-6)
+
+
+def test_the_global_batch_chooses_the_optimizer_and_its_lr():
+    full = PRESETS["full"]
+    assert default_optimizer(full.batch_size * 8) == C.SGD  # one node of 8 GPUs: linear-scaled SGD, LR 0.8
+    assert default_optimizer(full.batch_size * 16) == C.LARS
+    assert lars_step(full, full.batch_size * 16) == LarsStep(0, 10.0, 5)
+    assert lars_step(full, full.batch_size * 512) == LarsStep(32768, 31.2, 25)  # 512 GPUs: not SGD's LR 51.2
+
+
+def test_optimizer_is_refused_for_other_benchmarks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "workloads", "bert", "--out", str(tmp_path), "--optimizer", "lars"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--optimizer applies to resnet only, not bert" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
+    """ResNet-50, synthetic input, one step with LARS forced: the checker's only complaint is the unreached target."""
+    out = tmp_path / "closed"
+    result = worker_run(out, "--preset", "full", "--synthetic", "--max-steps", "1", "--batch-size", "2",
+                        "--optimizer", "lars")
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = list(iter_events((out / "result_0.txt").read_bytes()))
+    logged = {e["key"]: e["value"] for e in events}
+    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_BASE_LEARNING_RATE] == 10.0
+    checked = compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path)
+    failures = failed_checks(checked)
+    assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.7590" in failures[0], failures
+
+
+def test_the_tiny_resnet_reaches_its_target_with_lars(tmp_path):
+    result = worker_run(tmp_path / "lars", "--optimizer", "lars", "--seed", "3", procs=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = parse_file(tmp_path / "lars" / "result_0.txt")
+    assert run.status == C.SUCCESS and run.quality >= 0.90
+
+
+def test_each_run_sees_its_own_data_order(tmp_path):
+    """The training order follows the run's seed: two runs of a campaign never see the same order."""
+    for label in ("a", "b"):
+        (tmp_path / "train" / label).mkdir(parents=True)
+        (tmp_path / "val" / label).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (8, 8)).save(tmp_path / "train" / label / f"{i}.png")
+        Image.new("RGB", (8, 8)).save(tmp_path / "val" / label / "0.png")
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+
+    def order(seed: int) -> list[int]:
+        sampler = image_folder_loaders(tmp_path, 8, 2, 0, ctx, seed).sampler
+        sampler.set_epoch(1)
+        return list(sampler)
+
+    assert order(7) == order(7) and order(7) != order(8)

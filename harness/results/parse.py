@@ -1,5 +1,6 @@
 """Read MLPerf result logs (ours and anyone's) into Run records.
 
+The lines are read by workloads.common.mllog_reader, which the workloads share.
 A line counts when it holds `:::MLLOG {json}` anywhere, so prefixes such as
 srun's `-l` rank labels are ignored, as are all other lines. A file that is no
 MLPerf log (empty, no MLLOG record, a damaged record, no run_start) is reported
@@ -16,20 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-import orjson
-
 from harness.results.goodput import account
 from harness.results.keys import C, TRACKED_STATS
+from workloads.common.mllog_reader import LogError, iter_events  # the one MLLOG reader (light, torch-free)
+from workloads.common.mllog_reader import is_number as _is_number
 
 TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
 
-MARKER = b":::MLLOG "
-
 ErrorSink = Callable[[Path, str], None]
-
-
-class LogError(ValueError):
-    """Why a result file cannot be scored."""
 
 
 @dataclass
@@ -76,29 +71,8 @@ class Run:
         return None if self.run_stop_ms is None else (self.run_stop_ms - self.run_start_ms) / 60000
 
 
-def iter_events(data: bytes) -> Iterable[dict]:
-    """Every MLLOG event in a log, in file order. Raises LogError on a damaged MLLOG line."""
-    for number, line in enumerate(data.splitlines(), 1):
-        at = line.find(MARKER)
-        if at < 0:
-            continue
-        try:
-            event = orjson.loads(line[at + len(MARKER):])
-        except orjson.JSONDecodeError as exc:
-            raise LogError(f"line {number}: damaged MLLOG record ({exc})") from None
-        if not isinstance(event, dict) or not isinstance(event.get("key"), str):
-            raise LogError(f"line {number}: MLLOG record without a text key")
-        if not _is_number(event.get("time_ms")):
-            raise LogError(f"line {number}: MLLOG record whose time_ms is not a number")
-        yield event
-
-
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_file(path: Path, system: str | None = None, submitter: str | None = None,

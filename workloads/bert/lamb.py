@@ -5,7 +5,8 @@ torch ships no LAMB, and the closed benchmark needs this exact variant:
   update     m / (sqrt(v) + eps), plus weight_decay x param for parameters that decay;
   trust      ||param|| / ||update|| (1 where either is 0), only for parameters that decay;
   param     -= lr x trust x update.
-Biases and LayerNorm parameters neither decay nor adapt (the reference's exclude list). The
+Biases and LayerNorm parameters neither decay nor adapt (the reference's exclude list;
+workloads.common.param_groups makes the two groups). The
 gradients are clipped to a global norm of 1.0 before the step (clip_grad_norm_, done by the caller).
 """
 
@@ -62,9 +63,3 @@ class Lamb(torch.optim.Optimizer):
             else:
                 torch._foreach_add_(params, update, alpha=-group["lr"])
 
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay (and trust-ratio adaptation) for weight matrices and embeddings; none for biases and LayerNorms."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    plain = [p for p in model.parameters() if p.ndim < 2]  # biases and LayerNorm scales are vectors
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]

@@ -25,12 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workloads.bert.config import PRESETS, BertPreset, eval_interval, plan_batch
 from workloads.bert.data import Row, TrainStream, collate, ensure_tiny_dataset, eval_batches, share
-from workloads.bert.lamb import Lamb, parameter_groups
+from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
 from workloads.common import mlperf as K
 from workloads.common.cache import build_once, cache_root
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
+from workloads.common.param_groups import parameter_groups
 from workloads.common.progress import Progress
 from workloads.common.resilience import Resilience
 

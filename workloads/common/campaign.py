@@ -1,7 +1,7 @@
 """The benchmark-independent part of a campaign: K runs, each a complete MLPerf timed run.
 
-For every run this module owns what the rules fix (cache_clear, init_start/stop,
-the submission keys, the seed, run_start, run_stop with its status); the
+For every run this module owns what the rules fix (dropping the page cache and cache_clear,
+init_start/stop, the submission keys, the seed, run_start, run_stop with its status); the
 workload owns its model, data, hyperparameters and training loop.
 """
 
@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
-from workloads.common.distributed import DistContext, broadcast_object, init_distributed
+from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
+from workloads.common.page_cache import clear_page_caches
 from workloads.common.progress import announce
 from workloads.common.resilience import Resilience
-from workloads.common.run_record import current_attempt
+from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 
 log = logging.getLogger("workloads")
@@ -56,6 +57,7 @@ class RunOptions:
     inject_failure: str | None = None  # RANK:STEP[:KIND]
     straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
     straggler_threshold: float = 0.75
+    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -79,7 +81,12 @@ class RunOptions:
         p.add_argument("--inject-failure")
         p.add_argument("--straggler-window", type=float, default=60.0)
         p.add_argument("--straggler-threshold", type=float, default=0.75)
-        return cls(**vars(p.parse_args(argv)))
+        p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
+                       help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
+        args = p.parse_args(argv)
+        if args.optimizer and args.benchmark != "resnet":
+            p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
+        return cls(**vars(args))
 
     @property
     def division(self) -> str:
@@ -169,7 +176,11 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
-            mlog.event(C.CACHE_CLEAR, True)
+            not_dropped = clear_page_caches(ctx)  # the nodes that could not, and why
+            cleared = not not_dropped
+            mlog.event(C.CACHE_CLEAR, cleared)
+            record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
+            record.moment("cache_clear", cleared=cleared, **({} if cleared else {"why_not": not_dropped}))
             mlog.start(C.INIT_START)
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
@@ -183,7 +194,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
-                             opts.async_checkpoint, opts.inject_failure, opts.straggler_window,
+                             opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
                              opts.straggler_threshold)
         reached = workload.train(mlog, f"run {index + 1}/{opts.runs}", support)
         status = C.SUCCESS if reached else C.ABORTED
@@ -193,4 +204,4 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
         dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()

@@ -10,8 +10,9 @@ checkpoint, which at 175B is terabytes), rank 0 merges the hashes into manifest.
 (size and sha256 of every file, plus the loop's small JSON state), fsyncs it and
 renames the folder into place. A folder without a valid manifest is not a checkpoint.
 
-Resume takes the newest checkpoint whose files all match their manifest; the ranks
-share the checking, and a damaged one is reported and skipped. With `async_save`,
+Resume takes the newest checkpoint whose files all match their manifest: rank 0 lists
+the folder and reads the manifest (every rank follows it, whatever its own directory
+cache says), the ranks share the checking, and a damaged one is reported and skipped. With `async_save`,
 training waits only while DCP copies the state to host memory; writing, hashing and
 commit go on in a background thread.
 """
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from workloads.common.distributed import DistContext
+from workloads.common.distributed import DistContext, checkpoint_group
 
 log = logging.getLogger("workloads")
 
@@ -75,9 +76,7 @@ class Checkpointer:
     def __init__(self, root: Path, ctx: DistContext, keep: int = 2, async_save: bool = False,
                  report: Callable[[str], None] = log.warning):
         self.root, self.ctx, self.keep, self.async_save, self.report = Path(root), ctx, keep, async_save, report
-        # Checkpoint traffic gets its own gloo group: the async writer's collectives then never interleave
-        # with training's, and it works the same under NCCL.
-        self.group = dist.new_group(backend="gloo")
+        self.group = checkpoint_group()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         # One stager for the run: its host buffers (pinned on GPU machines) are reused by every save, so a
         # save after the first only copies into memory that already exists.
@@ -85,7 +84,7 @@ class Checkpointer:
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=on_gpu))
         self._pending: Future | None = None
-        self.fault_hook: Callable[[str], None] | None = None  # fault injection: called at "written"
+        self.fault_hook: Callable[[int], None] | None = None  # fault injection: called with the step once written
         if ctx.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -120,7 +119,7 @@ class Checkpointer:
         own = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                for p in sorted(partial.glob(f"__{self.ctx.rank}_*"))}
         if self.fault_hook:
-            self.fault_hook("written")
+            self.fault_hook(step)
         part = partial / _PART.format(self.ctx.rank)
         written = part.with_suffix(".tmp")
         written.write_text(json.dumps(own))
@@ -176,10 +175,13 @@ class Checkpointer:
     def restore(self, state_for: Callable[[dict], dict[str, Any]]) -> Restored | None:
         """Load the newest valid checkpoint into `state_for(manifest)`; None when there is none.
 
-        `state_for` builds the state to load from the checkpoint's manifest (its world size
-        decides whether per-rank RNG states can be restored).
+        Rank 0 lists the folder and reads the manifest, and every rank takes its word: on a
+        shared file system (NFS, Lustre) another node's directory cache may be stale and list
+        other steps. `state_for` builds the state to load from the checkpoint's manifest (its
+        world size decides whether per-rank RNG states can be restored).
         """
-        for step, path in self.committed():
+        for step, path in self._rank0([(step, str(path)) for step, path in self.committed()]):
+            path = Path(path)
             manifest, problem = self._verify(path)
             if problem:
                 if self.ctx.is_main:
@@ -190,26 +192,17 @@ class Checkpointer:
             return Restored(step=step, extra=manifest.get("extra", {}), path=path)
         return None
 
+    def _rank0(self, value):
+        """Rank 0's `value` on every rank (the others' own are ignored)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def _verify(self, path: Path) -> tuple[dict, str | None]:
-        """Check the manifest and every file in it; the ranks split the files. Same verdict on every rank."""
-        problem, manifest = None, {}
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-            files = sorted(manifest["files"].items())
-            for name, expected in files[self.ctx.rank::self.ctx.world_size]:
-                file = path / name
-                if not file.is_file():
-                    problem = f"{name} is missing"
-                elif file.stat().st_size != expected["bytes"]:
-                    problem = f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
-                elif _sha256(file) != expected["sha256"]:
-                    problem = f"{name} does not match its checksum"
-                if problem:
-                    break
-        except FileNotFoundError:
-            problem = f"no {MANIFEST}"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            problem = f"unreadable {MANIFEST} ({exc})"
+        """Check rank 0's reading of the manifest, then every file in it; the ranks split the files."""
+        manifest, problem = self._rank0(_read_manifest(path) if self.ctx.is_main else None)
+        if problem is None:
+            problem = _check_files(path, sorted(manifest["files"].items())[self.ctx.rank::self.ctx.world_size])
         problems: list = [None] * self.ctx.world_size
         dist.all_gather_object(problems, problem, group=self.group)
         found = [p for p in problems if p]
@@ -221,3 +214,32 @@ class Checkpointer:
         dist.barrier(group=self.group)
         if self.ctx.is_main:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _read_manifest(path: Path) -> tuple[dict, str | None]:
+    """(manifest, None), or ({}, what is wrong with it)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if not isinstance(manifest.get("files"), dict):
+            return {}, f"{MANIFEST} lists no files"
+        return manifest, None
+    except FileNotFoundError:
+        return {}, f"no {MANIFEST}"
+    except (OSError, ValueError, AttributeError) as exc:
+        return {}, f"unreadable {MANIFEST} ({exc})"
+
+
+def _check_files(folder: Path, files: list[tuple[str, dict]]) -> str | None:
+    """The first of `files` (name, {"bytes", "sha256"}) that is missing or differs from the manifest."""
+    try:
+        for name, expected in files:
+            file = folder / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != expected["bytes"]:
+                return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+            if _sha256(file) != expected["sha256"]:
+                return f"{name} does not match its checksum"
+    except (OSError, KeyError, TypeError) as exc:
+        return f"unreadable {MANIFEST} entry ({exc})"
+    return None

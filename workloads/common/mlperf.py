@@ -7,8 +7,8 @@ lacks are spelled once, below, exactly as the compliance checker's rule files
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.metrics_feed import FEED
+from workloads.common.mllog_reader import iter_events
 
 TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
 # ResNet's SGD keys (compliance_checker/training_*/closed_resnet_sgd.yaml).
@@ -42,15 +43,9 @@ def logged_run(path: Path) -> LoggedRun:
     started = stopped = False
     seed = None
     if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            _, marker, body = line.partition(":::MLLOG ")
-            if not marker:
-                continue
-            try:
-                event = json.loads(body)
-            except ValueError:
-                continue  # a line cut by the failure; ResultLog drops it on reopening
-            key = event.get("key")
+        # A line cut by the failure is left out (ResultLog drops it on reopening).
+        for event in iter_events(path.read_bytes(), skip_damaged=True):
+            key = event["key"]
             started |= key == C.RUN_START
             stopped |= key == C.RUN_STOP
             if key == C.SEED and isinstance(event.get("value"), int):
@@ -106,6 +101,12 @@ class ResultLog:
         for key, value in values.items():
             if self._logger:
                 self._logger.event(key=key, value=value)
+
+    def sync(self) -> None:
+        """Force what is logged so far onto the disk (a checkpoint is about to be taken from this point)."""
+        if self._handler:
+            self._handler.flush()
+            os.fsync(self._handler.stream.fileno())
 
     def close(self) -> None:
         if self._handler:

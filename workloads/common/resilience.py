@@ -29,9 +29,11 @@ from workloads import STARTED
 from workloads.common.checkpoint import Checkpointer
 from workloads.common.distributed import DistContext
 from workloads.common.metrics_feed import FEED
+from workloads.common.mlperf import ResultLog
 from workloads.common.progress import announce
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
+from workloads.common.save_schedule import SaveSchedule
 from workloads.common.stragglers import StragglerWatch
 
 SLOW_FAULT_S = 0.2  # what --inject-failure RANK:STEP:slow adds to each forward pass
@@ -79,12 +81,12 @@ class Resilience:
     """Checkpoints, restore, fault injection and the run record of one run (see the module docstring)."""
 
     def __init__(self, workload, out: Path, run_index: int, checkpoint_every: str | None, keep: int,
-                 async_save: bool, inject_failure: str | None, straggler_window_s: float = 60.0,
+                 async_save: bool, inject_failure: str | None, mlog: ResultLog, straggler_window_s: float = 60.0,
                  straggler_threshold: float = 0.75):
-        self.workload, self.ctx = workload, workload.ctx
+        self.workload, self.ctx, self.mlog = workload, workload.ctx, mlog
         ctx: DistContext = self.ctx
         self.attempt = current_attempt()
-        self.every = CheckpointEvery.parse(checkpoint_every) if checkpoint_every else None
+        self.schedule = SaveSchedule(CheckpointEvery.parse(checkpoint_every) if checkpoint_every else None, ctx)
         self.checkpointer = Checkpointer(Path(out) / "checkpoints" / f"run_{run_index}", ctx, keep=keep,
                                          async_save=async_save, report=lambda text: announce(text, ctx.is_main))
         fault = FaultPlan.parse(inject_failure) if inject_failure else None
@@ -94,7 +96,6 @@ class Resilience:
         self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
         self.stragglers = StragglerWatch(workload.model, ctx, self.record, straggler_window_s, straggler_threshold) \
             if straggler_window_s > 0 and ctx.world_size > 1 else None
-        self._last_save = (0, time.monotonic())  # (step, when)
         self._step_started = time.time()
 
     # --- start ---------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class Resilience:
             self.workload.load_position(restored.extra.get("position", {}))
             self.record.interval("restore", started, time.time(), (step, step))
             announce(f"resumed from {restored.path} at step {step}", self.ctx.is_main)
-        self._last_save = (step, time.monotonic())
+        self.schedule.restart(step)
         self._step_started = time.time()
         return step
 
@@ -135,19 +136,19 @@ class Resilience:
             raise TrainingDiverged(f"the training loss is {loss} at step {step}")
         if self.fault and step == self.fault.step:
             self._inject(step)
-        last_step, last_time = self._last_save
-        if self.every and self.every.due(step - last_step, time.monotonic() - last_time):
+        if self.schedule.due(step):
             self.save(step)
         self._step_started = time.time()
 
     def save(self, step: int) -> None:
         self.record.flush()
         FEED.state("checkpoint")
+        self.mlog.sync()  # on disk before the checkpoint: a run resumed from it never finds its log behind it
         started = time.time()
         self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict(),
                                                      "position": self.workload.position()})
         self.record.interval("save", started, time.time(), (step, step))
-        self._last_save = (step, time.monotonic())
+        self.schedule.restart(step)
 
     @contextmanager
     def phase(self, kind: str, step: int):
@@ -179,8 +180,9 @@ class Resilience:
             inner.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FAULT_S) if module.training else None)
             return
         if kind == "kill-in-save":
-            self.checkpointer.fault_hook = lambda stage: self._kill(step)
-            self.save(step)
+            # A save is a collective, which no rank may start alone: the fault waits for the next agreed save.
+            self.checkpointer.fault_hook = self._kill
+            return
         if kind == "corrupt":
             committed = self.checkpointer.committed()
             if committed:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 FAULT_KINDS = {
     "kill": "SIGKILL the worker (a lost process or node)",
     "exception": "raise an exception in the training code (a workload error, which is not retried)",
-    "kill-in-save": "SIGKILL the worker while it writes the checkpoint taken at STEP",
+    "kill-in-save": "SIGKILL the worker while it writes the first checkpoint taken at or after STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
     "slow": "make the worker's forward passes 0.2 s slower from STEP on (a straggler)",
 }
@@ -33,11 +33,6 @@ class CheckpointEvery:
                              "(e.g. 90s, 10m, 1h), at least 1")
         count, unit = int(found.group(1)), found.group(2)
         return cls(seconds=count * _UNITS[unit]) if unit else cls(steps=count)
-
-    def due(self, steps_since: int, seconds_since: float) -> bool:
-        if self.steps is not None:
-            return steps_since >= self.steps
-        return seconds_since >= self.seconds
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
     {"attempt": 1, "kind": "restore", "start": 1700000000.1, "end": 1700000002.3, "steps": [40, 40]}
 kinds: startup (process start, or run_start, to the first step), restore, train (steps done,
 flushed every few seconds), eval, save (the time training waited for a checkpoint), and
-fault (an injected failure, at the moment it fires). Times are Unix seconds, as the
+fault (an injected failure, at the moment it fires), and cache_clear (before a fresh run: whether
+every node's page cache was dropped, and if not, why). Times are Unix seconds, as the
 MLPerf log's time_ms / 1000. Each node agent records its attempts in <out>/attempts/<node>.jsonl
 (see harness.agent), and the decider merges them into <out>/attempts.jsonl; together with the run
 records they give the report its restarts, goodput and badput.
@@ -90,6 +91,15 @@ class RunRecord:
         line.update(details or {})
         with open(self.path, "a") as f:  # one short write per line: a killed writer leaves whole lines
             f.write(json.dumps(line) + "\n")
+
+    def moment(self, kind: str, **facts) -> None:
+        """Something that happened at one moment (no duration), with what is known about it."""
+        if self.path is None:
+            return
+        now = time.time()
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"attempt": self.attempt, "kind": kind, "start": round(now, 4), "end": round(now, 4),
+                                **facts}) + "\n")
 
     def trained(self, step: int, step_started: float) -> None:
         """Step `step` ran from `step_started` until now; written in batches (see FLUSH_S)."""

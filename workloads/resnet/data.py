@@ -49,15 +49,21 @@ class Loaders:
     sampler: ResumableSampler | None  # needs set_epoch() each epoch; None for synthetic input
 
 
-def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, ctx: DistContext) -> Loaders:
-    """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...)."""
+def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, ctx: DistContext,
+                         seed: int) -> Loaders:
+    """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...).
+
+    The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
+    disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
+    """
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise FileNotFoundError(f"{root} has no {split}/ folder: expected ImageNet's layout "
                                     f"{root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG")
     train_set = datasets.ImageFolder(str(root / "train"), train_transform(crop))
     eval_set = datasets.ImageFolder(str(root / "val"), eval_transform(crop))
-    sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, drop_last=True))
+    sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
+                                                  drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
     eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",

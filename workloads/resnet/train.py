@@ -2,8 +2,11 @@
 
 MLPerf shape: blocks of `eval_every` epochs, each followed by an evaluation of
 top-1 accuracy on the whole eval set; the run stops at the first evaluation
-that reaches the target. SGD with momentum, linear warmup, then polynomial decay
-to `end_lr` (the closed rules' SGD schedule).
+that reaches the target. The optimizer follows the global batch, as the closed
+rules allow and the reference submissions do: SGD with momentum and a linearly
+scaled LR below a global batch of 4,096, LARS (the reference's table of LRs)
+from there up (config.default_optimizer); --optimizer forces either. Both warm up linearly, then decay polynomially
+to `end_lr`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
+from workloads.common.param_groups import parameter_groups
 from workloads.common.progress import Progress
 from workloads.common.resilience import Resilience
-from workloads.resnet.config import PRESETS, ResNetConfig
+from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, lars_step
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders, synthetic_loaders,
                                    tiny_dataset_root)
+from workloads.resnet.lars import EPSILON, Lars
 from workloads.resnet.model import build_model
 
 
@@ -38,17 +43,27 @@ class ResNetWorkload(Workload):
         self.cfg: ResNetConfig = cfg
         self.loaders = self._loaders()
         self.global_batch = cfg.batch_size * ctx.world_size
-        # Linear LR scaling, rounded to the 0.001 grid the closed rules require.
-        self.base_lr = max(0.001, round(cfg.base_lr * self.global_batch / cfg.lr_batch, 3))
+        self.optimizer_name = opts.optimizer or default_optimizer(self.global_batch)
+        if self.optimizer_name == C.LARS:
+            lars = lars_step(cfg, self.global_batch)
+            self.base_lr, self.warmup_epochs = lars.base_lr, lars.warmup_epochs
+        else:
+            # Linear LR scaling, rounded to the 0.001 grid the closed rules require.
+            self.base_lr = max(0.001, round(cfg.base_lr * self.global_batch / cfg.lr_batch, 3))
+            self.warmup_epochs = cfg.warmup_epochs
         self.steps_per_epoch = len(self.loaders.train)
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
-        self.warmup_steps = self.steps_per_epoch * cfg.warmup_epochs
+        self.warmup_steps = self.steps_per_epoch * self.warmup_epochs
 
         model = build_model(cfg.arch, cfg.classes).to(ctx.device, memory_format=torch.channels_last)
         self.model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
                                              else None)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.base_lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay)
+        if self.optimizer_name == C.LARS:
+            self.optimizer = Lars(parameter_groups(self.model, cfg.weight_decay), lr=self.base_lr,
+                                  momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.base_lr, momentum=cfg.momentum,
+                                             weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
@@ -61,7 +76,7 @@ class ResNetWorkload(Workload):
         else:
             root = ensure_tiny_dataset(tiny_dataset_root()) if ctx.local_rank == 0 else tiny_dataset_root()
             torch.distributed.barrier()  # the other ranks wait until the dataset exists
-        return image_folder_loaders(root, cfg.crop, cfg.batch_size, cfg.workers, ctx)
+        return image_folder_loaders(root, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed)
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup to base_lr, then (1 - progress)^power decay down to end_lr."""
@@ -74,21 +89,33 @@ class ResNetWorkload(Workload):
 
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {
+        common = {
             C.GLOBAL_BATCH_SIZE: self.global_batch,
             C.GRADIENT_ACCUMULATION_STEPS: 1,
-            C.OPT_NAME: "sgd",
-            K.SGD_OPT_BASE_LR: self.base_lr,
-            K.SGD_OPT_END_LR: cfg.end_lr,
-            K.SGD_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
-            K.SGD_OPT_LR_DECAY_STEPS: self.total_steps - self.warmup_steps,
-            K.SGD_OPT_WEIGHT_DECAY: cfg.weight_decay,
-            K.SGD_OPT_MOMENTUM: cfg.momentum,
-            C.OPT_LR_WARMUP_EPOCHS: cfg.warmup_epochs,
+            C.OPT_NAME: self.optimizer_name,
             C.MODEL_BN_SPAN: cfg.batch_size,  # batch norm statistics are per process
             C.TRAIN_SAMPLES: self.loaders.train_samples,
             C.EVAL_SAMPLES: self.loaders.eval_samples,
         }
+        decay_steps = self.total_steps - self.warmup_steps
+        if self.optimizer_name == C.LARS:  # the keys of closed_resnet_lars.yaml
+            return {**common,
+                    C.LARS_OPT_BASE_LEARNING_RATE: self.base_lr,
+                    C.LARS_OPT_END_LR: cfg.end_lr,
+                    C.LARS_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
+                    C.LARS_OPT_LR_DECAY_STEPS: decay_steps,
+                    C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS: self.warmup_epochs,
+                    C.LARS_OPT_MOMENTUM: cfg.momentum,
+                    C.LARS_OPT_WEIGHT_DECAY: cfg.weight_decay,
+                    C.LARS_EPSILON: EPSILON}
+        return {**common,  # the keys of closed_resnet_sgd.yaml
+                K.SGD_OPT_BASE_LR: self.base_lr,
+                K.SGD_OPT_END_LR: cfg.end_lr,
+                K.SGD_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
+                K.SGD_OPT_LR_DECAY_STEPS: decay_steps,
+                K.SGD_OPT_WEIGHT_DECAY: cfg.weight_decay,
+                K.SGD_OPT_MOMENTUM: cfg.momentum,
+                C.OPT_LR_WARMUP_EPOCHS: self.warmup_epochs}
 
     def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
         cfg, ctx = self.cfg, self.ctx
