@@ -37,6 +37,7 @@ STARTS_FROM_CHECKPOINT = {"bert": "FILE (a PyTorch state dict)", "gpt3": "DIR (a
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
 CHECKPOINT_EVERY = {"tiny": "20", "full": "15m"}
 
+RESNET_OPTIMIZERS = ("sgd", "lars")  # mllog's constants.SGD and constants.LARS
 DEFAULT_RUNS_ROOT = Path("results") / "runs"
 PATH_FIELDS = ("out_dir", "data", "init_checkpoint")  # JobSpec fields that hold paths (text in job.json)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # \Z, not $: "$" also matches before a final newline
@@ -63,6 +64,7 @@ class JobSpec:
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
     straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
+    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: chosen by batch
     straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
     env: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = None  # None: the profile's; 0: no metrics endpoint
@@ -138,6 +140,8 @@ class JobSpec:
             args.append("--async-checkpoint")
         if self.inject_failure is not None:
             args += ["--inject-failure", self.inject_failure]
+        if self.optimizer is not None:
+            args += ["--optimizer", self.optimizer]
         args += ["--straggler-window", f"{self.straggler_window:g}",
                  "--straggler-threshold", f"{self.straggler_threshold:g}"]
         return args
@@ -155,7 +159,7 @@ class JobSpec:
                             ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
-                            ("--straggler-window", self.straggler_window),
+                            ("--straggler-window", self.straggler_window), ("--optimizer", self.optimizer),
                             ("--straggler-threshold", self.straggler_threshold),
                             ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
@@ -239,6 +243,9 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.pushgateway is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", spec.pushgateway):
         raise HarnessError(f"--pushgateway {spec.pushgateway!r} is not an http(s) URL such as "
                            "http://pushgateway.monitoring:9091")
+    if spec.optimizer is not None and (spec.benchmark != "resnet" or spec.optimizer not in RESNET_OPTIMIZERS):
+        raise HarnessError(f"--optimizer {spec.optimizer!r}: resnet takes one of {', '.join(RESNET_OPTIMIZERS)} "
+                           "(default: LARS from a global batch of 4,096 up); bert and gpt3 use their reference's")
     if spec.straggler_window < 0:
         raise HarnessError(f"--straggler-window must be 0 (off) or more seconds, got {spec.straggler_window:g}")
     if not 0 < spec.straggler_threshold <= 1:

@@ -219,3 +219,11 @@ def test_sigterm_cancels_the_local_job_as_ctrl_c_does(tmp_path):
     assert json.loads((out / "job.json").read_text())["state"] == "CANCELLED"
     alive = Path(f"/proc/{agent_pid}/cmdline")
     assert not alive.exists() or b"harness.agent" not in alive.read_bytes()
+
+
+def test_the_resnet_optimizer_can_be_forced_and_is_checked():
+    forced = _dry("resnet", "--optimizer", "lars")
+    assert forced.returncode == 0 and "--optimizer lars" in forced.stdout
+    for args in (("resnet", "--optimizer", "adam"), ("bert", "--optimizer", "lars")):
+        refused = _dry(*args)
+        assert refused.returncode == 2 and "resnet takes one of sgd, lars" in refused.stderr
