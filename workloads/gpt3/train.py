@@ -33,8 +33,9 @@ from workloads.common.progress import Progress
 from workloads.common.resilience import Resilience
 from workloads.gpt3.config import PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
-from workloads.gpt3.model import GPT
-from workloads.gpt3.parallel import build_mesh, parallelize
+from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize, \
+    scored_loss_sum
 
 INIT_INFO = "harness-init.json"  # beside a DCP checkpoint: the step and batch it was trained to
 # Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
@@ -67,8 +68,8 @@ class GPT3Workload(Workload):
         model.init_weights()
         self.model = model
         self.init_step = self._load_init_checkpoint()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
+                                           betas=(0.9, 0.95), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
@@ -193,20 +194,13 @@ class GPT3Workload(Workload):
     def _train_step(self, batches) -> float:
         """One optimizer step over grad_accum micro batches; returns the mean loss."""
         self.model.train()
-        total = torch.zeros((), device=self.ctx.device)
-        for micro in range(self.layout.grad_accum):
-            tokens = next(batches).to(self.ctx.device, non_blocking=True)
-            # Gradients are reduced across data ranks only after the last micro batch.
-            self.model.set_requires_gradient_sync(micro == self.layout.grad_accum - 1)
-            logits = self.model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / self.layout.grad_accum
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
+        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum)
+        clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total.item()  # the step's one wait for the device
+        return loss.item()  # the step's one wait for the device
 
     def _throughput(self, tokens_per_second: float) -> dict[str, float]:
         stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
@@ -222,12 +216,12 @@ class GPT3Workload(Workload):
         mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: tokens_seen})
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
-        for tokens in self.loaders.eval:
-            tokens = tokens.to(self.ctx.device, non_blocking=True)
-            logits = self.model(tokens[:, :-1])
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
-            count += tokens[:, 1:].numel()
-        # Every tensor-parallel rank saw the same sequences: the ratio is the same over the whole world.
+        for tokens, counted in self.loaders.eval:
+            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
+                                                     counted)
+            loss_sum, count = loss_sum + batch_sum, count + batch_count
+        # Each sequence is counted on one data rank; every tensor-parallel rank of it holds the same sums,
+        # so the ratio over the whole world is the ratio over the data ranks.
         loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
         log_ppl = loss_sum / count
         mlog.event(C.EVAL_ACCURACY, log_ppl, metadata={C.EPOCH_NUM: tokens_seen})
