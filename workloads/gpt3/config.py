@@ -16,6 +16,7 @@ REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
 REFERENCE_WARMUP_STEPS = 265
 REFERENCE_DECAY_STEPS = 108_600
 REFERENCE_INIT_CHECKPOINT_STEP = 4000  # the step of MLPerf's starting checkpoint
+INIT_INFO = "harness-init.json"  # beside a starting checkpoint (DCP): the step and global batch it was trained to
 EVAL_INTERVAL_SAMPLES = 24_576  # evaluate every this many sequences (rounded up to whole steps)
 
 

@@ -149,6 +149,8 @@ class EvalShard(Dataset):
         return self.per_rank
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, bool]:
+        if not 0 <= i < self.per_rank:
+            raise IndexError(f"eval shard item {i} of {self.per_rank}")
         index = self.rank + i * self.world
         return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
 

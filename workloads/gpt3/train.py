@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from mlperf_logging.mllog import constants as C
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
+    set_model_state_dict, set_optimizer_state_dict
 
 from workloads.common import mlperf as K
 from workloads.common.cache import build_once, cache_root
@@ -31,13 +32,12 @@ from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.progress import Progress
 from workloads.common.resilience import Resilience
-from workloads.gpt3.config import PRESETS, GPT3Config, plan_layout, scaled_steps
+from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
 from workloads.gpt3.model import GPT, optimizer_groups
 from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize, \
     scored_loss_sum
 
-INIT_INFO = "harness-init.json"  # beside a DCP checkpoint: the step and batch it was trained to
 # Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
 # preset's checkpoint is saved from one process: both by design, so torch's warnings about them are noise.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -67,9 +67,12 @@ class GPT3Workload(Workload):
         model.to_empty(device=ctx.device)
         model.init_weights()
         self.model = model
-        self.init_step = self._load_init_checkpoint()
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=(0.9, 0.95), eps=1e-8)
+        self.init_step = self._load_init_checkpoint()
+        # The schedule continues where the starting checkpoint left it (past warmup, into the decay), as the
+        # reference does; its steps, like every step count here, at this run's global batch.
+        self.schedule_offset = 0 if self.init_step is None else scaled_steps(self.init_step, cfg, layout)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
@@ -102,15 +105,27 @@ class GPT3Workload(Workload):
             dist.barrier()
             path = tiny_init_root()
         state = {"model": get_model_state_dict(self.model)}
+        with_moments = any(key.startswith("optimizer.state.")
+                           for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        if with_moments:
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = {"state": optimizer["state"]}  # Adam's moments; the hyperparameters stay ours
+        elif self.opts.preset == "full":
+            raise SystemExit(f"workloads: {path} holds no optimizer state: MLPerf's GPT-3 starts from the reference "
+                             "checkpoint's weights and Adam moments; convert it with python -m "
+                             "workloads.gpt3.convert_reference")
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
+        if with_moments:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer)
         info = Path(path, INIT_INFO)
         if info.is_file():
             return int(json.loads(info.read_text())["step"])
         return self.cfg.init_checkpoint_step
 
     def _lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to end_lr_ratio x base LR."""
+        """Linear warmup, then cosine decay to end_lr_ratio x base LR, from the starting checkpoint's step."""
+        step += self.schedule_offset
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
@@ -134,8 +149,7 @@ class GPT3Workload(Workload):
             C.OPT_ADAM_EPSILON: 1e-8,
             C.OPT_WEIGHT_DECAY: cfg.weight_decay,
             C.OPT_GRADIENT_CLIP_NORM: 1.0,
-            **({C.INIT_CHECKPOINT_STEP: math.ceil(self.init_step * cfg.lr_batch / layout.global_batch)}
-               if self.init_step is not None else {}),
+            **({C.INIT_CHECKPOINT_STEP: self.schedule_offset} if self.init_step is not None else {}),
             C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
             "tensor_model_parallel_size": layout.tensor,
             "pipeline_model_parallel_size": layout.pipeline,
