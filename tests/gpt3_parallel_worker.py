@@ -2,7 +2,8 @@
 checked against the same model whole in this process.
 
     gpt3_parallel_worker.py parity DATA TENSOR ACCUM   loss, gradients, clipping and one AdamW step
-    gpt3_parallel_worker.py memory DATA TENSOR ACCUM   gradient bytes held between micro batches (JSON line)
+    gpt3_parallel_worker.py memory DATA TENSOR ACCUM   bytes of gradients (after each micro batch), weights and
+                                                       Adam moments this rank holds (JSON line)
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def parity(layout: Layout) -> None:
     print(f"rank {dist.get_rank()}: parity ok", flush=True)
 
 
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 def gradient_bytes() -> int:
     """Bytes of every live parameter's gradient, whichever object holds the parameter: the sharded DTensors
     the optimizer sees and the unsharded parameters FSDP swaps in during forward and backward (which keep
@@ -90,7 +96,8 @@ def gradient_bytes() -> int:
 
 
 def memory(layout: Layout) -> None:
-    """Gradient bytes held after each micro batch, against the estimate's gradient term (one JSON line)."""
+    """Gradient bytes held after each micro batch, then this rank's weights and Adam moments, against the
+    estimate's terms (one JSON line)."""
     _, model = build(layout)
     tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
@@ -98,11 +105,17 @@ def memory(layout: Layout) -> None:
     for batch in micro_batches(tokens, layout, dist.get_rank() // layout.tensor):
         accumulate_gradients(model, [batch], layout.grad_accum)
         held.append(gradient_bytes())
+    optimizer = torch.optim.AdamW(optimizer_groups(model, 0.1))
+    optimizer.step()
+    moments = sum(local_bytes(state[kind]) for state in optimizer.state.values() for kind in ("exp_avg", "exp_avg_sq"))
     cfg = GPT3Config(model=CONFIG, global_batch=layout.global_batch, micro_batch=MICRO_BATCH, base_lr=0,
                      end_lr_ratio=0, warmup_steps=1, decay_steps=1, lr_batch=1, eval_interval=1, eval_sequences=1,
                      target=0, init_checkpoint_step=0)
-    print(json.dumps({"rank": dist.get_rank(), "held": held,
-                      "estimate": estimate_memory(cfg, layout, on_gpu=False).gradients}), flush=True)
+    estimate = estimate_memory(cfg, layout, on_gpu=False)
+    print(json.dumps({"rank": dist.get_rank(), "gradients": held, "weights": sum(map(local_bytes, model.parameters())),
+                      "optimizer": moments, "estimate": {term: getattr(estimate, term)
+                                                         for term in ("gradients", "weights", "optimizer")}}),
+          flush=True)
 
 
 if __name__ == "__main__":

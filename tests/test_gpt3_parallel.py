@@ -30,9 +30,12 @@ def test_tensor_parallel_matches_the_whole_model(data, tensor):
 @pytest.mark.parametrize("data,tensor", [(2, 1), (2, 2)])
 def test_accumulation_holds_only_sharded_gradients_as_estimated(data, tensor):
     """After every micro batch, each rank holds exactly the estimate's gradient bytes: its FSDP shard of its
-    tensor-parallel share (gradient sync off between micro batches would hold every unsharded gradient)."""
+    tensor-parallel share (gradient sync off between micro batches would hold every unsharded gradient); its
+    weights and Adam moments match their terms too."""
     reports = [json.loads(line) for line in torchrun(data * tensor, "memory", str(data), str(tensor), "2").splitlines()
                if line.startswith("{")]
     assert len(reports) == data * tensor
     for report in reports:
-        assert report["held"] == [report["estimate"]] * 2, report
+        estimate = report["estimate"]
+        assert report["gradients"] == [estimate["gradients"]] * 2, report
+        assert report["weights"] == estimate["weights"] and report["optimizer"] == estimate["optimizer"], report
