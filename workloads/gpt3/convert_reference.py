@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,7 +71,10 @@ def read_zarr(folder: Path) -> torch.Tensor:
         chunk_file = folder / separator.join(map(str, index))
         if not chunk_file.is_file():
             raise ConversionError(f"{folder}: chunk {chunk_file.name} is missing")
-        chunk = torch.frombuffer(bytearray(chunk_file.read_bytes()), dtype=dtype).view(chunks)
+        raw = chunk_file.read_bytes()
+        if len(raw) != math.prod(chunks) * dtype.itemsize:
+            raise ConversionError(f"{chunk_file} holds {len(raw)} bytes, not a chunk of {chunks} {meta['dtype']}")
+        chunk = torch.frombuffer(bytearray(raw), dtype=dtype).view(chunks)
         region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
         out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]  # edge chunks are stored whole
     return out.float()

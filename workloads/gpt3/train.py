@@ -4,8 +4,9 @@ log perplexity reaches the target (timed).
 MLPerf shape: training starts from a checkpoint (the reference's, at step 4000 of batch 1536;
 the tiny preset's is trained once by the harness), evaluates every 24,576 sequences (rounded
 up to whole steps) on the validation subset, and stops at the first evaluation at or below
-the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1, linear warmup then cosine decay to 10%
-of the base LR, gradient clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
+the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1 (none on biases and norms), linear warmup
+then cosine decay to 10% of the base LR, continued from the starting checkpoint's step, gradient
+clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
 """
 
 from __future__ import annotations
