@@ -76,9 +76,9 @@ def slurm_cluster(tmp_path_factory):
         cluster.stop()
 
 
-def closed_proxy_run(benchmark: str, *args: str, timeout: float = 600) -> Completed:
-    """A shortened closed run of bert or gpt3 in one process, with the small model of tests/closed_proxy.py."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+def closed_proxy_run(benchmark: str, *args: str, procs: int = 1, timeout: float = 600) -> Completed:
+    """A shortened closed run of bert or gpt3 in `procs` processes, with the small model of tests/closed_proxy.py."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
                            str(REPO / "tests" / "closed_proxy.py"), benchmark, "--preset", "full", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return Completed(proc.returncode, proc.stdout, proc.stderr)

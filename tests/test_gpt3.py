@@ -4,12 +4,14 @@ training from real-format files, and the 448 x 8 H100 layout with its memory est
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import struct
 
 import jsonschema
 import numpy as np
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
@@ -17,9 +19,10 @@ from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
-from workloads.gpt3.model import GPT
-from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, BlendedSamples, IndexedDataset, SequenceSamples, \
-    tiny_entropy, write_indexed_dataset
+from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
+from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, BlendedSamples, EvalShard, IndexedDataset, \
+    SequenceSamples, tiny_entropy, write_indexed_dataset
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -55,6 +58,27 @@ def test_the_blend_keeps_its_proportions_everywhere():
     assert sum(sources) == 500
     assert all(abs(sum(sources[i:i + 20]) - 10) <= 1 for i in range(0, 980, 20))  # every stretch of 20
     assert sources[3:5] == [0, 1] and blend[3] == 3 and blend[4] == 1004  # sample i of the chosen dataset
+
+
+def test_eval_shards_score_every_sequence_exactly_once():
+    """5,760 validation sequences over 448 data ranks: equal shard lengths (the same forward passes on every
+    rank), and each sequence counted once where DistributedSampler would count 64 twice."""
+    sequences, world = list(range(5760)), 448
+    shards = [EvalShard(sequences, rank, world) for rank in range(world)]
+    assert {len(shard) for shard in shards} == {13}
+    counted = [index for shard in shards for index, is_counted in shard if is_counted]
+    assert sorted(counted) == sequences
+    assert sum(not is_counted for shard in shards for _, is_counted in shard) == 13 * world - 5760 == 64
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = GPT(GPT3_PROXY)
+    decayed, exempt = optimizer_groups(model, 0.1)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decayed["params"])
+    assert {names[id(p)] for p in exempt["params"]} == {
+        name for name, _ in model.named_parameters() if name.endswith("bias") or ".ln" in name or "ln_f" in name}
 
 
 def test_the_tiny_target_is_reachable_but_not_trivial():
@@ -102,7 +126,8 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
     assert harness(*args).stdout == result.stdout  # deterministic
     assert "tensor 8 x pipeline 1 x data (FSDP) 448" in result.stderr
     assert "global batch 1792 = 448 x micro batch 1 x 4 accumulation steps" in result.stderr
-    assert "gpt3 memory per GPU: 10.3 GiB of 80 GiB" in result.stderr
+    assert "gpt3 memory per GPU: 7.8 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, gathered 2.3, " \
+           "activations 0.7, logits 0.2, reserve 4.0 GiB" in result.stderr  # gradients sharded, as the code holds them
     assert "give --init-checkpoint DIR (a torch.distributed.checkpoint folder)" in result.stderr  # a dry run names what a real run still needs
     if backend == "slurm":
         assert "#SBATCH --nodes=448" in result.stdout and "#SBATCH --gpus-per-node=8" in result.stdout
@@ -121,7 +146,7 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
     result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "1",
                      "--synthetic", "--dry-run", "--out", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "needs about 334.8 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
+    assert "needs about 332.4 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
 
 
 def test_memory_estimate_shrinks_with_more_gpus():
@@ -140,21 +165,87 @@ def test_synthetic_throughput_runs_start_from_random_weights(tmp_path):
     assert '"key": "init_checkpoint_step"' not in log  # no checkpoint was loaded, so none is claimed
 
 
+def write_zarr(folder, array: np.ndarray, chunks: tuple[int, ...]) -> None:
+    """One array as Megatron's zarr strategy writes it: Zarr v2, uncompressed, C order, edge chunks stored whole."""
+    folder.mkdir(parents=True)
+    (folder / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": list(array.shape), "chunks": list(chunks), "dtype": "<f4", "compressor": None,
+        "fill_value": None, "order": "C", "filters": None}))
+    for index in np.ndindex(*(-(-s // c) for s, c in zip(array.shape, chunks))):
+        chunk = np.zeros(chunks, dtype="<f4")
+        piece = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks))]
+        chunk[tuple(slice(0, n) for n in piece.shape)] = piece
+        (folder / ".".join(map(str, index))).write_bytes(chunk.tobytes())
+
+
+def write_reference_checkpoint(folder, state: dict, heads: int) -> None:
+    """Our state dict in the layout of MLPerf's reference checkpoint: Megatron names, layers stacked, q, k and v
+    fused head by head, Adam's moments beside the weights (here 0.5 x and the square of the weights)."""
+    layers = 1 + max(int(name.split(".")[1]) for name in state if name.startswith("blocks."))
+    tensors = {theirs: state[ours] for theirs, ours in EMBEDDINGS.items()}
+    for kind in ("weight", "bias"):
+        for theirs, ours in LAYERS.items():
+            tensors[f"{LAYER_PREFIX}{theirs}.{kind}"] = torch.stack([state[f"blocks.{i}.{ours}.{kind}"]
+                                                                     for i in range(layers)])
+        qkv = [torch.stack([state[f"blocks.{i}.attn.{x}.{kind}"] for x in "qkv"], dim=1) for i in range(layers)]
+        # (3, heads x head_dim, ...) -> rows (heads, 3, head_dim): each head's q, k and v rows together.
+        tensors[f"{LAYER_PREFIX}{FUSED_QKV}.{kind}"] = torch.stack([
+            t.reshape(heads, -1, 3, *t.shape[2:]).transpose(1, 2).reshape(-1, *t.shape[2:]) if kind == "bias" else
+            t.transpose(0, 1).reshape(3, heads, -1, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+            for t in qkv])
+    for name, tensor in tensors.items():
+        array = tensor.detach().numpy()
+        chunks = tuple(max(1, (n + 1) // 2) for n in array.shape)  # several chunks, uneven at the edges
+        for prefix, values in (("", array), ("optimizer.state.exp_avg.", 0.5 * array),
+                               ("optimizer.state.exp_avg_sq.", array**2)):
+            write_zarr(folder / f"{prefix}{name}", values, chunks)
+
+
+def test_fused_qkv_rows_split_head_by_head():
+    """Megatron views the fused output as [heads, 3 x head_dim]: head h's q rows, then its k rows, then v."""
+    fused = torch.arange(12.0)[:, None]  # 2 heads of head_dim 2
+    q, k, v = split_qkv(fused, heads=2)
+    assert q.flatten().tolist() == [0, 1, 6, 7] and k.flatten().tolist() == [2, 3, 8, 9]
+    assert v.flatten().tolist() == [4, 5, 10, 11]
+
+
+def test_converts_the_reference_checkpoint_layout(tmp_path):
+    torch.manual_seed(0)
+    state = {name: torch.randn_like(t) for name, t in GPT(GPT3_PROXY).state_dict().items()}
+    state["lm_head.weight"] = state["wte.weight"]  # tied
+    write_reference_checkpoint(tmp_path / "reference", state, heads=GPT3_PROXY.n_head)
+    assert main([str(tmp_path / "reference"), str(tmp_path / "ours"), "--heads", str(GPT3_PROXY.n_head)]) == 0
+    model = {name: torch.empty_like(t) for name, t in state.items()}
+    moments = {name: {"exp_avg": torch.empty_like(t), "exp_avg_sq": torch.empty_like(t), "step": torch.tensor(0.0)}
+               for name, t in state.items() if name != "lm_head.weight"}
+    dcp.load({"model": model, "optimizer": {"state": moments}}, checkpoint_id=str(tmp_path / "ours"), no_dist=True)
+    for name, tensor in state.items():
+        assert torch.equal(model[name], tensor), name
+    for name, moment in moments.items():
+        assert torch.equal(moment["exp_avg"], 0.5 * state[name]) and torch.equal(moment["exp_avg_sq"], state[name]**2)
+        assert moment["step"] == 4000
+    assert json.loads((tmp_path / "ours" / "harness-init.json").read_text()) == {"step": 4000, "global_batch": 1536}
+    assert main([str(tmp_path / "ours"), str(tmp_path / "again")]) == 2  # not the reference layout: one line
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the starting checkpoint is saved in one process
 def test_closed_preset_logs_every_closed_key(tmp_path):
     """The full preset, shortened to 1 step of 1536 sequences (with tests/closed_proxy.py's small model in place
-    of 175B): the 4.1.0 checker's only complaint is the unreached target."""
+    of 175B) on 2 processes, so tensor parallel 2 as on a node, from the reference checkpoint's layout converted:
+    the 4.1.0 checker's only complaint is the unreached target."""
     data = tmp_path / "c4"
     data.mkdir()
     _write_c4(data)
+    write_reference_checkpoint(tmp_path / "reference", GPT(GPT3_PROXY).state_dict(), heads=GPT3_PROXY.n_head)
     init = tmp_path / "init"
-    dcp.save({"model": GPT(GPT3_PROXY).state_dict()}, checkpoint_id=str(init), no_dist=True)
+    assert main([str(tmp_path / "reference"), str(init), "--heads", str(GPT3_PROXY.n_head)]) == 0
     out = tmp_path / "closed"
     result = closed_proxy_run("gpt3", "--data", str(data), "--init-checkpoint", str(init), "--max-steps", "1",
-                              "--batch-size", "32", "--out", str(out))
+                              "--batch-size", "32", "--out", str(out), procs=2)
     assert result.returncode == 0, result.stdout + result.stderr
     log = (out / "result_0.txt").read_text()
     assert '"global_batch_size", "value": 1536' in log and '"init_checkpoint_step", "value": 4000' in log
+    assert '"tensor_model_parallel_size", "value": 2' in log
     checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
     assert "closed_gpt3.yaml" in checked.stdout + checked.stderr
     failures = failed_checks(checked)

@@ -16,6 +16,7 @@ REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
 REFERENCE_WARMUP_STEPS = 265
 REFERENCE_DECAY_STEPS = 108_600
 REFERENCE_INIT_CHECKPOINT_STEP = 4000  # the step of MLPerf's starting checkpoint
+INIT_INFO = "harness-init.json"  # beside a starting checkpoint (DCP): the step and global batch it was trained to
 EVAL_INTERVAL_SAMPLES = 24_576  # evaluate every this many sequences (rounded up to whole steps)
 
 
@@ -97,9 +98,10 @@ class Layout:
 def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
     """Tensor parallel inside a node, FSDP across the rest; the global batch rounds up to whole micro batches."""
     tensor = min(cfg.tensor_parallel, procs_per_node)
-    if world % tensor or cfg.model.n_head % tensor:
-        raise ValueError(f"tensor parallel {tensor} must divide the world size {world} and the "
-                         f"{cfg.model.n_head} attention heads")
+    if world % tensor or cfg.model.n_head % tensor or cfg.model.seq_len % tensor:
+        raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the "
+                         f"{cfg.model.n_head} attention heads and the sequence length {cfg.model.seq_len} "
+                         "(sequence parallelism splits it)")
     data = world // tensor
     grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
     return Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
@@ -113,39 +115,59 @@ def scaled_steps(steps: int, cfg: GPT3Config, layout: Layout) -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU at the peak of a training step."""
+    """Bytes per process at the peak of a training step: what parallel.py's layout really holds."""
 
-    states: float  # fp32 master weights, gradients and Adam moments, sharded over every process
-    gathered: float  # bf16 weights of two layers, unsharded by FSDP (the current one and the prefetched one)
-    activations: float  # what backward keeps, plus one layer's working set
-    logits: float  # the output layer's logits and their gradient, in fp32
+    weights: float  # fp32 master weights: this rank's FSDP shard of its tensor-parallel share
+    gradients: float  # fp32 gradients, the same shard (reduce-scattered after every micro batch)
+    optimizer: float  # Adam's two fp32 moments, the same shard
+    gathered: float  # what FSDP unshards at once: two blocks and the root's weights, one block's gradients
+    activations: float  # what backward keeps (sequence parallel: 1/tensor of the positions), one block recomputed
+    logits: float  # this rank's vocabulary shard of the logits, and what the loss keeps for backward
     reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only)
+
+    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits", "reserve")
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.logits + self.reserve
+        return sum(getattr(self, term) for term in self.TERMS)
+
+
+def tensor_replicated_params(model: GPTConfig) -> int:
+    """Parameters every tensor-parallel rank holds whole: the LayerNorms (sequence parallel) and the biases
+    of the row-parallel linears (attention output, MLP's second linear)."""
+    return model.n_layer * 6 * model.d_model + 2 * model.d_model
 
 
 def estimate_memory(cfg: GPT3Config, layout: Layout, on_gpu: bool = True) -> MemoryEstimate:
-    """Korthikanti et al. (2022)'s activation counts with flash attention (no s^2 term), bf16 compute."""
+    """Per-rank bytes, term by term. Compute runs in bf16 on GPUs (2 bytes) and fp32 on CPU (4).
+
+    Activations follow Korthikanti et al. (2022) with sequence parallelism and flash attention
+    (34 s b h / t bytes per block at 16 bits, no s^2 term), scaled to the compute dtype."""
     m, tp = cfg.model, layout.tensor
-    s, b, h = m.seq_len, layout.micro_batch, m.d_model
-    layer_params = 12 * h * h + 13 * h
-    working = 34 * s * b * h / tp  # bytes of one layer's activations kept for backward
+    s, b, h, v = m.seq_len, layout.micro_batch, m.d_model, m.vocab_size
+    compute = 2 if on_gpu else 4
+    replicated = tensor_replicated_params(m)
+    shard = (m.params - replicated) / layout.world + replicated / layout.data  # parameters per rank
+    block = (12 * h * h + 7 * h) / tp + 6 * h  # one block's parameters on one tensor rank, unsharded
+    root = (v * h + s * h) / tp + 2 * h  # embeddings and the final LayerNorm
+    # Unsharded gradients in the compute dtype, plus FSDP's fp32 copy for the reduce-scatter when that differs.
+    unsharded_grad = compute + (4 if compute != 4 else 0)
+    block_activations = 34 * s * b * h / tp * compute / 2
     if cfg.activation_checkpointing:
-        activations = m.n_layer * 2 * s * b * h + working  # each layer's bf16 input, plus one layer recomputed
+        activations = m.n_layer * compute * s * b * h / tp + block_activations  # each block's input kept
     else:
-        activations = m.n_layer * working
-    return MemoryEstimate(states=16 * m.params / layout.world, gathered=2 * 2 * layer_params / tp,
-                          activations=activations, logits=2 * 4 * s * b * m.vocab_size / tp,
-                          reserve=4 * GIB if on_gpu else 0)
+        activations = m.n_layer * block_activations
+    # The compute-dtype logits, their fp32 copy (on GPUs), the fp32 log-probabilities and their gradient.
+    logits = s * b * v / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
+    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
+                          gathered=compute * (2 * block + root) + unsharded_grad * max(block, root),
+                          activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 
 
 def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> list[str]:
     """The lines `--dry-run` shows: the layout, the batch, and the memory estimate against the GPU's."""
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
-    parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}"
-                      for name in ("states", "gathered", "activations", "logits", "reserve"))
+    parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
     return [
         f"gpt3 model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {cfg.model.n_head} heads, "

@@ -132,13 +132,35 @@ class GPTLoaders:
     sampler: ResumableSampler  # the train loader's: where a resumed run starts reading
 
 
+class EvalShard(Dataset):
+    """One data rank's share of the validation sequences, each scored by exactly one rank: (tokens, counted).
+
+    Rank r takes sequences r, r + world, r + 2 world, ... MLPerf scores every validation sequence once,
+    but ranks must run the same number of forward passes (FSDP gathers weights across them), so ranks
+    with one sequence fewer run a repeat of sequence 0 that is not counted (counted = False), where
+    DistributedSampler would count the repeat (5,760 sequences padded to 5,824 at 448 data ranks).
+    """
+
+    def __init__(self, data: Dataset, rank: int, world: int):
+        self.data, self.rank, self.world = data, rank, world
+        self.per_rank = -(-len(data) // world)
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, bool]:
+        if not 0 <= i < self.per_rank:
+            raise IndexError(f"eval shard item {i} of {self.per_rank}")
+        index = self.rank + i * self.world
+        return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
+
+
 def _loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int) -> GPTLoaders:
     """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank."""
     sampler = ResumableSampler(DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False,
                                                   drop_last=True))
-    eval_sampler = DistributedSampler(eval_set, num_replicas=data_world, rank=data_rank, shuffle=False)
     return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
-                      eval=DataLoader(eval_set, batch_size=micro_batch, sampler=eval_sampler),
+                      eval=DataLoader(EvalShard(eval_set, data_rank, data_world), batch_size=micro_batch),
                       eval_sequences=len(eval_set), sampler=sampler)
 
 

@@ -2,8 +2,9 @@
 
 Pre-LayerNorm blocks of causal self-attention (PyTorch's scaled_dot_product_attention,
 which picks flash attention on GPUs) and a 4x GELU MLP; learned positions; the output
-layer shares the token embedding's weights. q, k and v are separate linears so that
-tensor parallelism can split them by heads (see parallel.py), and the attention reads
+layer shares the token embedding's weights (as MLPerf's reference model does). q, k and v
+are separate linears so that tensor parallelism can split them by heads (see parallel.py;
+convert_reference.py splits the reference checkpoint's fused QKV), and the attention reads
 its head count from the shapes it gets, so the same code runs whole or split.
 """
 
@@ -97,3 +98,12 @@ class GPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
                 else block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups as Megatron (MLPerf's reference) builds them: no weight decay on biases and
+    LayerNorm parameters (every one-dimensional parameter), decay on the weight matrices and embeddings."""
+    decayed, exempt = [], []
+    for param in model.parameters():
+        (decayed if param.ndim > 1 else exempt).append(param)
+    return [{"params": decayed, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]

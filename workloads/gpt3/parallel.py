@@ -1,21 +1,41 @@
-"""GPT-3 parallelism: tensor parallel (DTensor) inside a node, FSDP2 (`fully_shard`) across the data ranks.
+"""GPT-3 parallelism, the torchtitan way: tensor and sequence parallel (DTensor) inside a node, FSDP2 across.
 
-The device mesh is (data, tensor). Tensor parallelism splits each block Megatron-style:
-q, k, v and the MLP's first linear by columns (heads), the output projections by rows,
-so a block needs one all-reduce forward and one backward. FSDP2 then shards every
-block's parameters, gradients and optimizer state over the data dimension, and
-gathers one block's weights at a time (prefetching the next).
+The device mesh is (data, tensor). Tensor parallelism covers every parameter, so that every
+parameter (and gradient) ends up a DTensor on the same 2-D mesh once FSDP2 shards it over
+the data dimension; gradient clipping then reduces one norm over the whole mesh:
+
+- token embedding: split by vocabulary rows; its output is reduce-scattered over the sequence;
+- position embedding: split by position rows, its output reduce-scattered the same way;
+- LayerNorms: sequence parallel (each rank normalises its share of the positions);
+- attention and MLP: Megatron's column/row split by heads; their inputs are all-gathered
+  over the sequence and their outputs reduce-scattered back (so the residual stream, and what
+  activation checkpointing keeps, is 1/tensor of the sequence on each rank);
+- output layer: split by vocabulary (tied to the token embedding, which is split the same way),
+  producing vocabulary-sharded logits that the loss consumes where they lie (loss_parallel):
+  no rank ever holds the whole (sequence x vocabulary) logits.
+
+FSDP2 shards every block's parameters, gradients and Adam moments over the data ranks and
+gathers one block at a time, prefetching the next. Gradients are reduce-scattered after every
+micro batch (accumulate_gradients), so a rank never holds more than its shard of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from contextlib import nullcontext
+
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
+    SequenceParallel, loss_parallel, parallelize_module
 
 from workloads.gpt3.config import Layout
 from workloads.gpt3.model import GPT
+
+IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
@@ -23,12 +43,9 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
 
 
 def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device) -> GPT:
-    """Apply tensor parallelism (when the tensor dimension is over 1), then FSDP2, in place."""
+    """Apply tensor and sequence parallelism (when the tensor dimension is over 1), then FSDP2, in place."""
     if mesh["tensor"].size() > 1:
-        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-        for block in model.blocks:
-            parallelize_module(block, mesh["tensor"], plan)
+        _tensor_parallel(model, mesh["tensor"])
     # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
@@ -36,3 +53,83 @@ def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device) -> GPT:
         fully_shard(block, mesh=mesh["data"], mp_policy=policy)
     fully_shard(model, mesh=mesh["data"], mp_policy=policy)
     return model
+
+
+def _tensor_parallel(model: GPT, tp: DeviceMesh) -> None:
+    sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
+    parallelize_module(model, tp, {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),
+        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (sequence, features)
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=sequence_sharded, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    })
+    # MLPerf's GPT-3 ties the output layer to the token embedding, so the closed model must too. Both are
+    # split by vocabulary rows (Shard(0) on the tensor mesh), so the two modules can share one DTensor again
+    # (parallelize_module distributed each module's reference separately).
+    model.lm_head.weight = model.wte.weight
+    gathered = PrepareModuleInput(input_layouts=(sequence_sharded,), desired_input_layouts=(Replicate(),))
+    for block in model.blocks:
+        parallelize_module(block, tp, {
+            "ln1": SequenceParallel(),
+            "attn": gathered,
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=sequence_sharded),
+            "ln2": SequenceParallel(),
+            "mlp": gathered,
+            "mlp.fc": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(output_layouts=sequence_sharded),
+        })
+
+
+def _loss_context(logits: torch.Tensor):
+    """Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward."""
+    return loss_parallel() if isinstance(logits, DTensor) else nullcontext()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.Tensor], count: int) -> torch.Tensor:
+    """Forward and backward over `count` micro batches of (batch, sequence + 1) tokens; returns the mean loss.
+
+    FSDP2 reduce-scatters each micro batch's gradients into the sharded ones as backward ends.
+    Turning that sync off between micro batches (set_requires_gradient_sync(False)) would
+    save communication but keep every unsharded fp32 gradient on every rank until the last
+    micro batch: 4 bytes x 175B / tensor parallel, about 90 GB per GPU.
+    """
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for tokens in micro_batches:
+        logits = model(tokens[:, :-1])
+        with _loss_context(logits):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / count
+            loss.backward()
+        total += _local(loss.detach())
+    return total
+
+
+@torch.no_grad()
+def scored_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The summed next-token loss over the sequences of `tokens` whose `counted` flag is set, and how many
+    tokens that sums. Uncounted sequences (an eval shard's padding) still run, so that every data rank
+    makes the same collective calls."""
+    targets = tokens[:, 1:].masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
+    logits = model(tokens[:, :-1])
+    with _loss_context(logits):
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                               ignore_index=IGNORED)
+    return _local(loss).double(), int((targets != IGNORED).sum())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
+
+    Every gradient is a DTensor on the one (data, tensor) mesh, so their norm is one partial DTensor
+    that full_tensor() reduces over the whole mesh; replicated pieces (the norms) count once."""
+    parameters = list(parameters)
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
+    total = _local(total)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total

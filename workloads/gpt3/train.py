@@ -4,8 +4,9 @@ log perplexity reaches the target (timed).
 MLPerf shape: training starts from a checkpoint (the reference's, at step 4000 of batch 1536;
 the tiny preset's is trained once by the harness), evaluates every 24,576 sequences (rounded
 up to whole steps) on the validation subset, and stops at the first evaluation at or below
-the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1, linear warmup then cosine decay to 10%
-of the base LR, gradient clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
+the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1 (none on biases and norms), linear warmup
+then cosine decay to 10% of the base LR, continued from the starting checkpoint's step, gradient
+clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from mlperf_logging.mllog import constants as C
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
+    set_model_state_dict, set_optimizer_state_dict
 
 from workloads.common import mlperf as K
 from workloads.common.cache import build_once, cache_root
@@ -32,12 +34,12 @@ from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.progress import Progress
 from workloads.common.resilience import Resilience
-from workloads.gpt3.config import PRESETS, GPT3Config, plan_layout, scaled_steps
+from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
-from workloads.gpt3.model import GPT
-from workloads.gpt3.parallel import build_mesh, parallelize
+from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize, \
+    scored_loss_sum
 
-INIT_INFO = "harness-init.json"  # beside a DCP checkpoint: the step and batch it was trained to
 # Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
 # preset's checkpoint is saved from one process: both by design, so torch's warnings about them are noise.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -65,9 +67,12 @@ class GPT3Workload(Workload):
         model.to_empty(device=ctx.device)
         model.init_weights()
         self.model = model
+        self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
+                                           betas=(0.9, 0.95), eps=1e-8)
         self.init_step = self._load_init_checkpoint()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=cfg.weight_decay)
+        # The schedule continues where the starting checkpoint left it (past warmup, into the decay), as the
+        # reference does; its steps, like every step count here, at this run's global batch.
+        self.schedule_offset = 0 if self.init_step is None else scaled_steps(self.init_step, cfg, layout)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
@@ -100,15 +105,27 @@ class GPT3Workload(Workload):
             dist.barrier()
             path = tiny_init_root()
         state = {"model": get_model_state_dict(self.model)}
+        with_moments = any(key.startswith("optimizer.state.")
+                           for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        if with_moments:
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = {"state": optimizer["state"]}  # Adam's moments; the hyperparameters stay ours
+        elif self.opts.preset == "full":
+            raise SystemExit(f"workloads: {path} holds no optimizer state: MLPerf's GPT-3 starts from the reference "
+                             "checkpoint's weights and Adam moments; convert it with python -m "
+                             "workloads.gpt3.convert_reference")
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
+        if with_moments:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer)
         info = Path(path, INIT_INFO)
         if info.is_file():
             return int(json.loads(info.read_text())["step"])
         return self.cfg.init_checkpoint_step
 
     def _lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to end_lr_ratio x base LR."""
+        """Linear warmup, then cosine decay to end_lr_ratio x base LR, from the starting checkpoint's step."""
+        step += self.schedule_offset
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
@@ -132,8 +149,7 @@ class GPT3Workload(Workload):
             C.OPT_ADAM_EPSILON: 1e-8,
             C.OPT_WEIGHT_DECAY: cfg.weight_decay,
             C.OPT_GRADIENT_CLIP_NORM: 1.0,
-            **({C.INIT_CHECKPOINT_STEP: math.ceil(self.init_step * cfg.lr_batch / layout.global_batch)}
-               if self.init_step is not None else {}),
+            **({C.INIT_CHECKPOINT_STEP: self.schedule_offset} if self.init_step is not None else {}),
             C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
             "tensor_model_parallel_size": layout.tensor,
             "pipeline_model_parallel_size": layout.pipeline,
@@ -192,20 +208,13 @@ class GPT3Workload(Workload):
     def _train_step(self, batches) -> float:
         """One optimizer step over grad_accum micro batches; returns the mean loss."""
         self.model.train()
-        total = torch.zeros((), device=self.ctx.device)
-        for micro in range(self.layout.grad_accum):
-            tokens = next(batches).to(self.ctx.device, non_blocking=True)
-            # Gradients are reduced across data ranks only after the last micro batch.
-            self.model.set_requires_gradient_sync(micro == self.layout.grad_accum - 1)
-            logits = self.model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / self.layout.grad_accum
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
+        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum)
+        clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total.item()  # the step's one wait for the device
+        return loss.item()  # the step's one wait for the device
 
     def _throughput(self, tokens_per_second: float) -> dict[str, float]:
         stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
@@ -221,12 +230,12 @@ class GPT3Workload(Workload):
         mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: tokens_seen})
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
-        for tokens in self.loaders.eval:
-            tokens = tokens.to(self.ctx.device, non_blocking=True)
-            logits = self.model(tokens[:, :-1])
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
-            count += tokens[:, 1:].numel()
-        # Every tensor-parallel rank saw the same sequences: the ratio is the same over the whole world.
+        for tokens, counted in self.loaders.eval:
+            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
+                                                     counted)
+            loss_sum, count = loss_sum + batch_sum, count + batch_count
+        # Each sequence is counted on one data rank; every tensor-parallel rank of it holds the same sums,
+        # so the ratio over the whole world is the ratio over the data ranks.
         loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
         log_ppl = loss_sum / count
         mlog.event(C.EVAL_ACCURACY, log_ppl, metadata={C.EPOCH_NUM: tokens_seen})

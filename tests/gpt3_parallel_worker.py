@@ -1,0 +1,127 @@
+"""One rank of tests/test_gpt3_parallel.py, started by torchrun: a small GPT-3 on a (data, tensor) mesh,
+checked against the same model whole in this process.
+
+    gpt3_parallel_worker.py parity DATA TENSOR ACCUM   loss, gradients, clipping and one AdamW step
+    gpt3_parallel_worker.py memory DATA TENSOR ACCUM   bytes of gradients (after each micro batch), weights and
+                                                       Adam moments this rank holds (JSON line)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from workloads.gpt3.config import GPT3Config, GPTConfig, Layout, estimate_memory
+from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+MICRO_BATCH = 2
+CPU = torch.device("cpu")
+
+
+def build(layout: Layout) -> tuple[GPT, GPT]:
+    """The reference model (whole, in this process) and the same weights split over the mesh."""
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    parallelize(model, build_mesh(layout, CPU), CPU)
+    model.to_empty(device=CPU)
+    set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+    return reference, model
+
+
+def micro_batches(tokens: torch.Tensor, layout: Layout, data_rank: int) -> list[torch.Tensor]:
+    """This data rank's micro batches of the global batch, in accumulation order."""
+    return [tokens[(step * layout.data + data_rank) * MICRO_BATCH:][:MICRO_BATCH] for step in range(layout.grad_accum)]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def parity(layout: Layout) -> None:
+    reference, model = build(layout)
+    tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
+    data_rank = dist.get_rank() // layout.tensor
+    expected = accumulate_gradients(reference, tokens.split(MICRO_BATCH), layout.global_batch // MICRO_BATCH)
+    loss = accumulate_gradients(model, micro_batches(tokens, layout, data_rank), layout.grad_accum)
+    dist.all_reduce(loss)
+    assert_close(loss / layout.world, expected)  # each tensor rank of a data rank reports the same loss
+    params = dict(model.named_parameters())
+    assert params.keys() == dict(reference.named_parameters()).keys()
+    assert model.lm_head.weight is model.wte.weight  # still tied
+    assert len({p.device_mesh for p in params.values()}) == 1  # every parameter on the one (data, tensor) mesh
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    assert expected_norm > 0.05 and not isinstance(norm, DTensor)  # the clip really scales
+    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}")
+    for m in (reference, model):
+        torch.optim.AdamW(optimizer_groups(m, 0.1), lr=1e-2).step()
+    # Adam's first step moves a weight by about lr x sign(gradient): where a gradient is near 0, rounding in
+    # its reduction can move the weight by a small fraction of lr.
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name]).detach(), param.detach(), rtol=1e-4, atol=1e-4, msg=lambda text, name=name: f"{name}: {text}")
+    print(f"rank {dist.get_rank()}: parity ok", flush=True)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def gradient_bytes() -> int:
+    """Bytes of every live parameter's gradient, whichever object holds the parameter: the sharded DTensors
+    the optimizer sees and the unsharded parameters FSDP swaps in during forward and backward (which keep
+    their gradients between micro batches when gradient sync is off)."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
+            grad = obj.grad.to_local() if isinstance(obj.grad, DTensor) else obj.grad
+            storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def memory(layout: Layout) -> None:
+    """Gradient bytes held after each micro batch, then this rank's weights and Adam moments, against the
+    estimate's terms (one JSON line)."""
+    _, model = build(layout)
+    tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
+    held = []
+    for batch in micro_batches(tokens, layout, dist.get_rank() // layout.tensor):
+        accumulate_gradients(model, [batch], layout.grad_accum)
+        held.append(gradient_bytes())
+    optimizer = torch.optim.AdamW(optimizer_groups(model, 0.1))
+    optimizer.step()
+    moments = sum(local_bytes(state[kind]) for state in optimizer.state.values() for kind in ("exp_avg", "exp_avg_sq"))
+    cfg = GPT3Config(model=CONFIG, global_batch=layout.global_batch, micro_batch=MICRO_BATCH, base_lr=0,
+                     end_lr_ratio=0, warmup_steps=1, decay_steps=1, lr_batch=1, eval_interval=1, eval_sequences=1,
+                     target=0, init_checkpoint_step=0)
+    estimate = estimate_memory(cfg, layout, on_gpu=False)
+    print(json.dumps({"rank": dist.get_rank(), "gradients": held, "weights": sum(map(local_bytes, model.parameters())),
+                      "optimizer": moments, "estimate": {term: getattr(estimate, term)
+                                                         for term in ("gradients", "weights", "optimizer")}}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    mode, data, tensor, accum = sys.argv[1], *map(int, sys.argv[2:5])
+    dist.init_process_group("gloo")
+    layout = Layout(world=data * tensor, tensor=tensor, pipeline=1, data=data, micro_batch=MICRO_BATCH,
+                    grad_accum=accum)
+    {"parity": parity, "memory": memory}[mode](layout)
+    dist.destroy_process_group()

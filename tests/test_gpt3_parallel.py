@@ -1,0 +1,41 @@
+"""GPT-3's parallel layout on CPU (gloo): tensor + sequence parallel with FSDP2 matches the whole model, and
+gradient accumulation holds only each rank's shard of the gradients (tests/gpt3_parallel_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def torchrun(procs: int, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(procs), str(REPO / "tests" / "gpt3_parallel_worker.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("data,tensor", [(1, 2), (2, 2)])
+def test_tensor_parallel_matches_the_whole_model(data, tensor):
+    """Loss, every gradient, the clipped gradients and one AdamW step, with 2 accumulated micro batches."""
+    out = torchrun(data * tensor, "parity", str(data), str(tensor), "2")
+    assert out.count("parity ok") == data * tensor
+
+
+@pytest.mark.parametrize("data,tensor", [(2, 1), (2, 2)])
+def test_accumulation_holds_only_sharded_gradients_as_estimated(data, tensor):
+    """After every micro batch, each rank holds exactly the estimate's gradient bytes: its FSDP shard of its
+    tensor-parallel share (gradient sync off between micro batches would hold every unsharded gradient); its
+    weights and Adam moments match their terms too."""
+    reports = [json.loads(line) for line in torchrun(data * tensor, "memory", str(data), str(tensor), "2").splitlines()
+               if line.startswith("{")]
+    assert len(reports) == data * tensor
+    for report in reports:
+        estimate = report["estimate"]
+        assert report["gradients"] == [estimate["gradients"]] * 2, report
+        assert report["weights"] == estimate["weights"] and report["optimizer"] == estimate["optimizer"], report
