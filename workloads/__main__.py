@@ -7,9 +7,12 @@ non-zero on an error, which the elastic agent may answer with a restart.
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from harness.requirements_check import exit_if_unfit
 
-from workloads.common.campaign import RunOptions, run_campaign
+exit_if_unfit()  # before torch is imported: an image too old for the harness stops in one line
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record  # noqa: E402
+
+from workloads.common.campaign import RunOptions, run_campaign  # noqa: E402
 
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from harness.errors import HarnessError
+from harness.requirements_check import AGENT_BOOTSTRAP
 from harness.spec import JobSpec
 
 JOB_FILE = "job.json"
@@ -167,12 +168,15 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
                   rdzv_id: str = "harness", restart_here: bool = False) -> list[str]:
     """The command one node runs: the harness's node agent around torchrun's, then the workload.
 
+    `python -c AGENT_BOOTSTRAP` is `python -m harness.agent`, except that in an image without the harness
+    it says so in one line naming the image (see harness.requirements_check).
+
     Without `rendezvous` the agent runs standalone (one node, a private port);
     otherwise all nodes meet at the c10d store at `rendezvous` (host:port).
     `restart_here`: the node agent restarts failed attempts itself (local); on clusters
     the scheduler restarts the job (see harness.agent).
     """
-    cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)]
+    cmd = [python, "-c", AGENT_BOOTSTRAP, "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts)]
     if restart_here:
         cmd.append("--restart-here")
     cmd += ["--", f"--nproc-per-node={nproc_per_node}"]
