@@ -69,11 +69,11 @@ def image_name() -> str:
     return os.environ.get(IMAGE_ENV) or f"(the environment of {sys.executable})"
 
 
-def exit_if_unfit() -> None:
+def exit_if_unfit(remedy: str = BUILD_HINT) -> None:
     """Exit 2 with one line on stderr if this image cannot run the harness; return otherwise."""
     found = problems(tuple(sys.version_info[:3]), installed_version)
     if found:
-        print(f"harness: image {image_name()} {'; it '.join(found)}: {BUILD_HINT}", file=sys.stderr, flush=True)
+        print(f"harness: image {image_name()} {'; it '.join(found)}: {remedy}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_UNFIT_IMAGE)
 
 
@@ -87,3 +87,7 @@ AGENT_BOOTSTRAP = (
     f"{'has no harness (no module named harness): ' + BUILD_HINT!r},file=sys.stderr),sys.exit({EXIT_UNFIT_IMAGE})];"
     "import harness.agent;sys.exit(harness.agent.main(sys.argv[1:]))"
 )
+
+
+if __name__ == "__main__":  # how manifests/image/Containerfile checks its BASE_IMAGE before installing anything
+    exit_if_unfit("choose a newer BASE_IMAGE (NGC PyTorch 25.12 has torch 2.10 and Python 3.12)")

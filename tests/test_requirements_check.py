@@ -69,6 +69,17 @@ def test_agent_and_worker_stop_before_importing_an_old_torch(tmp_path, entry):
                    if line.startswith("import time:"))  # it never imported torch
 
 
+def test_the_image_build_checks_its_base_first(tmp_path):
+    fake_distribution(tmp_path, "torch", "2.3.0")  # run as a script, as manifests/image/Containerfile does
+    env = {"PYTHONPATH": str(tmp_path), "HARNESS_IMAGE": "nvcr.io/nvidia/pytorch:24.04-py3"}
+    proc = subprocess.run([sys.executable, str(REPO / "harness" / "requirements_check.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("harness: image nvcr.io/nvidia/pytorch:24.04-py3 has torch 2.3.0;")
+    assert line.endswith(": choose a newer BASE_IMAGE (NGC PyTorch 25.12 has torch 2.10 and Python 3.12)")
+
+
 def test_the_node_command_in_an_image_without_the_harness_names_the_image(tmp_path):
     # -I -S: no site-packages and no working directory on the path, so no harness to import
     proc = subprocess.run([sys.executable, "-I", "-S", "-c", rc.AGENT_BOOTSTRAP, "--out", "unused"], cwd=tmp_path,
