@@ -35,8 +35,8 @@ MIN_VERSIONS = {
 
 
 def release(version: str) -> tuple[int, ...]:
-    """(major, minor, ...) of a version string. NGC's torch is a pre-release such as 2.10.0a0+b4e4ee8,
-    which has everything of 2.10 this harness uses, so pre-release and local tags are ignored."""
+    """(major, minor, ...) of a version string, without pre-release and local tags: NGC's torch is a
+    snapshot such as 2.10.0a0+b4e4ee81d3 of the branch that became 2.10, and counts as 2.10."""
     numbers = re.match(r"\d+(\.\d+)*", version)
     return tuple(int(n) for n in numbers.group().split(".")) if numbers else ()
 
