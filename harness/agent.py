@@ -47,6 +47,7 @@ from pathlib import Path
 
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
+from workloads.common.requirements_check import exit_if_unfit
 
 EXIT_WORKLOAD_ERROR = 3
 EXIT_BUDGET_SPENT = 4
@@ -311,6 +312,7 @@ def _say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_if_unfit()  # an image too old for the harness stops here, in one line, before torch is imported
     parser = argparse.ArgumentParser(prog="python -m harness.agent", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the run folder (shared by every node)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart budget for the whole job")

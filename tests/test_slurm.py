@@ -31,7 +31,7 @@ def test_the_448_node_h100_script(tmp_path):
                  "export NCCL_COLLNET_ENABLE=1", "export NCCL_IB_HCA=ibp", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script.splitlines(), line
     [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert "--container-image=nvcr.io/nvidia/pytorch:24.04-py3" in srun
+    assert "--container-image=registry.example.com/mlperf/mlperf-harness:0.1.0" in srun
     assert "--container-mounts=/mnt/data:/data,/mnt/results:/results" in srun
     assert "--nnodes=448" in srun and "--nproc-per-node=8" in srun
     assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}"' in srun

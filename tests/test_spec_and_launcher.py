@@ -12,6 +12,7 @@ import pytest
 from harness.errors import HarnessError
 from harness.launchers import Handle, JobState, get_launcher
 from harness.launchers.base import agent_command
+from workloads.common.requirements_check import AGENT_BOOTSTRAP
 from harness.spec import JobSpec, parse_env, validate
 
 
@@ -66,7 +67,7 @@ def test_validate_rejects_data_with_synthetic(tmp_path):
 def test_agent_command_standalone_and_rendezvous(tmp_path):
     spec = JobSpec("resnet", nodes=4, max_restarts=2, out_dir=tmp_path)
     local = agent_command(spec, "py", 2, restart_here=True)
-    assert local[:3] == ["py", "-m", "harness.agent"] and "--restart-here" in local
+    assert local[:3] == ["py", "-c", AGENT_BOOTSTRAP] and "--restart-here" in local
     assert local[local.index("--max-restarts") + 1] == "2" and local[local.index("--out") + 1] == str(tmp_path)
     torchrun = local[local.index("--") + 1:]  # what torchrun's own parser gets
     assert "--standalone" in torchrun and "--nproc-per-node=2" in torchrun

@@ -7,10 +7,13 @@ non-zero on an error, which the elastic agent may answer with a restart.
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from workloads.common.requirements_check import exit_if_unfit
 
-from workloads.common.campaign import RunOptions, run_campaign
-from workloads.common.rank_output import redirect_rank_output
+exit_if_unfit()  # before torch is imported: an image too old for the harness stops in one line
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record  # noqa: E402
+
+from workloads.common.campaign import RunOptions, run_campaign  # noqa: E402
+from workloads.common.rank_output import redirect_rank_output  # noqa: E402
 
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 from harness.errors import HarnessError
+from workloads.common.requirements_check import AGENT_BOOTSTRAP
 from harness.spec import JobSpec
 
 JOB_FILE = "job.json"
-IMAGE_ENV = "HARNESS_IMAGE"  # the container image the ranks run in, for the start-up check's one-line error
 
 
 class JobState(str, enum.Enum):
@@ -218,13 +218,16 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
                   rdzv_id: str = "harness", restart_here: bool = False, job_token: str | None = None) -> list[str]:
     """The command one node runs: the harness's node agent around torchrun's, then the workload.
 
+    `python -c AGENT_BOOTSTRAP` is `python -m harness.agent`, except that in an image without the harness
+    it says so in one line naming the image (see workloads.common.requirements_check).
+
     Without `rendezvous` the agent runs standalone (one node, a private port);
     otherwise all nodes meet at the c10d store at `rendezvous` (host:port).
     `restart_here`: the node agent restarts failed attempts itself (local); on clusters
     the scheduler restarts the job (see harness.agent). `job_token`: the node agent claims the run
     folder for this job and refuses one that another job's results are in (Kubernetes' shared volume).
     """
-    cmd = [python, "-m", "harness.agent", "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts),
+    cmd = [python, "-c", AGENT_BOOTSTRAP, "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts),
            "--job", spec.name or spec.benchmark, "--benchmark", spec.benchmark, "--metrics-port", str(spec.metrics())]
     if spec.pushgateway:
         cmd += ["--pushgateway", spec.pushgateway]

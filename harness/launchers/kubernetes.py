@@ -38,10 +38,11 @@ from kubernetes import client as k8s
 from harness.agent import NODE_ENV
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
-from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
                                     cluster_procs_per_node, health_command, workload_plan)
 from harness.mounts import Mount, check_inside, claim_mount
 from harness.spec import JobSpec
+from workloads.common.requirements_check import IMAGE_ENV
 
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 MANAGER = "mlperf-harness"  # owner of the TrainJob's runtime patch

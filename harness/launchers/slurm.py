@@ -27,11 +27,12 @@ from pathlib import Path
 from harness.agent import EXIT_RETRY
 from harness.errors import HarnessError
 from harness.mounts import pyxis_mount, translate
-from harness.launchers.base import (IMAGE_ENV, Handle, JobState, Launcher, Request, agent_command,
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
                                     cluster_procs_per_node, health_command, rank_log_files, show_files,
                                     workload_plan)
 from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
+from workloads.common.requirements_check import IMAGE_ENV
 from workloads.common.rank_output import RANK_OUTPUT_ENV
 
 SCRIPT_FILE = "job.sbatch"
