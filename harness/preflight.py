@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from harness.health import FAIL, NODES_DIR, PASS, SKIPPED, Check
+from harness.results.goodput import attempt_stragglers
 from workloads.common.run_record import read_attempts
 
 PREFLIGHT_FILE = "preflight.json"
@@ -55,7 +56,8 @@ def _pair_check(record: dict) -> Check | None:
 
 def blamed_nodes(out: Path) -> dict[str, str]:
     """Nodes the newest failed training attempt points at, with the cause: a rank killed by a signal other
-    than the SIGTERM its peers get when one fails, or a node that started the attempt and never ended it."""
+    than the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or
+    the node of a rank the straggler checks named (slow over several windows in a row)."""
     records = read_attempts(out)
     ends = [r for r in records if r.get("event") == "end"]
     if not records:
@@ -71,6 +73,10 @@ def blamed_nodes(out: Path) -> dict[str, str]:
     if ended:
         blamed.update({r["node"]: "the node was lost: its agent never recorded the attempt's end" for r in mine
                        if r.get("event") == "start" and r["node"] not in ended})
+    for record in sorted(Path(out).glob("run_*.jsonl")):
+        for slow in attempt_stragglers(record, attempt):
+            blamed.setdefault(str(slow["node"]), f"straggler: rank {slow['rank']} computed at {slow['score']:.2f} of "
+                                                 f"the fastest rank's speed for {slow['windows']} windows in a row")
     return blamed
 
 

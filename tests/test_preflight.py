@@ -187,6 +187,27 @@ def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
     assert preflight.decide(tmp_path, ["a", "b"], 1)["spare"] == ["b"]  # without --blame-failures: both healthy
 
 
+def test_the_node_of_a_persistent_straggler_is_kept_out_of_the_next_attempt(tmp_path):
+    import json
+
+    from harness import preflight
+
+    for node in ("a", "b"):
+        _report(tmp_path, node, 470)
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"},
+        {"event": "end", "attempt": 0, "node": "a", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
+         "cause": "rank 0 killed by SIGTERM"},
+        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
+         "cause": "rank 1 killed by SIGTERM"}]))
+    window = {"attempt": 0, "kind": "stragglers", "start": 1.0, "end": 1.0, "steps": [10, 10],
+              "stragglers": [{"rank": 1, "node": "b", "score": 0.4}]}
+    (tmp_path / "run_0.jsonl").write_text("".join(json.dumps(window) + "\n" for _ in range(3)))
+    record = preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)
+    assert record["kept"] == ["a"] and list(record["excluded"]) == ["b"]
+    assert "straggler: rank 1 computed at 0.40 of the fastest rank's speed for 3 windows" in record["excluded"]["b"][0]
+
+
 def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_avoids_the_bad_one(tmp_path,
                                                                                                monkeypatch):
     from harness import preflight, profiles

@@ -32,7 +32,7 @@ from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_c
                                     workload_plan)
 from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
-from workloads.common.requirements_check import IMAGE_ENV
+from workloads.common.requirements_check import AGENT_BOOTSTRAP, IMAGE_ENV
 from workloads.common.rank_output import RANK_OUTPUT_ENV
 
 SCRIPT_FILE = "job.sbatch"
@@ -150,7 +150,7 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
     expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.
-    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.agent",
+    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *container, python, "-c", AGENT_BOOTSTRAP,
                          "--decide", "--out", str(inside.out_dir), "--max-restarts", str(spec.max_restarts)])
     lines = [
         "#!/bin/bash",

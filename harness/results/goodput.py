@@ -115,6 +115,11 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
                       badput={k: round(v, 3) for k, v in spent.items()}, stragglers=named_stragglers(intervals))
 
 
+def attempt_stragglers(record: Path, attempt: int) -> list[dict]:
+    """The stragglers one attempt of a run named (its run record's straggler windows)."""
+    return named_stragglers([r for r in _intervals(record) if r["attempt"] == attempt])
+
+
 def named_stragglers(intervals: list[dict], persist: int = 3) -> list[dict]:
     """Ranks below the threshold in `persist` straggler windows in a row (in every window, when a run had
     fewer), with their median score over the windows where they were slow (workloads.common.stragglers)."""
