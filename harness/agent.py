@@ -52,7 +52,7 @@ from workloads.common.requirements_check import exit_if_unfit
 EXIT_WORKLOAD_ERROR = 3
 EXIT_BUDGET_SPENT = 4
 EXIT_REPEATED_FAILURE = 5
-EXIT_FOLDER_TAKEN = 6
+EXIT_FOLDER_TAKEN = 7  # (6 is harness run's "too few healthy nodes", harness.preflight)
 # 128 + SIGUSR1, so that a PyTorchJob's ExitCode policy recreates the pod: the training operator retries
 # every code of 128 or more, and its releases before that only 130, 137, 143 and this one.
 EXIT_RETRY = 138
