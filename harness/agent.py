@@ -118,6 +118,12 @@ def _append(out: Path, node: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    if record.get("event") == "start":  # what NewerAttemptWatch looks for: one path, not every node's file
+        started_marker(out, record["attempt"]).touch()
+
+
+def started_marker(out: Path, attempt: int) -> Path:
+    return Path(out) / ATTEMPTS_DIR / f"started-{attempt}"
 
 
 def next_attempt(records: list[dict], node: str) -> int:
@@ -169,9 +175,13 @@ class NewerAttemptWatch:
         self._thread.join()
 
     def _watch(self) -> None:
+        # One stat every poll_s per node: reading all 448 nodes' files from 448 nodes every 5 s would be
+        # 40,000 opens a second on the shared file system's server.
+        marker = started_marker(self.out, self.attempt + 1)
         while not self._done.wait(self.poll_s):
-            self.newer = newer_attempt(read_records(self.out), self.attempt)
-            if self.newer:
+            if marker.exists():
+                self.newer = newer_attempt(read_records(self.out), self.attempt) or \
+                    {"node": "another node", "attempt": self.attempt + 1}
                 self.stop()
                 return
 
@@ -366,13 +376,30 @@ def _start_metrics(args, node: str):
         _say(f"metrics: ports {args.metrics_port} to {args.metrics_port + 15} are all taken; serving none "
              "(training goes on)")
     else:
-        write_target(args.out, node, exporter.port, {"job": args.job, "benchmark": args.benchmark})
+        try:
+            write_target(args.out, node, exporter.port, {"job": args.job, "benchmark": args.benchmark})
+        except OSError as exc:  # metrics must never stop a node: it is still served, only not listed
+            _say(f"metrics: could not list this node in {args.out}: {exc}")
         _say(f"metrics: http://{socket.gethostname()}:{exporter.port}/metrics")
     return exporter, feed_dir
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends the attempt in every phase. torch's agent turns it into SignalException only once its
+    workers have started; before that (a rendezvous can last 25 minutes at 448 nodes) a pod's agent, which
+    is PID 1, would ignore it (the kernel drops signals PID 1 has no handler for), and a bare node's would
+    die without recording its attempt's end."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handler(signum, frame):
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _attempts(args, node: str) -> int:
     """Run attempts until one succeeds or the decision says stop (or restart elsewhere)."""
+    _stop_on_sigterm()
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,16 +35,22 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                         RANK_LABELS),
     "restarts": ("counter", "Restarted attempts of the job, by the kind of failure before them",
                  ("job", "benchmark", "kind")),
-    "goodput_seconds": ("counter", "Training and eval time kept, per run", ("job", "benchmark", "run")),
-    "badput_seconds": ("counter", "Time lost, per run and cause", ("job", "benchmark", "run", "cause")),
-    "checkpoint_save_seconds": ("counter", "Time training waited for checkpoint saves", ("job", "benchmark", "run")),
-    "checkpoint_restore_seconds": ("counter", "Time spent restoring checkpoints", ("job", "benchmark", "run")),
+    # Gauges, not counters: a failure turns work already counted as goodput into lost time.
+    "goodput_seconds": ("gauge", "Training and eval time kept so far, per run", ("job", "benchmark", "run")),
+    "badput_seconds": ("gauge", "Time lost so far, per run and cause", ("job", "benchmark", "run", "cause")),
+    "checkpoint_save_seconds": ("gauge", "Time training waited for checkpoint saves", ("job", "benchmark", "run")),
+    "checkpoint_restore_seconds": ("gauge", "Time spent restoring checkpoints", ("job", "benchmark", "run")),
     "preflight_passed": ("gauge", "1 when the node passed the preflight check, 0 when it failed",
                          NODE_LABELS + ("check",)),
 }
 TARGETS_FILE = "prometheus-targets.json"  # Prometheus file_sd: every node agent's host:port
 TARGETS_DIR = "prometheus-targets"  # one file per node, each with a single writer
 PORT_TRIES = 16  # nodes sharing a host (tests, small clusters) take the next free port
+# The job-level figures (restarts, goodput) read every node's attempt file and the run records from the shared
+# file system: at most once per this many seconds per node, so 448 nodes scraped every 15 s do not turn into
+# tens of thousands of file opens a second on the file server.
+# HARNESS_METRICS_TTL_S sets it (tests, small clusters that want fresher figures).
+JOB_FIGURES_TTL_S = float(os.environ.get("HARNESS_METRICS_TTL_S", "30"))
 
 
 def metric_names() -> list[str]:
@@ -72,6 +79,14 @@ class _Collector:
 
     def __init__(self, source: Source):
         self.source = source
+        self._job_figures: tuple[float, tuple] | None = None  # (when read, (restarts, accounting, preflight))
+
+    def job_figures(self) -> tuple:
+        now = time.monotonic()
+        if self._job_figures is None or now - self._job_figures[0] > JOB_FIGURES_TTL_S:
+            s = self.source
+            self._job_figures = (now, (_restarts(s.out), _accounting(s.out), _preflight(s.out, s.node)))
+        return self._job_figures[1]
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -101,15 +116,16 @@ class _Collector:
             for state in STATES:
                 families["state"].add_metric(labels + [state], 1.0 if figures.get("state") == state else 0.0)
         job = [s.job, s.benchmark]
-        for kind, count in _restarts(s.out).items():
+        restarts, accounting_by_run, preflight = self.job_figures()
+        for kind, count in restarts.items():
             families["restarts"].add_metric(job + [kind], count)
-        for run, accounting in _accounting(s.out):
+        for run, accounting in accounting_by_run:
             families["goodput_seconds"].add_metric(job + [run], accounting["goodput_s"])
             for cause, seconds in accounting["badput"].items():
                 families["badput_seconds"].add_metric(job + [run, cause], seconds)
             families["checkpoint_save_seconds"].add_metric(job + [run], accounting["badput"].get("save", 0.0))
             families["checkpoint_restore_seconds"].add_metric(job + [run], accounting["badput"].get("restore", 0.0))
-        for check, passed in _preflight(s.out, s.node):
+        for check, passed in preflight:
             families["preflight_passed"].add_metric(job + [s.node, check], 1.0 if passed else 0.0)
         yield from families.values()
 
@@ -221,7 +237,9 @@ class Exporter:
 
 
 def write_target(out: Path, node: str, port: int, labels: dict[str, str]) -> None:
-    """Record this node's endpoint for Prometheus' file-based discovery: its own file, then the merged list."""
+    """Record this node's endpoint for Prometheus' file-based discovery: its own file (prometheus-targets/<node>.json,
+    which a file_sd glob reads whole), then the merged list, as complete as this node sees the others (on a
+    shared file system the last writer may not see every node yet: the glob never misses one)."""
     host = socket.gethostname()
     folder = Path(out) / TARGETS_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -237,6 +255,6 @@ def write_target(out: Path, node: str, port: int, labels: dict[str, str]) -> Non
 
 
 def _replace(path: Path, data) -> None:
-    aside = path.with_name(f".{path.name}.{os.getpid()}")
-    aside.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(aside, path)
+    from workloads.common.run_record import replace_whole
+
+    replace_whole(path, json.dumps(data, indent=1) + "\n")

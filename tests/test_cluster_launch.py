@@ -227,3 +227,25 @@ def test_the_resnet_optimizer_can_be_forced_and_is_checked():
     for args in (("resnet", "--optimizer", "adam"), ("bert", "--optimizer", "lars")):
         refused = _dry(*args)
         assert refused.returncode == 2 and "resnet takes one of sgd, lars" in refused.stderr
+
+
+def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
+    """Before torch's agent starts workers it has no SIGTERM handler of its own: the node agent's ends the
+    attempt anyway (a pod's agent is PID 1, which would otherwise ignore the signal), and records it."""
+    argv = [sys.executable, "-m", "harness.agent", "--out", str(tmp_path), "--max-restarts", "2", "--",
+            "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            "--rdzv-id=test", "--rdzv-conf=join_timeout=120", "-m", "workloads", "resnet", "--out", str(tmp_path)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not read_records(tmp_path):
+            time.sleep(0.2)
+        time.sleep(2)  # inside torch's rendezvous by now
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stderr
+    (end,) = [r for r in read_records(tmp_path) if r["event"] == "end"]
+    assert end["signal"] == "SIGTERM" and end["kind"] == "infrastructure"

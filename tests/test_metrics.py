@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import socket
 import subprocess
@@ -50,7 +51,8 @@ def scraped_campaign(tmp_path_factory):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--runs", "2", "--seed", "11",
                              "--max-steps", "30", "--straggler-window", "2", "--metrics-port", str(port),
-                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HARNESS_METRICS_TTL_S": "1"})
     scrapes = []
     while proc.poll() is None:
         families = _scrape(port)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,12 +59,23 @@ def read_attempts(out: Path) -> list[dict]:
                                           else 0.0))
 
 
+def replace_whole(path: Path, text: str) -> None:
+    """Write `path` aside, then rename it over: a reader never sees half of it. The aside name is unique to
+    this writer (not just its PID: every pod's agent is PID 1), so writers on many nodes never collide."""
+    path = Path(path)
+    fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(aside, path)
+    except BaseException:
+        Path(aside).unlink(missing_ok=True)
+        raise
+
+
 def write_merged_attempts(out: Path, records: list[dict]) -> None:
-    """The merged view, replaced whole (written aside, then renamed), so a reader never sees half of it."""
-    target = Path(out) / ATTEMPTS_FILE
-    aside = target.with_name(f".{ATTEMPTS_FILE}.{os.getpid()}")
-    aside.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(aside, target)
+    """The merged view, replaced whole; deciders on several nodes may each write it (the last one stays)."""
+    replace_whole(Path(out) / ATTEMPTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def run_record_path(out: Path, index: int) -> Path:

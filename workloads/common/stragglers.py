@@ -115,7 +115,7 @@ class StragglerWatch:
         mean = sum(times) / len(times) if times else float("nan")
         gathered = [torch.zeros(1, dtype=torch.float64, device=self.ctx.device) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, torch.tensor([mean], dtype=torch.float64, device=self.ctx.device))
-        means = [g.item() for g in gathered]
+        means = torch.cat(gathered).tolist()  # one copy to the host, not one per rank
         scores = score(means)
         FEED.straggler_score(scores[self.ctx.rank])
         self.windows_s += time.perf_counter() - clock
