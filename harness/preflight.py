@@ -93,6 +93,10 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                                        note="the node did not run or finish the checks").to_dict()]}
         checks = [Check.from_dict(c) for c in record["checks"]]
         pair = _pair_check(record)
+        if pair is None and len(allocated) > 1 and "pairs" in record:
+            # A node that reported but met no partner: the link checks never ran, which must not pass.
+            pair = Check("pair_busbw", FAIL, "missing", "measured with another node",
+                         note="the between-node checks did not finish")
         checks += [pair] if pair else []
         if node in blamed:
             checks.append(Check("training_failure", FAIL, blamed[node][:200], "no failure in the last attempt"))

@@ -139,7 +139,8 @@ def _report(out: Path, node: str, busbw: float, pairs: list | None = None) -> No
     path = out / NODES_DIR / f"{node}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"node": node, "started": 1.0, "gpu": "NVIDIA H100 80GB HBM3", "thresholds": th,
-                                "checks": [c.to_dict() for c in checks], "pairs": pairs or []}))
+                                "checks": [c.to_dict() for c in checks],
+                                "pairs": [{"peer": "peer", "busbw_gbps": 45.0}] if pairs is None else pairs}))
 
 
 def test_the_json_the_table_and_the_report_agree(tmp_path):
@@ -299,3 +300,15 @@ def test_preflight_options_refuse_what_cannot_work_in_one_line(tmp_path):
     assert local.stderr == ("harness: error: the local backend checks this machine only: --nodes 1 and no "
                             "--spare-nodes\n")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_node_whose_between_node_checks_never_ran_does_not_pass(tmp_path):
+    """One node's crash stops the pairs' all-reduces: a report without pair results fails, never passes silently."""
+    from harness import preflight
+
+    _report(tmp_path, "a", 470)
+    _report(tmp_path, "b", 470, pairs=[])
+    verdicts = preflight.judge(tmp_path, ["a", "b"])
+    assert verdicts["a"]["ok"] and not verdicts["b"]["ok"]
+    (failed,) = [c for c in verdicts["b"]["checks"] if c.verdict == "fail"]
+    assert failed.name == "pair_busbw" and failed.note == "the between-node checks did not finish"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from harness.agent import EXIT_RETRY
 from harness.errors import HarnessError
+from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
                                     cluster_procs_per_node, health_command, rank_log_files, show_files,
@@ -93,8 +94,9 @@ def in_container(spec: JobSpec) -> tuple[JobSpec, list[str]]:
 def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python: str) -> list[str]:
     """Preflight inside the allocation: every node runs its checks, then one step judges them and prints the
     nodes training uses into ${training_nodes} (the healthiest --nodes; too few stops the job)."""
-    health = shlex.join(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container,
-                         *health_command(inside, python)])
+    # No --kill-on-bad-exit: one node's crash must not stop the others' checks (it is judged failed below).
+    health = shlex.join(["srun", "--ntasks-per-node=1", *container, *health_command(inside, python)])
+    # The judge runs on the batch host, which runs this script: never on a node it may keep out.
     judge = ["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.preflight", "--out",
              str(inside.out_dir), "--nodes", str(spec.nodes), "--allocated"]
     blame = ["--blame-failures"] if spec.max_restarts else []  # after a requeue: keep out the node that failed
@@ -102,10 +104,13 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
         "# Preflight: every node of the allocation checks itself (harness.health); the healthiest "
         f"{spec.nodes} train.",
         'allocated=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | paste -sd, -)',
+        "# Reports of an earlier attempt would pass for this one's: every node writes afresh.",
+        f"rm -rf -- {shlex.quote(str(spec.out_dir / NODES_DIR))}",
         "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
         f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
         f"{health} || true  # a node without a report is judged failed below",
-        f'training_nodes=$({shlex.join(judge)} "${{allocated}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
+        f'training_nodes=$({shlex.join(judge[:3])} --nodelist="${{SLURMD_NODENAME}}" {shlex.join(judge[3:])} '
+        f'"${{allocated}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
     ]
 
 
@@ -150,8 +155,11 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
     expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.
-    decide = shlex.join(["srun", "--nodes=1", "--ntasks=1", *container, python, "-c", AGENT_BOOTSTRAP,
-                         "--decide", "--out", str(inside.out_dir), "--max-restarts", str(spec.max_restarts)])
+    # After preflight the decide step runs on a training node, never on one preflight kept out.
+    on_node = ['--nodelist="${training_nodes%%,*}"'] if spec.preflight else []
+    decide = " ".join(word if word in on_node else shlex.quote(word) for word in [
+        "srun", "--nodes=1", "--ntasks=1", *on_node, *container, python, "-c", AGENT_BOOTSTRAP, "--decide",
+        "--out", str(inside.out_dir), "--max-restarts", str(spec.max_restarts)])
     lines = [
         "#!/bin/bash",
         f"# mlperf-harness: {spec.benchmark} ({spec.preset}), {spec.nodes} node(s) x {nproc} process(es), "
