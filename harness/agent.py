@@ -59,6 +59,7 @@ EXIT_RETRY = 138
 EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload error (not retried)", EXIT_BUDGET_SPENT: "restart budget spent",
               EXIT_REPEATED_FAILURE: "the same failure 3 times at the same step",
               EXIT_FOLDER_TAKEN: "the run folder holds another job's results", EXIT_RETRY: "retry"}
+HOST_ENV = "HARNESS_HOST"  # the machine's name where NODE_ENV names a pod: the metrics' node label
 NODE_ENV = "HARNESS_NODE"  # the node's name where the hostname is not stable (a Kubernetes pod's name)
 CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose results it holds
 REPEATS_TO_STOP = 3
@@ -370,7 +371,8 @@ def _start_metrics(args, node: str):
         return None, feed_dir
     from harness.metrics import Exporter, Source, write_target
 
-    exporter = Exporter(Source(args.out, feed_dir, args.job, args.benchmark, node), args.metrics_port,
+    host = os.environ.get(HOST_ENV) or node  # on Kubernetes the machine, as DCGM's metrics name it, not the pod
+    exporter = Exporter(Source(args.out, feed_dir, args.job, args.benchmark, host), args.metrics_port,
                         args.pushgateway)
     if exporter.port is None:
         _say(f"metrics: ports {args.metrics_port} to {args.metrics_port + 15} are all taken; serving none "

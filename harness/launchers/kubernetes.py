@@ -35,7 +35,7 @@ import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
-from harness.agent import NODE_ENV
+from harness.agent import HOST_ENV, NODE_ENV
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
@@ -126,9 +126,12 @@ def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpe
     # hostNetwork: the pod's name is what lets the node agent find its own unfinished attempt.
     node = k8s.V1EnvVar(name=NODE_ENV, value_from=k8s.V1EnvVarSource(
         field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))
+    # The Kubernetes node the pod runs on: the metrics' `node` label, as the DCGM exporter names it.
+    host = k8s.V1EnvVar(name=HOST_ENV, value_from=k8s.V1EnvVarSource(
+        field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
     container = k8s.V1Container(
         name=PYTORCHJOB.container, image=profile.image, command=parts.command[:1], args=parts.command[1:],
-        env=[*parts.env, node], resources=parts.resources, volume_mounts=parts.mounts,
+        env=[*parts.env, node, host], resources=parts.resources, volume_mounts=parts.mounts,
         security_context=parts.security,
         ports=[k8s.V1ContainerPort(name="metrics", container_port=spec.metrics())] if spec.metrics() else None)
     return k8s.V1PodTemplateSpec(
