@@ -554,7 +554,7 @@ class KubernetesLauncher(Launcher):
     def render_preflight(self, spec: JobSpec) -> Request:
         """The health job: a PyTorchJob with a pod on each of nodes + spare_nodes nodes (kubernetes_nodes)."""
         checked = kubernetes_nodes.health_spec(spec)
-        token = render_token(checked)
+        token = secrets.token_hex(TOKEN_HEX // 2)  # a folder of its own: an earlier check's reports never count
         in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(pvc_folder(checked, token)))
         body = kubernetes_nodes.health_job(_excluding(pytorch_job(checked, token), spec.exclude_nodes), spec,
                                            health_command(in_pod, "python"))
