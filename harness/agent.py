@@ -252,7 +252,8 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
     outcome = summarize(records, attempt)
     if outcome is None or outcome["ok"]:
         return Decision(0, f"attempt {attempt} succeeded")
-    where = f" (run {outcome['run'] + 1}, step {outcome['step']})" if outcome.get("run") is not None else ""
+    where = "" if outcome.get("run") is None else f" (run {outcome['run'] + 1}" + \
+        (f", step {outcome['step']})" if outcome.get("step") is not None else ")")
     what = f"attempt {attempt} failed{where}: {outcome['cause']}"
     if outcome["kind"] == WORKLOAD:
         return Decision(EXIT_WORKLOAD_ERROR, f"{what}. This is a workload error, which a restart would "

@@ -37,7 +37,7 @@ def test_slurm_pyxis_paths_are_translated_through_the_profile_mounts(tmp_path):
     assert result.returncode == 0, result.stderr
     script = result.stdout
     assert "#SBATCH --output=/mnt/results/gpt3-a/slurm-%j.out" in script  # Slurm writes it outside the container
-    train = next(line for line in script.splitlines() if "harness.agent --out" in line and "--decide" not in line)
+    train = next(line for line in script.splitlines() if "--rdzv-endpoint" in line)
     assert "--out /results/gpt3-a" in train and "--data /data/c4" in train and "--init-checkpoint /data/ckpt" in train
     assert "/mnt/" not in train.split("--container-mounts=")[1].split(" ", 1)[1]  # no host path reaches a rank
     decide = next(line for line in script.splitlines() if "--decide" in line)
