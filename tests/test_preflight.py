@@ -169,19 +169,25 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
         too_few["message"]
 
 
-def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
+def _failed_attempt(out: Path, b_signal: str) -> None:
+    """Healthy reports for nodes a and b, and attempt 0 failed: a's rank stopped by SIGTERM (the peer of a failed
+    rank), b's by `b_signal`."""
     import json
 
-    from harness import preflight
-
     for node in ("a", "b"):
-        _report(tmp_path, node, 470)
-    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        _report(out, node, 470)
+    (out / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"},
         {"event": "end", "attempt": 0, "node": "a", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
          "cause": "rank 0 killed by SIGTERM"},
-        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": "SIGKILL",
-         "cause": "rank 1 killed by SIGKILL"}]))
+        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": b_signal,
+         "cause": f"rank 1 killed by {b_signal}"}]))
+
+
+def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
+    from harness import preflight
+
+    _failed_attempt(tmp_path, "SIGKILL")
     record = preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)
     assert record["kept"] == ["a"] and record["excluded"] == {
         "b": ["training_failure rank 1 killed by SIGKILL, expected no failure in the last attempt"]}
@@ -193,14 +199,7 @@ def test_the_node_of_a_persistent_straggler_is_kept_out_of_the_next_attempt(tmp_
 
     from harness import preflight
 
-    for node in ("a", "b"):
-        _report(tmp_path, node, 470)
-    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"event": "start", "attempt": 0, "node": "a"}, {"event": "start", "attempt": 0, "node": "b"},
-        {"event": "end", "attempt": 0, "node": "a", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
-         "cause": "rank 0 killed by SIGTERM"},
-        {"event": "end", "attempt": 0, "node": "b", "ok": False, "kind": "infrastructure", "signal": "SIGTERM",
-         "cause": "rank 1 killed by SIGTERM"}]))
+    _failed_attempt(tmp_path, "SIGTERM")  # no rank to blame by its signal
     window = {"attempt": 0, "kind": "stragglers", "start": 1.0, "end": 1.0, "steps": [10, 10],
               "stragglers": [{"rank": 1, "node": "b", "score": 0.4}]}
     (tmp_path / "run_0.jsonl").write_text("".join(json.dumps(window) + "\n" for _ in range(3)))
