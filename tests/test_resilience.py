@@ -248,3 +248,28 @@ def test_gpt3_survives_a_killed_rank(tmp_path):
     assert _restored_step(out) == 4
     checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
     assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
+
+
+def _loss_check_rank(rank: int, port: int, losses: list, results) -> None:
+    from workloads.common.distributed import DistContext
+    from workloads.common.resilience import finite_everywhere
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
+    results.put((rank, [finite_everywhere(loss, ctx) for loss in losses[rank]]))
+    dist.destroy_process_group()
+
+
+def test_a_loss_that_diverges_on_one_rank_stops_every_rank():
+    """Rank 1's loss turns NaN at the second read: both ranks learn it there, so neither goes on alone into a
+    collective the other never enters."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    losses = [[2.0, 1.5, 1.2], [2.1, float("nan"), 1.3]]
+    mp.start_processes(_loss_check_rank, args=(port, losses, results), nprocs=2, start_method="spawn")
+    got = dict(results.get() for _ in range(2))
+    assert got == {0: [True, False, True], 1: [True, False, True]}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -41,6 +42,16 @@ SLOW_FAULT_S = 0.2  # what --inject-failure RANK:STEP:slow adds to each forward 
 
 class TrainingDiverged(RuntimeError):
     """The loss is not finite: a workload error, which no restart can fix."""
+
+
+def finite_everywhere(loss: float, ctx: DistContext) -> bool:
+    """Whether every rank's loss is finite. Ranks read their loss at the same steps, and a rank-local loss
+    can diverge alone: deciding alone, that rank would raise while the others went on into the next step's
+    collective and hung there until the NCCL timeout. One flag, reduced to its minimum, makes them stop
+    together with the same error."""
+    flag = torch.tensor([1.0 if math.isfinite(loss) else 0.0], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class InjectedFault(RuntimeError):
@@ -132,8 +143,8 @@ class Resilience:
         FEED.step(step, seconds, loss)
         if self.stragglers:
             self.stragglers.after_step(step, seconds)
-        if loss is not None and not math.isfinite(loss):
-            raise TrainingDiverged(f"the training loss is {loss} at step {step}")
+        if loss is not None and not finite_everywhere(loss, self.ctx):
+            raise TrainingDiverged(f"the training loss is not finite at step {step} (this rank's: {loss})")
         if self.fault and step == self.fault.step:
             self._inject(step)
         if self.schedule.due(step):
