@@ -79,6 +79,7 @@ class FakeKubeAPI:
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
         self.nodes: dict[str, dict] = {}  # name -> Node; add_node() adds one
+        self.before_node_patch = None  # a callable(name), run before each node patch (a concurrent writer)
         self.patches: list[tuple[str, str]] = []  # (path, Content-Type) of every PATCH
         self.requests: list[tuple[str, str]] = []
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
@@ -128,14 +129,22 @@ class FakeKubeAPI:
             "status": {"phase": phase}, "log": log}
 
     def add_node(self, name: str) -> None:
-        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "resourceVersion": "1"},
                             "spec": {"taints": [{"key": "example.com/other", "effect": "NoExecute"}]},
                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
 
-    def _patch_node(self, name: str, patch: dict, status: bool) -> dict:
+    def _patch_node(self, name: str, patch: dict, status: bool) -> dict | None:
         """A strategic merge patch as the API server applies it to a Node: status conditions merge by type;
-        spec.taints (no merge key) is replaced whole."""
+        spec.taints (no merge key) is replaced whole. A patch naming a resourceVersion other than the node's
+        is refused (None: 409 Conflict), as the API server's optimistic concurrency refuses it; every change
+        moves the version on. `before_node_patch(name)`, when set, runs first (another controller's write)."""
+        if self.before_node_patch:
+            self.before_node_patch(name)
         node = self.nodes[name]
+        asked = patch.get("metadata", {}).get("resourceVersion")
+        if asked is not None and asked != node["metadata"]["resourceVersion"]:
+            return None
+        node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
         if status:
             conditions = node["status"]["conditions"]
             for condition in patch.get("status", {}).get("conditions", []):
@@ -338,7 +347,11 @@ class FakeKubeAPI:
                     if method == "GET":
                         return self._send(200, fake.nodes[m.group(1)])
                     fake.patches.append((url.path, self.headers.get("Content-Type", "")))
-                    return self._send(200, fake._patch_node(m.group(1), self._body(), bool(m.group(2))))
+                    patched = fake._patch_node(m.group(1), self._body(), bool(m.group(2)))
+                    if patched is None:
+                        return self._send(409, {"kind": "Status", "status": "Failure", "reason": "Conflict",
+                                                "code": 409, "message": "the object has been modified"})
+                    return self._send(200, patched)
                 if NODES.match(url.path) and method == "GET":
                     return self._send(200, {"apiVersion": "v1", "kind": "NodeList", "items": list(fake.nodes.values())})
                 self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404})

@@ -228,6 +228,16 @@ def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_a
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
         api.add_node("gpu-a")
         api.add_node("gpu-b")
+        raced = []
+
+        def node_controller(name):  # between the harness's read and its patch, the first time: a taint of its own
+            if name == "gpu-b" and not raced and len(api.patches) >= 3:
+                raced.append(name)
+                node = api.nodes[name]
+                node["spec"]["taints"].append({"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"})
+                node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+
+        api.before_node_patch = node_controller
         done = launcher.remediate(spec, record)
     why = "harness preflight: allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"
     assert done == [f"gpu-b: condition {CONDITION}=True ({why})",
@@ -237,7 +247,9 @@ def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_a
     assert (bad["status"], bad["reason"], bad["message"]) == ("True", "PreflightFailed", why)
     assert (good["status"], good["reason"]) == ("False", "PreflightPassed")
     assert conditions["gpu-b"]["Ready"]["status"] == "True"  # merged by type, nothing else touched
-    assert [t["key"] for t in api.nodes["gpu-b"]["spec"]["taints"]] == ["example.com/other", TAINT.key]
+    # The conflicting write made the first taint patch a 409; the retry kept the other controller's taint.
+    assert raced and [t["key"] for t in api.nodes["gpu-b"]["spec"]["taints"]] == [
+        "example.com/other", "node.kubernetes.io/unreachable", TAINT.key]
     assert api.nodes["gpu-b"]["spec"]["taints"][-1]["effect"] == "NoSchedule"
     assert [t["key"] for t in api.nodes["gpu-a"]["spec"]["taints"]] == ["example.com/other"]
     assert {ctype for _, ctype in api.patches} == {"application/strategic-merge-patch+json"}

@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 
 from kubernetes import client as k8s
 
+from harness.errors import HarnessError
+
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
 HOSTNAME = "kubernetes.io/hostname"
@@ -92,10 +94,7 @@ def remediate(core: k8s.CoreV1Api, call, spec, record: dict) -> list[str]:
             continue
         lines = [f"{node}: condition {CONDITION}=True ({message})"]
         if spec.taint_bad_nodes:
-            current = call(f"read node {node}", core.read_node, node).spec.taints or []
-            if not any(t.key == TAINT.key and t.effect == TAINT.effect for t in current):
-                taints = [k8s.ApiClient().sanitize_for_serialization(t) for t in [*current, TAINT]]
-                call(f"taint node {node}", core.patch_node, node, {"spec": {"taints": taints}})
+            _taint(core, call, node)
             lines.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
         node_ref = k8s.V1ObjectReference(api_version="v1", kind="Node", name=node)
         for target, where in ((node_ref, "default"), (job, namespace)):
@@ -103,6 +102,27 @@ def remediate(core: k8s.CoreV1Api, call, spec, record: dict) -> list[str]:
                  _event(where, target, "PreflightFailed", message, warning=True))
         done += lines
     return done
+
+
+def _taint(core: k8s.CoreV1Api, call, node: str, tries: int = 5) -> None:
+    """Add TAINT to the node's taints. The list has no merge key, so a patch replaces it whole: the patch names
+    the resourceVersion it was read at, and a taint another controller added meanwhile (the node lifecycle
+    controller's `unreachable`, say) makes it a 409 Conflict, after which the list is read again."""
+    for _ in range(tries):
+        read = call(f"read node {node}", core.read_node, node)
+        current = read.spec.taints or []
+        if any(t.key == TAINT.key and t.effect == TAINT.effect for t in current):
+            return
+        taints = [k8s.ApiClient().sanitize_for_serialization(t) for t in [*current, TAINT]]
+        try:
+            core.patch_node(node, {"metadata": {"resourceVersion": read.metadata.resource_version},
+                                   "spec": {"taints": taints}})
+            return
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise HarnessError(f"Kubernetes refused to taint node {node}: {exc.status} {exc.reason}: "
+                                   f"{exc.body}", 1) from None
+    raise HarnessError(f"could not taint node {node}: its taints changed under every one of {tries} tries", 1)
 
 
 def with_exclusions(pod_spec: dict, nodes: list[str]) -> dict:
