@@ -28,16 +28,21 @@ WRITE_EVERY_S = 1.0
 class MetricsFeed:
     def __init__(self, directory: Path | None, rank: int):
         self.path = Path(directory) / f"rank_{rank}.json" if directory else None
-        self.figures: dict = {"rank": rank, "state": "init", "run": None, "step": 0, "samples": 0,
-                              "step_buckets": [0] * (len(STEP_BUCKETS) + 1), "step_sum": 0.0, "step_count": 0}
+        self.figures = self._fresh(rank, None)
         self._written = 0.0
+
+    @staticmethod
+    def _fresh(rank: int, run: int | None) -> dict:
+        """A run's figures before its first step: each run's series (labelled with its index) start at zero."""
+        return {"rank": rank, "state": "init", "run": run, "step": 0,
+                "step_buckets": [0] * (len(STEP_BUCKETS) + 1), "step_sum": 0.0, "step_count": 0}
 
     @classmethod
     def from_env(cls) -> "MetricsFeed":
         return cls(os.environ.get(METRICS_DIR_ENV) or None, int(os.environ.get("RANK", "0")))
 
     def run(self, index: int) -> None:
-        self.figures.update(run=index, state="init", step=0)
+        self.figures = self._fresh(self.figures["rank"], index)
         self._write(now=True)
 
     def state(self, name: str) -> None:
@@ -61,7 +66,7 @@ class MetricsFeed:
         self._write(now=True)
 
     def mlperf_event(self, key: str, value, metadata: dict | None) -> None:
-        """Copy what the MLPerf log records: quality, throughput, the samples trained, the run's end."""
+        """Copy what the MLPerf log records: quality, throughput, the run's end."""
         f = self.figures
         if key == C.EVAL_ACCURACY and isinstance(value, (int, float)):
             f["eval_quality"] = value
@@ -70,8 +75,6 @@ class MetricsFeed:
                                  ("mfu", "mfu")):
                 if isinstance(value.get(source), (int, float)):
                     f[name] = value[source]
-        elif key == C.TRAIN_SAMPLES and isinstance(value, (int, float)):
-            f["samples"] = value
         elif key == C.RUN_STOP:
             f["state"] = "stopped"
         self._write(now=key in (C.RUN_STOP, C.EVAL_ACCURACY))
