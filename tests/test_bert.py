@@ -16,7 +16,7 @@ from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch
 from workloads.bert.data import TrainStream, collate, pack, read_rows, tiny_pair, write_tiny_dataset
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
-from workloads.bert.train import model_outputs
+from workloads.bert.model import model_outputs
 from workloads.common import tiny_text
 from workloads.common.param_groups import parameter_groups
 

@@ -152,3 +152,15 @@ def load_reference_state_dict(model: Bert, state: dict[str, torch.Tensor]) -> No
                     if items]
         raise ValueError("the starting checkpoint does not fit this BERT: " + "; ".join(problems))
     model.load_state_dict(state)
+
+
+def model_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's MLM and NSP logits for a collated batch."""
+    return model(batch["input_ids"], batch["segment_ids"], batch["position_ids"], batch["sequence_ids"],
+                 batch["mlm_positions"], batch["cls_positions"])
+
+
+def pretraining_loss(mlm_logits: torch.Tensor, nsp_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Masked-LM plus next-sentence cross entropy, as the reference sums them."""
+    return (F.cross_entropy(mlm_logits.float(), batch["mlm_labels"]) +
+            F.cross_entropy(nsp_logits.float(), batch["nsp_labels"]))

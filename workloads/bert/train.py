@@ -11,7 +11,6 @@ NVIDIA's logs have it.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,27 +18,28 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from mlperf_logging.mllog import constants as C
 from torch.nn.parallel import DistributedDataParallel
 
 from workloads.bert.config import PRESETS, BertPreset, eval_interval, plan_batch
 from workloads.bert.data import Row, TrainStream, collate, ensure_tiny_dataset, eval_batches, share
 from workloads.bert.lamb import Lamb
-from workloads.bert.model import Bert, load_reference_state_dict
-from workloads.common import mlperf as K
-from workloads.common.cache import build_once, cache_root
+from workloads.bert.model import Bert, load_reference_state_dict, model_outputs, pretraining_loss
+from workloads.bert.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
-from workloads.common.progress import Progress
-from workloads.common.resilience import Resilience
+from workloads.common.resilience import Block
 
 MAX_PREDICTIONS_PER_SEQ = "max_predictions_per_seq"  # logged by the reference and NVIDIA; not in mllog's constants
 SYNTHETIC_EVAL_ROWS = 256
 
 
 class BertWorkload(Workload):
+    rate_shown = ("seq/s", "throughput")
+    logs_trained_samples = True
+
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
         self.preset: BertPreset = PRESETS[opts.preset]
@@ -53,7 +53,7 @@ class BertWorkload(Workload):
                                math.ceil(self.preset.max_samples / self.plan.global_batch))
         self.samples = 0  # sequences trained, over all ranks
         self.next_eval = self.eval_every  # samples at which the next evaluation is due
-        self.block_first = 0  # samples when the current block (of training between evaluations) began
+        self.target = Target("masked-LM accuracy", "mlm_acc", self.preset.target)
 
         model = Bert(self.preset.model).to(ctx.device)
         self._load_init_checkpoint(model)
@@ -148,62 +148,25 @@ class BertWorkload(Workload):
     # --- the timed run ----------------------------------------------------------------------------
 
     def position(self) -> dict[str, Any]:
-        return {"samples": self.samples, "next_eval": self.next_eval, "block_first": self.block_first}
+        return {"samples": self.samples, "next_eval": self.next_eval}
 
     def load_position(self, position: dict[str, Any]) -> None:
-        self.samples, self.next_eval, self.block_first = (position["samples"], position["next_eval"],
-                                                          position["block_first"])
+        self.samples, self.next_eval = position["samples"], position["next_eval"]
 
-    def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
-        plan, ctx = self.plan, self.ctx
-        resumed = support.restore()
-        batches = self.stream.batches(plan.micro_batch, self.preset.model.max_seq_len,
-                                      skip_rows=resumed * plan.micro_batch * plan.grad_accum)
-        progress = Progress(self.total_steps, progress_desc, show=ctx.is_main, initial=resumed)
-        reached, step = False, resumed
-        # A run resumed inside a block continues it: its block_start is logged already.
-        block_open, block_samples, started = resumed > 0, self.samples, time.perf_counter()
-        try:
-            if self.samples >= self.next_eval:  # resumed after the step that ends a block, before its eval
-                reached = self._end_block(mlog, resumed, None, support, progress, progress_desc)
-                block_open = False
-            for step in range(resumed + 1, self.total_steps + 1) if not reached else ():
-                if not block_open:
-                    self.block_first, block_samples, started = self.samples, self.samples, time.perf_counter()
-                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: self.block_first,
-                                                        C.EPOCH_COUNT: self.next_eval - self.block_first})
-                    block_open = True
-                loss, sequences = self._train_step(batches)
-                self.samples += sequences
-                progress.advance(1, loss=loss)
-                support.after_step(step, loss)
-                if self.samples < self.next_eval and step != self.total_steps:
-                    continue
-                throughput = (self.samples - block_samples) / (time.perf_counter() - started)
-                reached = self._end_block(mlog, step, throughput, support, progress, progress_desc)
-                block_open = False
-                if reached:
-                    break
-        finally:
-            progress.close()
-        mlog.event(C.TRAIN_SAMPLES, self.samples)
-        return reached
+    def batches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
+        return self.stream.batches(self.plan.micro_batch, self.preset.model.max_seq_len,
+                                   skip_rows=step * self.plan.micro_batch * self.plan.grad_accum)
 
-    def _end_block(self, mlog: K.ResultLog, step: int, throughput: float | None, support: Resilience,
-                   progress: Progress, progress_desc: str) -> bool:
-        """Close the block, evaluate; True if the target is reached."""
-        mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: self.block_first})
-        if throughput is not None:
-            mlog.event(K.TRACKED_STATS, {"throughput": throughput}, metadata={"step": self.samples})
-        while self.next_eval <= self.samples:
+    def epoch_num(self, step: int) -> int:
+        return self.samples
+
+    def next_block(self, step: int) -> Block:
+        while self.next_eval <= self.samples:  # the evaluation that closed the last block is behind
             self.next_eval += self.eval_every
-        with support.phase("eval", step):
-            accuracy = self._evaluate(mlog)
-        rate = f", {throughput:.1f} seq/s" if throughput else ""
-        progress.set(mlm_acc=accuracy, **({"seq/s": throughput} if throughput else {}))
-        progress.message(f"{progress_desc} step {step} ({self.samples} samples): eval masked-LM accuracy "
-                         f"{accuracy:.4f} (target {self.preset.target}){rate}")
-        return accuracy >= self.preset.target
+        return Block(self.samples, self.next_eval - self.samples)
+
+    def block_ends(self, step: int) -> bool:
+        return self.samples >= self.next_eval
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
@@ -212,9 +175,9 @@ class BertWorkload(Workload):
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
             return model_outputs(self.model, batch)
 
-    def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        """One optimizer step over grad_accum micro batches; returns the mean loss and the sequences trained
-        (over all ranks)."""
+    def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+        """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained (over all
+        ranks)."""
         self.model.train()
         accum = self.plan.grad_accum
         total = torch.zeros((), device=self.ctx.device)
@@ -233,12 +196,14 @@ class BertWorkload(Workload):
         self.optimizer.zero_grad(set_to_none=True)
         if self.packed:
             dist.all_reduce(sequences)
-            return total.item(), int(sequences.item())
-        return total.item(), self.plan.global_batch
+            trained = int(sequences.item())
+        else:
+            trained = self.plan.global_batch
+        self.samples += trained
+        return total, trained
 
     @torch.no_grad()
-    def _evaluate(self, mlog: K.ResultLog) -> float:
-        mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: self.samples})
+    def evaluate(self, step: int) -> float:
         self.model.eval()
         correct = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
         total = 0
@@ -248,22 +213,7 @@ class BertWorkload(Workload):
             correct += (mlm_logits.argmax(-1) == batch["mlm_labels"]).sum()
             total += batch["mlm_labels"].numel()
         correct, total = all_sum([correct.item(), total], self.ctx)
-        accuracy = correct / total
-        mlog.event(C.EVAL_ACCURACY, accuracy, metadata={C.EPOCH_NUM: self.samples})
-        mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: self.samples})
-        return accuracy
-
-
-def model_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's MLM and NSP logits for a collated batch."""
-    return model(batch["input_ids"], batch["segment_ids"], batch["position_ids"], batch["sequence_ids"],
-                 batch["mlm_positions"], batch["cls_positions"])
-
-
-def pretraining_loss(mlm_logits: torch.Tensor, nsp_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Masked-LM plus next-sentence cross entropy, as the reference sums them."""
-    return (F.cross_entropy(mlm_logits.float(), batch["mlm_labels"]) +
-            F.cross_entropy(nsp_logits.float(), batch["nsp_labels"]))
+        return correct / total
 
 
 def synthetic_row(cfg: BertPreset, rng: np.random.Generator) -> Row:
@@ -289,39 +239,3 @@ class SyntheticStream:
         rng = np.random.default_rng([self.seed, self.rank, skip_rows])
         while True:
             yield collate([synthetic_row(self.cfg, rng) for _ in range(batch)], max_seq_len)
-
-
-# The tiny preset's starting checkpoint: a short run from random weights, trained once in one process with a
-# fixed seed, as MLPerf's reference checkpoint was trained once by someone else. Like that checkpoint (masked-LM
-# accuracy about 0.35), it has left the first plateau but is far from the target.
-TINY_INIT_VERSION = 1
-TINY_INIT_STEPS = 650
-TINY_INIT_WARMUP = 100  # post-LayerNorm BERT needs a warmup from random weights
-TINY_INIT_LR = 1e-2
-
-
-def tiny_init_root() -> Path:
-    return cache_root() / f"tiny-bert-init-v{TINY_INIT_VERSION}"
-
-
-def ensure_tiny_init_checkpoint(preset: BertPreset) -> Path:
-    return build_once(tiny_init_root(), lambda folder: _train_tiny_init(preset, folder))
-
-
-def _train_tiny_init(preset: BertPreset, folder: Path) -> None:
-    torch.manual_seed(1234)
-    cfg = preset.model
-    model = Bert(cfg)
-    optimizer = Lamb(parameter_groups(model, 0.01), lr=TINY_INIT_LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
-    data = ensure_tiny_dataset(cfg.vocab_size, cfg.max_seq_len, preset.max_predictions)
-    batches = TrainStream(data / "train", seed=1234, rank=0, world=1).batches(preset.global_batch, cfg.max_seq_len)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / TINY_INIT_WARMUP))
-    for _ in range(TINY_INIT_STEPS):
-        batch = next(batches)
-        loss = pretraining_loss(*model_outputs(model, batch), batch)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-    torch.save({"model": model.state_dict()}, folder / "model.pt")

@@ -16,7 +16,7 @@ import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -24,11 +24,12 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
+from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
 from workloads.common.page_cache import clear_page_caches
 from workloads.common.progress import announce
-from workloads.common.resilience import Resilience
+from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 
@@ -95,16 +96,20 @@ class RunOptions:
 
 
 class Workload(ABC):
-    """One run of one benchmark. Built during the untimed init phase, trained during the timed run.
+    """One run of one benchmark: its model, data and step. Built during the untimed init phase; trained
+    during the timed run by the one loop in workloads.common.loop, which asks the questions below.
 
-    Subclasses set `model`, `optimizer` and `scheduler` (what a checkpoint saves); their
-    train() starts reading input at the step support.restore() returns, so that a restarted
-    attempt continues where the last checkpoint left off.
+    Subclasses set `model`, `optimizer` and `scheduler` (what a checkpoint saves), `total_steps`, and
+    `target`; `rate_shown` names the progress bar's rate and the tracked_stats key it shows.
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    total_steps: int
+    target: Target
+    rate_shown: tuple[str, str] = ("samples/s", "throughput")
+    logs_trained_samples = False  # log train_samples (the epoch_num trained) when the run stops
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         self.opts, self.ctx, self.seed = opts, ctx, seed
@@ -113,6 +118,41 @@ class Workload(ABC):
     def hyperparameters(self) -> dict[str, Any]:
         """The keys the rules ask this benchmark to log, by mllog constant."""
 
+    @abstractmethod
+    def batches(self, step: int) -> Iterator[Any]:
+        """The input of the steps after `step` (0: a fresh run; more: a resumed one continues there)."""
+
+    @abstractmethod
+    def train_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor, int]:
+        """One optimizer step: the loss (detached, on the device, not yet read) and the samples trained over
+        all ranks."""
+
+    @abstractmethod
+    def evaluate(self, step: int) -> float:
+        """The quality on the whole eval set, after `step`, the same on every rank."""
+
+    @abstractmethod
+    def epoch_num(self, step: int) -> int:
+        """The log's epoch_num after `step` steps."""
+
+    @abstractmethod
+    def next_block(self, step: int) -> Block:
+        """The block that begins after `step`."""
+
+    @abstractmethod
+    def block_ends(self, step: int) -> bool:
+        """Whether an evaluation is due after `step`."""
+
+    def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
+        """What the log's tracked_stats records for a block trained at this rate."""
+        return {"throughput": samples_per_second}
+
+    def step_starts(self, step: int, mlog: ResultLog) -> None:
+        """Before each step (ResNet logs its epochs here)."""
+
+    def step_ended(self, step: int, mlog: ResultLog, last: bool) -> None:
+        """After each step and its checkpoint, if one was due."""
+
     def position(self) -> dict[str, Any]:
         """Counters a checkpoint keeps beside the step (JSON), for workloads whose progress the step alone
         does not give, such as BERT's samples trained on packed data."""
@@ -120,11 +160,6 @@ class Workload(ABC):
 
     def load_position(self, position: dict[str, Any]) -> None:
         """Take back what position() returned when the checkpoint was saved."""
-
-    @abstractmethod
-    def train(self, mlog: ResultLog, progress_desc: str, support: Resilience) -> bool:
-        """Train until the quality target or the epoch/step limit; True if the target was reached.
-        Starts with support.restore() and calls support.after_step() after every step."""
 
 
 def default_platform(ctx: DistContext) -> str:
@@ -196,7 +231,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
                              opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
                              opts.straggler_threshold)
-        reached = workload.train(mlog, f"run {index + 1}/{opts.runs}", support)
+        reached = train(workload, mlog, f"run {index + 1}/{opts.runs}", support)
         status = C.SUCCESS if reached else C.ABORTED
         mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
         mlog.close()

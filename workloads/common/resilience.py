@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,14 @@ def finite_everywhere(loss: float, ctx: DistContext) -> bool:
     flag = torch.tensor([1.0 if math.isfinite(loss) else 0.0], device=ctx.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block of training between evaluations, in the unit the log's epoch_num counts."""
+
+    first: int
+    count: int
 
 
 class InjectedFault(RuntimeError):
@@ -108,6 +117,8 @@ class Resilience:
         self.stragglers = StragglerWatch(workload.model, ctx, self.record, straggler_window_s, straggler_threshold) \
             if straggler_window_s > 0 and ctx.world_size > 1 else None
         self._step_started = time.time()
+        self.block: Block | None = None  # the open block, set by the training loop and saved with each checkpoint
+        self.save_seconds = 0.0  # spent in checkpoint saves so far: throughput leaves it out
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -122,6 +133,7 @@ class Resilience:
             step = restored.step
             self.workload.scheduler.load_state_dict(restored.extra["scheduler"])
             self.workload.load_position(restored.extra.get("position", {}))
+            self.block = Block(**restored.extra["block"]) if restored.extra.get("block") else None
             self.record.interval("restore", started, time.time(), (step, step))
             announce(f"resumed from {restored.path} at step {step}", self.ctx.is_main)
         self.schedule.restart(step)
@@ -157,8 +169,10 @@ class Resilience:
         self.mlog.sync()  # on disk before the checkpoint: a run resumed from it never finds its log behind it
         started = time.time()
         self.checkpointer.save(step, self._state(), {"scheduler": self.workload.scheduler.state_dict(),
-                                                     "position": self.workload.position()})
+                                                     "position": self.workload.position(),
+                                                     "block": asdict(self.block) if self.block else None})
         self.record.interval("save", started, time.time(), (step, step))
+        self.save_seconds += time.time() - started
         self.schedule.restart(step)
 
     @contextmanager

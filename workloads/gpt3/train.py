@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -22,21 +21,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from mlperf_logging.mllog import constants as C
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_model_state_dict, set_optimizer_state_dict
 
-from workloads.common import mlperf as K
-from workloads.common.cache import build_once, cache_root
-from workloads.common.gpu_peaks import mfu
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
-from workloads.common.progress import Progress
-from workloads.common.resilience import Resilience
+from workloads.common.gpu_peaks import mfu
+from workloads.common.loop import Target
+from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
 from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
 from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize, \
     scored_loss_sum
 
@@ -47,6 +44,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class GPT3Workload(Workload):
+    rate_shown = ("tok/s", "tokens_per_second")
+    logs_trained_samples = True
+
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
         cfg: GPT3Config = PRESETS[opts.preset]
@@ -59,6 +59,8 @@ class GPT3Workload(Workload):
         self.decay_steps = scaled_steps(cfg.decay_steps, cfg, layout)
         self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
         self.total_steps = min(opts.max_steps or cfg.max_steps, self.decay_steps)
+        self.tokens_per_step = layout.global_batch * cfg.model.seq_len
+        self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
         # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
         with torch.device("meta"):
@@ -155,58 +157,25 @@ class GPT3Workload(Workload):
             "pipeline_model_parallel_size": layout.pipeline,
         }
 
-    def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
-        cfg, layout, ctx = self.cfg, self.layout, self.ctx
-        tokens_per_step = layout.global_batch * cfg.model.seq_len
-        resumed = support.restore()
-        self.loaders.sampler.skip = resumed * layout.grad_accum * cfg.micro_batch
-        progress = Progress(self.total_steps, progress_desc, show=ctx.is_main, initial=resumed)
-        batches = iter(self.loaders.train)
-        reached, step = False, resumed
-        try:
-            # Resumed right after a step that ends a block: its eval may not have happened.
-            if resumed and resumed % self.eval_every == 0:
-                reached = self._evaluate_block(mlog, resumed, support, progress, progress_desc)
-            # A resumed run continues a block whose start is already logged.
-            started, block_start = time.perf_counter(), (resumed - resumed % self.eval_every) * tokens_per_step
-            block_steps = min(self.eval_every, self.total_steps - resumed)
-            for step in range(resumed + 1, self.total_steps + 1) if not reached else ():
-                if (step - 1) % self.eval_every == 0:
-                    block_start, block_steps = (step - 1) * tokens_per_step, min(self.eval_every,
-                                                                                 self.total_steps - step + 1)
-                    mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: block_start,
-                                                        C.EPOCH_COUNT: block_steps * tokens_per_step})
-                    started = time.perf_counter()
-                loss = self._train_step(batches)
-                progress.advance(1, loss=loss)
-                support.after_step(step, loss)
-                if step % self.eval_every and step != self.total_steps:
-                    continue
-                seconds = time.perf_counter() - started
-                mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_start})
-                stats = self._throughput(block_steps * tokens_per_step / seconds)
-                mlog.event(K.TRACKED_STATS, stats, metadata={"step": step * tokens_per_step})
-                reached = self._evaluate_block(mlog, step, support, progress, progress_desc, stats)
-                if reached:
-                    break
-        finally:
-            progress.close()
-        mlog.event(C.TRAIN_SAMPLES, step * tokens_per_step)  # tokens trained, as NVIDIA's logs count them
-        return reached
+    # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
-    def _evaluate_block(self, mlog: K.ResultLog, step: int, support: Resilience, progress: Progress,
-                        progress_desc: str, stats: dict[str, float] | None = None) -> bool:
-        """Evaluate after `step`; True if the target is reached."""
-        with support.phase("eval", step):
-            log_ppl = self._evaluate(mlog, step * self.layout.global_batch * self.cfg.model.seq_len)
-        rate = f", {stats['tokens_per_second']:.0f} tokens/s" if stats else ""
-        progress.set(log_ppl=log_ppl, **({"tok/s": stats["tokens_per_second"]} if stats else {}))
-        progress.message(f"{progress_desc} step {step}: eval log perplexity {log_ppl:.4f} (target "
-                         f"{self.cfg.target}){rate}")
-        return log_ppl <= self.cfg.target
+    def batches(self, step: int):
+        self.loaders.sampler.skip = step * self.layout.grad_accum * self.cfg.micro_batch
+        return iter(self.loaders.train)
 
-    def _train_step(self, batches) -> float:
-        """One optimizer step over grad_accum micro batches; returns the mean loss."""
+    def epoch_num(self, step: int) -> int:
+        return step * self.tokens_per_step  # tokens trained, as NVIDIA's logs count them
+
+    def next_block(self, step: int) -> Block:
+        first = step - step % self.eval_every
+        return Block(first * self.tokens_per_step,
+                     min(self.eval_every, self.total_steps - first) * self.tokens_per_step)
+
+    def block_ends(self, step: int) -> bool:
+        return step % self.eval_every == 0
+
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained."""
         self.model.train()
         micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
         loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum)
@@ -214,10 +183,11 @@ class GPT3Workload(Workload):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()  # the step's one wait for the device
+        return loss.detach(), self.layout.global_batch
 
-    def _throughput(self, tokens_per_second: float) -> dict[str, float]:
-        stats = {"throughput": tokens_per_second / self.cfg.model.seq_len, "tokens_per_second": tokens_per_second}
+    def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
+        tokens_per_second = samples_per_second * self.cfg.model.seq_len
+        stats = {"throughput": samples_per_second, "tokens_per_second": tokens_per_second}
         if self.ctx.device.type == "cuda":
             utilisation = mfu(self.cfg.model.flops_per_token(), tokens_per_second, self.ctx.world_size,
                               torch.cuda.get_device_name(self.ctx.device))
@@ -226,8 +196,7 @@ class GPT3Workload(Workload):
         return stats
 
     @torch.no_grad()
-    def _evaluate(self, mlog: K.ResultLog, tokens_seen: int) -> float:
-        mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: tokens_seen})
+    def evaluate(self, step: int) -> float:
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
         for tokens, counted in self.loaders.eval:
@@ -237,39 +206,4 @@ class GPT3Workload(Workload):
         # Each sequence is counted on one data rank; every tensor-parallel rank of it holds the same sums,
         # so the ratio over the whole world is the ratio over the data ranks.
         loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
-        log_ppl = loss_sum / count
-        mlog.event(C.EVAL_ACCURACY, log_ppl, metadata={C.EPOCH_NUM: tokens_seen})
-        mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: tokens_seen})
-        return log_ppl
-
-
-# The tiny preset's starting checkpoint: a few hundred thousand tokens at a high LR, trained once in one
-# process with a fixed seed, as MLPerf's reference checkpoint was trained once by someone else.
-TINY_INIT_VERSION = 3
-TINY_INIT_LR = 3e-3
-
-
-def tiny_init_root() -> Path:
-    return cache_root() / f"tiny-gpt3-init-v{TINY_INIT_VERSION}"
-
-
-def ensure_tiny_init_checkpoint(cfg: GPT3Config) -> Path:
-    return build_once(tiny_init_root(), lambda folder: _train_tiny_init(cfg, folder))
-
-
-def _train_tiny_init(cfg: GPT3Config, folder: Path) -> None:
-    torch.manual_seed(1234)
-    model = GPT(cfg.model)
-    loaders = c4_loaders(ensure_tiny_corpus(), cfg.model.seq_len, cfg.lr_batch,
-                         train_samples=cfg.init_checkpoint_step * cfg.lr_batch, eval_sequences=0, seed=1234,
-                         data_rank=0, data_world=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_INIT_LR, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=cfg.weight_decay)
-    for tokens in loaders.train:
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
-    (folder / INIT_INFO).write_text(json.dumps({"step": cfg.init_checkpoint_step, "global_batch": cfg.lr_batch}) + "\n")
+        return loss_sum / count

@@ -12,7 +12,6 @@ to `end_lr`.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -23,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
-from workloads.common.progress import Progress
-from workloads.common.resilience import Resilience
+from workloads.common.resilience import Block
 from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, lars_step
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders, synthetic_loaders,
                                    tiny_dataset_root)
@@ -35,6 +34,8 @@ from workloads.resnet.model import build_model
 
 
 class ResNetWorkload(Workload):
+    rate_shown = ("img/s", "throughput")
+
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
         cfg = PRESETS[opts.preset]
@@ -52,7 +53,9 @@ class ResNetWorkload(Workload):
             self.base_lr = max(0.001, round(cfg.base_lr * self.global_batch / cfg.lr_batch, 3))
             self.warmup_epochs = cfg.warmup_epochs
         self.steps_per_epoch = len(self.loaders.train)
-        self.total_steps = self.steps_per_epoch * cfg.max_epochs
+        self.schedule_steps = self.steps_per_epoch * cfg.max_epochs  # the LR schedule's length
+        self.total_steps = min(opts.max_steps or self.schedule_steps, self.schedule_steps)
+        self.target = Target("top-1", "top1", cfg.target)
         self.warmup_steps = self.steps_per_epoch * self.warmup_epochs
 
         model = build_model(cfg.arch, cfg.classes).to(ctx.device, memory_format=torch.channels_last)
@@ -82,7 +85,7 @@ class ResNetWorkload(Workload):
         """Linear warmup to base_lr, then (1 - progress)^power decay down to end_lr."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        decay_steps = max(1, self.schedule_steps - self.warmup_steps)
         remaining = max(0.0, 1 - (step - self.warmup_steps) / decay_steps)
         end = self.cfg.end_lr / self.base_lr
         return end + (1 - end) * remaining ** self.cfg.poly_power
@@ -97,7 +100,7 @@ class ResNetWorkload(Workload):
             C.TRAIN_SAMPLES: self.loaders.train_samples,
             C.EVAL_SAMPLES: self.loaders.eval_samples,
         }
-        decay_steps = self.total_steps - self.warmup_steps
+        decay_steps = self.schedule_steps - self.warmup_steps
         if self.optimizer_name == C.LARS:  # the keys of closed_resnet_lars.yaml
             return {**common,
                     C.LARS_OPT_BASE_LEARNING_RATE: self.base_lr,
@@ -117,64 +120,32 @@ class ResNetWorkload(Workload):
                 K.SGD_OPT_MOMENTUM: cfg.momentum,
                 C.OPT_LR_WARMUP_EPOCHS: self.warmup_epochs}
 
-    def train(self, mlog: K.ResultLog, progress_desc: str, support: Resilience) -> bool:
-        cfg, ctx = self.cfg, self.ctx
-        max_steps = min(self.opts.max_steps or self.total_steps, self.total_steps)
-        step = support.restore()
-        progress = Progress(max_steps, progress_desc, show=ctx.is_main, initial=step)
-        done_epochs, offset = divmod(step, self.steps_per_epoch)
-        try:
-            # Resumed right after an epoch that ends with an eval: that eval may not have happened.
-            if offset == 0 and step > 0 and done_epochs % cfg.eval_every == 0:
-                if self._evaluate_block(mlog, done_epochs, step, support, progress, progress_desc):
-                    return True
-            for epoch in range(done_epochs + 1, cfg.max_epochs + 1):
-                # A resumed run continues an epoch (and block) whose start is already logged.
-                skip = offset if epoch == done_epochs + 1 else 0
-                block_first = epoch - (epoch - 1) % cfg.eval_every
-                if not skip:
-                    if epoch == block_first:
-                        block_epochs = min(cfg.eval_every, cfg.max_epochs - epoch + 1)
-                        mlog.start(C.BLOCK_START, metadata={C.FIRST_EPOCH_NUM: epoch, C.EPOCH_COUNT: block_epochs})
-                    mlog.start(C.EPOCH_START, metadata={C.EPOCH_NUM: epoch})
-                progress.set(epoch=f"{epoch}/{cfg.max_epochs}")
-                started, epoch_steps = time.perf_counter(), 0
-                for images, labels in self._epoch_batches(epoch, skip):
-                    loss = self._train_step(images, labels)
-                    step += 1
-                    epoch_steps += 1
-                    # .item() waits for the device, so read the loss only every 10 steps.
-                    value = loss.item() if step % 10 == 0 else None
-                    progress.advance(1, **({"loss": value} if value is not None else {}))
-                    support.after_step(step, value)
-                    if step >= max_steps:
-                        break
-                seconds = time.perf_counter() - started
-                mlog.end(C.EPOCH_STOP, metadata={C.EPOCH_NUM: epoch})
-                throughput = epoch_steps * self.global_batch / seconds
-                mlog.event(K.TRACKED_STATS, {"throughput": throughput}, metadata={"step": epoch})
-                progress.set(**{"img/s": throughput})
-                progress.line()
-                stopping = step >= max_steps or epoch == cfg.max_epochs
-                if epoch % cfg.eval_every == 0 or stopping:
-                    mlog.end(C.BLOCK_STOP, metadata={C.FIRST_EPOCH_NUM: block_first})
-                    if self._evaluate_block(mlog, epoch, step, support, progress, progress_desc, throughput):
-                        return True
-                if stopping:
-                    return False
-            return False
-        finally:
-            progress.close()
+    # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
-    def _evaluate_block(self, mlog: K.ResultLog, epoch: int, step: int, support: Resilience, progress: Progress,
-                        progress_desc: str, throughput: float | None = None) -> bool:
-        """Evaluate after `epoch` (at `step`); True if the target is reached."""
-        with support.phase("eval", step):
-            accuracy = self._evaluate(mlog, epoch)
-        progress.set(top1=accuracy)
-        rate = f", {throughput:.1f} img/s" if throughput else ""
-        progress.message(f"{progress_desc} epoch {epoch}: eval top-1 {accuracy:.4f} (target {self.cfg.target}){rate}")
-        return accuracy >= self.cfg.target
+    def batches(self, step: int):
+        done_epochs, offset = divmod(step, self.steps_per_epoch)
+        for epoch in range(done_epochs + 1, self.cfg.max_epochs + 1):
+            # A resumed run continues its epoch after the batches it trained.
+            yield from self._epoch_batches(epoch, offset if epoch == done_epochs + 1 else 0)
+
+    def epoch_num(self, step: int) -> int:
+        return -(-step // self.steps_per_epoch)  # the epoch the step belongs to (1-based)
+
+    def next_block(self, step: int) -> Block:
+        first = step // self.steps_per_epoch + 1
+        return Block(first, min(self.cfg.eval_every, self.cfg.max_epochs - first + 1))
+
+    def block_ends(self, step: int) -> bool:
+        epochs, offset = divmod(step, self.steps_per_epoch)
+        return offset == 0 and epochs % self.cfg.eval_every == 0
+
+    def step_starts(self, step: int, mlog: K.ResultLog) -> None:
+        if (step - 1) % self.steps_per_epoch == 0:
+            mlog.start(C.EPOCH_START, metadata={C.EPOCH_NUM: self.epoch_num(step)})
+
+    def step_ended(self, step: int, mlog: K.ResultLog, last: bool) -> None:
+        if step % self.steps_per_epoch == 0 or last:
+            mlog.end(C.EPOCH_STOP, metadata={C.EPOCH_NUM: self.epoch_num(step)})
 
     def _epoch_batches(self, epoch: int, skip: int):
         """The epoch's batches after the first `skip` (a resumed run's position)."""
@@ -188,7 +159,8 @@ class ResNetWorkload(Workload):
             yield (images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last),
                    labels.to(self.ctx.device, non_blocking=True))
 
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        images, labels = next(batches)
         self.model.train()
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
             loss = self.loss_fn(self.model(images), labels)
@@ -196,22 +168,18 @@ class ResNetWorkload(Workload):
         loss.backward()
         self.optimizer.step()
         self.scheduler.step()
-        return loss.detach()
+        return loss.detach(), self.global_batch
 
     @torch.no_grad()
-    def _evaluate(self, mlog: K.ResultLog, epoch: int) -> float:
-        mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: epoch})
+    def evaluate(self, step: int) -> float:
         self.model.eval()
-        correct = total = 0
+        correct, total = torch.zeros((), dtype=torch.int64, device=self.ctx.device), 0
         for images, labels in self.loaders.eval:
             images = images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last)
             labels = labels.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
                 logits = self.model(images)
-            correct += (logits.argmax(1) == labels).sum().item()
+            correct += (logits.argmax(1) == labels).sum()  # read once, after the last batch
             total += labels.numel()
-        correct, total = all_sum([correct, total], self.ctx)
-        accuracy = correct / total
-        mlog.event(C.EVAL_ACCURACY, accuracy, metadata={C.EPOCH_NUM: epoch})
-        mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: epoch})
-        return accuracy
+        correct, total = all_sum([correct.item(), total], self.ctx)
+        return correct / total

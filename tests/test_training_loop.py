@@ -1,0 +1,161 @@
+"""The one training loop (workloads/common/loop.py), driven by a counting workload: blocks, evaluations,
+resuming inside and at the end of a block, the loss read every few steps, and a rate without saves.
+The real workloads run through it in test_resnet_campaign, test_bert, test_gpt3 and test_resilience."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mlperf_logging.mllog import constants as C
+
+from workloads.common import loop
+from workloads.common.loop import LOSS_READ_EVERY, Target, train
+from workloads.common.resilience import Block
+
+
+class Log:
+    """What the loop writes to the MLPerf log, as (kind, key, value or metadata)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def start(self, key, metadata=None):
+        self.lines.append(("start", key, metadata))
+
+    def end(self, key, metadata=None):
+        self.lines.append(("end", key, metadata))
+
+    def event(self, key, value, metadata=None):
+        self.lines.append(("event", key, value))
+
+    def keys(self):
+        return [key for _, key, _ in self.lines]
+
+
+class Support:
+    """Resilience's side of the loop, without a process group or a disk."""
+
+    def __init__(self, resume_at=0, block=None, save_seconds_per_step=0.0):
+        self.resume_at, self.block, self.save_seconds = resume_at, block, 0.0
+        self.per_step, self.losses, self.evals = save_seconds_per_step, [], []
+
+    def restore(self):
+        return self.resume_at
+
+    def after_step(self, step, loss):
+        self.losses.append((step, loss))
+        self.save_seconds += self.per_step
+
+    @contextmanager
+    def phase(self, kind, step):
+        self.evals.append(step)
+        yield
+
+
+class Counting:
+    """Steps of 10 samples; an evaluation every 4 steps; the quality is the step / 10."""
+
+    logs_trained_samples = True
+    rate_shown = ("samples/s", "throughput")
+
+    def __init__(self, total_steps=10, target=2.0, losses=None):
+        self.ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False)
+        self.total_steps, self.target = total_steps, Target("quality", "q", target)
+        self.losses, self.trained = losses or {}, []
+
+    def batches(self, step):
+        return iter(range(step + 1, self.total_steps + 1))
+
+    def train_step(self, batches):
+        step = next(batches)
+        self.trained.append(step)
+        return torch.tensor(self.losses.get(step, 1.0 / step)), 10
+
+    def evaluate(self, step):
+        return step / 10
+
+    def epoch_num(self, step):
+        return step * 10
+
+    def next_block(self, step):
+        first = step - step % 4
+        return Block(first * 10, min(4, self.total_steps - first) * 10)
+
+    def block_ends(self, step):
+        return step % 4 == 0
+
+    def tracked_stats(self, samples_per_second):
+        return {"throughput": samples_per_second}
+
+    def step_starts(self, step, mlog):
+        pass
+
+    def step_ended(self, step, mlog, last):
+        pass
+
+
+def blocks(log):
+    return [(kind, meta[C.FIRST_EPOCH_NUM]) for kind, key, meta in log.lines if key in (C.BLOCK_START, C.BLOCK_STOP)]
+
+
+def test_blocks_close_with_an_evaluation_until_the_step_limit():
+    log, support = Log(), Support()
+    assert train(Counting(total_steps=10, target=5.0), log, "run", support) is False
+    assert blocks(log) == [("start", 0), ("end", 0), ("start", 40), ("end", 40), ("start", 80), ("end", 80)]
+    assert support.evals == [4, 8, 10]  # the last, short block is evaluated too
+    starts = [meta for _, key, meta in log.lines if key == C.BLOCK_START]
+    assert [s[C.EPOCH_COUNT] for s in starts] == [40, 40, 20]
+    assert log.lines[-1] == ("event", C.TRAIN_SAMPLES, 100)
+
+
+def test_the_run_stops_at_the_first_evaluation_that_reaches_the_target():
+    log, support = Log(), Support()
+    assert train(Counting(total_steps=20, target=0.8), log, "run", support) is True
+    assert support.evals == [4, 8]
+    assert ("event", C.EVAL_ACCURACY, 0.8) in log.lines
+    assert log.lines[-1] == ("event", C.TRAIN_SAMPLES, 80)
+
+
+def test_a_run_resumed_inside_a_block_continues_it():
+    log, workload = Log(), Counting(total_steps=8, target=5.0)
+    support = Support(resume_at=6, block=Block(40, 40))
+    train(workload, log, "run", support)
+    assert workload.trained == [7, 8]  # the input continues where the checkpoint left it
+    assert blocks(log) == [("end", 40)]  # no second block_start for the open block
+    assert support.evals == [8]
+
+
+def test_a_run_resumed_after_the_step_that_closes_a_block_evaluates_first():
+    log, workload = Log(), Counting(total_steps=8, target=5.0)
+    support = Support(resume_at=4)
+    train(workload, log, "run", support)
+    assert support.evals == [4, 8]
+    assert blocks(log) == [("start", 40), ("end", 40)]
+
+
+def test_the_loss_is_read_every_few_steps_and_a_nan_between_reads_is_caught():
+    workload = Counting(total_steps=2 * LOSS_READ_EVERY + 3, target=5.0, losses={LOSS_READ_EVERY + 2: math.nan})
+    workload.block_ends = lambda step: False  # one block: reads only every LOSS_READ_EVERY steps and at the end
+    support = Support()
+    train(workload, Log(), "run", support)
+    read = {step: loss for step, loss in support.losses if loss is not None}
+    assert sorted(read) == [LOSS_READ_EVERY, 2 * LOSS_READ_EVERY, 2 * LOSS_READ_EVERY + 3]
+    assert read[LOSS_READ_EVERY] == pytest.approx(1 / LOSS_READ_EVERY)
+    assert math.isnan(read[2 * LOSS_READ_EVERY])  # the NaN of an unread step shows at the next read
+    assert read[2 * LOSS_READ_EVERY + 3] == pytest.approx(1 / (2 * LOSS_READ_EVERY + 3))
+
+
+def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):
+    def rate(save_seconds_per_step):
+        ticks = iter(range(0, 100, 10))  # the block opens at 0 and closes at 10 s
+        monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+        log = Log()
+        train(Counting(total_steps=4, target=5.0), log, "run", Support(save_seconds_per_step=save_seconds_per_step))
+        return next(value for _, key, value in log.lines if key == "tracked_stats")["throughput"]
+
+    assert rate(0.0) == pytest.approx(40 / 10)  # 4 steps of 10 samples in 10 s
+    assert rate(1.5) == pytest.approx(40 / (10 - 4 * 1.5))  # 6 of the 10 s went to saves
