@@ -17,6 +17,7 @@ from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
 from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
+from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--optimizer", metavar="sgd|lars",
                      help="resnet: this optimizer whatever the global batch (default: SGD below a global batch of "
                           "4,096, LARS from there, as the reference submissions choose)")
+    run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
+                     help="torch.compile the model: auto (default) compiles on GPUs and runs eagerly on CPU")
     run.add_argument("--straggler-window", type=float, default=60.0, metavar="SECONDS",
                      help="seconds of training between straggler checks (one small all-gather of each rank's mean "
                           "forward time); 0 turns them off")
@@ -236,7 +239,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
                    straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
-                   optimizer=args.optimizer,
+                   optimizer=args.optimizer, compile=args.compile,
                    data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,

@@ -17,6 +17,7 @@ from pathlib import Path
 from harness import profiles
 from harness.errors import HarnessError
 from harness.profiles import Profile
+from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan  # torch-free
 
 # Benchmark name -> presets. The first preset is the default when no dataset is given.
@@ -66,6 +67,7 @@ class JobSpec:
     straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: chosen by batch
     straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
+    compile: str = "auto"  # torch.compile: "auto" (on GPUs), "on" or "off"
     env: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = None  # None: the profile's; 0: no metrics endpoint
     pushgateway: str | None = None  # also push metrics there (clusters whose nodes Prometheus cannot scrape)
@@ -142,6 +144,7 @@ class JobSpec:
             args += ["--inject-failure", self.inject_failure]
         if self.optimizer is not None:
             args += ["--optimizer", self.optimizer]
+        args += ["--compile", self.compile]
         args += ["--straggler-window", f"{self.straggler_window:g}",
                  "--straggler-threshold", f"{self.straggler_threshold:g}"]
         return args
@@ -160,7 +163,7 @@ class JobSpec:
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
                             ("--straggler-window", self.straggler_window), ("--optimizer", self.optimizer),
-                            ("--straggler-threshold", self.straggler_threshold),
+                            ("--straggler-threshold", self.straggler_threshold), ("--compile", self.compile),
                             ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
                 args += [flag, str(value)]
@@ -246,6 +249,9 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.optimizer is not None and (spec.benchmark != "resnet" or spec.optimizer not in RESNET_OPTIMIZERS):
         raise HarnessError(f"--optimizer {spec.optimizer!r}: resnet takes one of {', '.join(RESNET_OPTIMIZERS)} "
                            "(default: LARS from a global batch of 4,096 up); bert and gpt3 use their reference's")
+    if spec.compile not in COMPILE_CHOICES:
+        raise HarnessError(f"--compile {spec.compile!r}: choose one of {', '.join(COMPILE_CHOICES)} (auto: compiled "
+                           "on GPUs, eager on CPU)")
     if spec.straggler_window < 0:
         raise HarnessError(f"--straggler-window must be 0 (off) or more seconds, got {spec.straggler_window:g}")
     if not 0 < spec.straggler_threshold <= 1:

@@ -82,3 +82,21 @@ def closed_proxy_run(benchmark: str, *args: str, procs: int = 1, timeout: float 
                            str(REPO / "tests" / "closed_proxy.py"), benchmark, "--preset", "full", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-process gloo group on CPU, and its DistContext."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from workloads.common.distributed import DistContext, shutdown_distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    shutdown_distributed()

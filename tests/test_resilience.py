@@ -107,18 +107,6 @@ def test_goodput_splits_the_wall_time(tmp_path):
 
 # --- the checkpointer in one process ------------------------------------------------------------------
 
-@pytest.fixture
-def one_rank_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from workloads.common.distributed import DistContext, shutdown_distributed
-
-    yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    shutdown_distributed()
-
-
 def _model_state(seed: int) -> dict:
     torch.manual_seed(seed)
     return {"weights": torch.randn(64, 64), "bias": torch.randn(64)}

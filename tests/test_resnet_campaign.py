@@ -126,23 +126,26 @@ def worker_run(out: Path, *args: str, procs: int = 1, timeout: float = 600) -> C
 
 
 def test_lars_matches_the_reference_update():
-    """Weights adapt by eta*||w||/(||g|| + wd*||w||) and decay; biases (and batch norm) take plain momentum SGD."""
-    weight = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))  # norm 5
-    bias = torch.nn.Parameter(torch.tensor([1.0]))
+    """Weights adapt by eta*||w||/(||g|| + wd*||w||) and decay, each by its own norms (two weights in one
+    multi-tensor group); biases (and batch norm) take plain momentum SGD."""
+    starts, grads = [np.array([3.0, 4.0]), np.array([0.5, -1.0, 2.0])], [np.array([1.0, -2.0]), np.array([4.0, 0.0, 1.0])]
     model = torch.nn.Module()
-    model.weight, model.bias = weight, bias
+    model.weight = torch.nn.Parameter(torch.tensor([starts[0].tolist()]))
+    model.weight2 = torch.nn.Parameter(torch.tensor([starts[1].tolist()]))
+    model.bias = torch.nn.Parameter(torch.tensor([1.0]))
     optimizer = Lars(parameter_groups(model, 0.1), lr=2.0, momentum=0.9, weight_decay=0.1)
-    grad = np.array([1.0, -2.0])
     for _ in range(2):
-        weight.grad, bias.grad = torch.tensor([grad.tolist()]), torch.tensor([0.5])
+        model.weight.grad, model.weight2.grad = (torch.tensor([g.tolist()]) for g in grads)
+        model.bias.grad = torch.tensor([0.5])
         optimizer.step()
-    w, velocity = np.array([3.0, 4.0]), 0.0
-    for _ in range(2):
-        trust = TRUST_COEFFICIENT * np.linalg.norm(w) / (np.linalg.norm(grad) + 0.1 * np.linalg.norm(w))
-        velocity = 0.9 * velocity + 2.0 * trust * (grad + 0.1 * w)
-        w = w - velocity
-    np.testing.assert_allclose(weight.detach().numpy()[0], w, rtol=1e-6)
-    np.testing.assert_allclose(bias.item(), 1.0 - 2.0 * 0.5 - (0.9 * 2.0 * 0.5 + 2.0 * 0.5), rtol=1e-6)
+    for param, w, grad in zip((model.weight, model.weight2), starts, grads):
+        velocity = 0.0
+        for _ in range(2):
+            trust = TRUST_COEFFICIENT * np.linalg.norm(w) / (np.linalg.norm(grad) + 0.1 * np.linalg.norm(w))
+            velocity = 0.9 * velocity + 2.0 * trust * (grad + 0.1 * w)
+            w = w - velocity
+        np.testing.assert_allclose(param.detach().numpy()[0], w, rtol=1e-6)
+    np.testing.assert_allclose(model.bias.item(), 1.0 - 2.0 * 0.5 - (0.9 * 2.0 * 0.5 + 2.0 * 0.5), rtol=1e-6)
 
 
 def test_the_global_batch_chooses_the_optimizer_and_its_lr():

@@ -124,9 +124,19 @@ def write_shard(path: Path, rows: list[Row], layout: str, max_seq_len: int, max_
             f.create_dataset("next_sentence_labels", data=np.array([r.nsp_labels[0] for r in rows], np.int8))
 
 
+def padded_width(longest: int, max_seq_len: int) -> int:
+    """The narrowest of four widths (quarters of max_seq_len, in multiples of 8) that holds `longest`: short
+    batches cost less than full ones, and a compiled model sees only four sequence lengths."""
+    for quarter in range(1, 5):
+        width = min(max_seq_len, -(-max_seq_len * quarter // 32) * 8)
+        if width >= longest:
+            return width
+    raise ValueError(f"a row of {longest} tokens is longer than max_seq_len {max_seq_len}")
+
+
 def collate(rows: list[Row], max_seq_len: int) -> dict[str, torch.Tensor]:
-    """Rows -> the model's tensors, padded to the longest row (rounded up to 8) rather than max_seq_len."""
-    width = min(max_seq_len, max(8, -(-max(len(r.input_ids) for r in rows) // 8) * 8))
+    """Rows -> the model's tensors, padded to padded_width() rather than always to max_seq_len."""
+    width = padded_width(max(len(r.input_ids) for r in rows), max_seq_len)
     batch = len(rows)
     input_ids = np.zeros((batch, width), np.int64)
     segment_ids = np.zeros((batch, width), np.int64)

@@ -58,7 +58,8 @@ class BertWorkload(Workload):
         model = Bert(self.preset.model).to(ctx.device)
         self._load_init_checkpoint(model)
         self.model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
-                                             else None)
+                                             else None, gradient_as_bucket_view=True)
+        self.forward_model = torch.compile(self.model) if self.compiled else self.model
         self.optimizer = Lamb(parameter_groups(model, h.weight_decay), lr=h.base_lr, betas=(h.beta_1, h.beta_2),
                               eps=h.epsilon, weight_decay=h.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, h.lr_factor)
@@ -173,7 +174,7 @@ class BertWorkload(Workload):
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
-            return model_outputs(self.model, batch)
+            return model_outputs(self.forward_model, batch)
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
         """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained (over all

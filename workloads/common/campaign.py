@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
+from workloads.common.compiling import COMPILE_CHOICES, compile_wanted
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
@@ -59,6 +60,7 @@ class RunOptions:
     straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
     straggler_threshold: float = 0.75
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
+    compile: str = "auto"  # torch.compile: see workloads.common.compiling
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -84,6 +86,7 @@ class RunOptions:
         p.add_argument("--straggler-threshold", type=float, default=0.75)
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
                        help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
+        p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
@@ -113,6 +116,7 @@ class Workload(ABC):
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         self.opts, self.ctx, self.seed = opts, ctx, seed
+        self.compiled = compile_wanted(opts.compile, ctx.device.type)
 
     @abstractmethod
     def hyperparameters(self) -> dict[str, Any]:

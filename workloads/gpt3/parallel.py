@@ -42,10 +42,16 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (layout.data, layout.tensor), mesh_dim_names=("data", "tensor"))
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device) -> GPT:
-    """Apply tensor and sequence parallelism (when the tensor dimension is over 1), then FSDP2, in place."""
+def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> GPT:
+    """Apply tensor and sequence parallelism (when the tensor dimension is over 1), torch.compile per block
+    (when `compiled`), then FSDP2, in place."""
     if mesh["tensor"].size() > 1:
         _tensor_parallel(model, mesh["tensor"])
+    if compiled:
+        # Block by block, as torchtitan compiles: every block has the same graph, so it compiles once, and
+        # FSDP2's per-block gathers stay outside it. In place, so parameter names (and checkpoints) keep theirs.
+        for block in model.blocks:
+            block.compile(fullgraph=True)
     # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()

@@ -65,12 +65,12 @@ class GPT3Workload(Workload):
         # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
         with torch.device("meta"):
             model = GPT(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
-        parallelize(model, self.mesh, ctx.device)
+        parallelize(model, self.mesh, ctx.device, self.compiled)
         model.to_empty(device=ctx.device)
         model.init_weights()
         self.model = model
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
-                                           betas=(0.9, 0.95), eps=1e-8)
+                                           betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.init_step = self._load_init_checkpoint()
         # The schedule continues where the starting checkpoint left it (past warmup, into the decay), as the
         # reference does; its steps, like every step count here, at this run's global batch.

@@ -42,6 +42,9 @@ class ResNetConfig:
     weight_decay: float = 0.00005  # a power-of-two multiple of 1e-4, as the closed rules require
     label_smoothing: float = 0.1
     workers: int = 8  # data-loader processes per rank
+    # DDP's all-reduce bucket: ResNet-50's 100 MB of fp32 gradients in 4 buckets, the first of them ready
+    # early in the backward pass (torch's default, not yet tuned on a GPU: bench/gpu_throughput.py measures it).
+    bucket_mb: int = 25
 
 
 PRESETS = {

@@ -27,21 +27,31 @@ class Lars(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """The update above for a whole group at once, with torch's multi-tensor (`_foreach_`) kernels: a few
+        launches per group instead of about ten per parameter, and no host read of any norm."""
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
             decay = group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad, scale = param.grad, group["lr"]
-                if decay:
-                    weight_norm, grad_norm = param.norm(), grad.norm()
-                    trust = group["trust_coefficient"] * weight_norm / (grad_norm + decay * weight_norm
-                                                                        + group["epsilon"])
-                    scale = scale * torch.where((weight_norm > 0) & (grad_norm > 0), trust, 1.0)
-                    grad = grad.add(param, alpha=decay)
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                velocity = state["momentum_buffer"]
-                velocity.mul_(group["momentum"]).add_(grad * scale)
-                param.sub_(velocity)
+            if decay:
+                weight_norms = torch.stack(torch._foreach_norm(params))
+                grad_norms = torch.stack(torch._foreach_norm(grads))
+                trust = group["trust_coefficient"] * weight_norms / (grad_norms + decay * weight_norms
+                                                                     + group["epsilon"])
+                scales = group["lr"] * torch.where((weight_norms > 0) & (grad_norms > 0), trust, 1.0)
+                updates = torch._foreach_add(grads, params, alpha=decay)
+                torch._foreach_mul_(updates, list(scales.unbind()))
+            else:
+                updates = torch._foreach_mul(grads, group["lr"])
+            velocities = [self._velocity(p) for p in params]
+            torch._foreach_mul_(velocities, group["momentum"])
+            torch._foreach_add_(velocities, updates)
+            torch._foreach_sub_(params, velocities)
+
+    def _velocity(self, param: torch.Tensor) -> torch.Tensor:
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]

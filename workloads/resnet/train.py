@@ -59,14 +59,17 @@ class ResNetWorkload(Workload):
         self.warmup_steps = self.steps_per_epoch * self.warmup_epochs
 
         model = build_model(cfg.arch, cfg.classes).to(ctx.device, memory_format=torch.channels_last)
+        # Gradients live in DDP's buckets (no copy into them before each all-reduce).
         self.model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
-                                             else None)
+                                             else None, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb)
+        # Compiling the DDP module lets torch split the graph at the buckets, so all-reduces still overlap.
+        self.forward = torch.compile(self.model) if self.compiled else self.model
         if self.optimizer_name == C.LARS:
             self.optimizer = Lars(parameter_groups(self.model, cfg.weight_decay), lr=self.base_lr,
                                   momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         else:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.base_lr, momentum=cfg.momentum,
-                                             weight_decay=cfg.weight_decay)
+                                             weight_decay=cfg.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
@@ -163,7 +166,7 @@ class ResNetWorkload(Workload):
         images, labels = next(batches)
         self.model.train()
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
-            loss = self.loss_fn(self.model(images), labels)
+            loss = self.loss_fn(self.forward(images), labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -178,7 +181,7 @@ class ResNetWorkload(Workload):
             images = images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last)
             labels = labels.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
-                logits = self.model(images)
+                logits = self.forward(images)
             correct += (logits.argmax(1) == labels).sum()  # read once, after the last batch
             total += labels.numel()
         correct, total = all_sum([correct.item(), total], self.ctx)
