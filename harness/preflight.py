@@ -54,30 +54,53 @@ def _pair_check(record: dict) -> Check | None:
                  f"median with {peers}")
 
 
+def _newest_ended(records: list[dict]) -> int | None:
+    """The newest attempt some node ended: on Kubernetes a recreated pod may have begun the next one already."""
+    return max((r["attempt"] for r in records if r.get("event") == "end"), default=None)
+
+
+def settled(records: list[dict]) -> bool:
+    """Whether the newest ended attempt is over on every node: each node that began it has ended it or begun a
+    later one (a lost node's recreated pod). Until then a node still running it would read as lost."""
+    attempt = _newest_ended(records)
+    if attempt is None:
+        return False
+    over = {r["node"] for r in records if (r["attempt"] == attempt and r.get("event") == "end")
+            or (r["attempt"] > attempt and r.get("event") == "start")}
+    return all(r["node"] in over for r in records if r["attempt"] == attempt and r.get("event") == "start")
+
+
 def blamed_nodes(out: Path) -> dict[str, str]:
-    """Nodes the newest failed training attempt points at, with the cause: a rank killed by a signal other
+    """Machines the newest failed training attempt points at, with the cause: a rank killed by a signal other
     than the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or
-    the node of a rank the straggler checks named (slow over several windows in a row)."""
+    the node of a rank the straggler checks named (slow over several windows in a row). Where the agents
+    ran in pods, a record's `host` (the Kubernetes node under the pod) is what is blamed."""
     records = read_attempts(out)
-    ends = [r for r in records if r.get("event") == "end"]
-    if not records:
+    attempt = _newest_ended(records)
+    if attempt is None:
         return {}
-    attempt = max(r["attempt"] for r in records)
     mine = [r for r in records if r["attempt"] == attempt]
     if any(r.get("event") == "end" and r.get("ok") for r in mine) and not any(
             r.get("event") == "end" and not r.get("ok") for r in mine):
         return {}
-    blamed = {r["node"]: r.get("cause", "failed") for r in mine if r.get("event") == "end" and not r.get("ok")
-              and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
-    ended = {r["node"] for r in ends if r["attempt"] == attempt}
-    if ended:
-        blamed.update({r["node"]: "the node was lost: its agent never recorded the attempt's end" for r in mine
-                       if r.get("event") == "start" and r["node"] not in ended})
+    host = {r["node"]: r.get("host", r["node"]) for r in mine if r.get("event") == "start"}
+    blamed = {host.get(r["node"], r["node"]): r.get("cause", "failed") for r in mine if r.get("event") == "end"
+              and not r.get("ok") and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
+    ended = {r["node"] for r in mine if r.get("event") == "end"}
+    blamed.update({host[r["node"]]: "the node was lost: its agent never recorded the attempt's end" for r in mine
+                   if r.get("event") == "start" and r["node"] not in ended})
     for record in sorted(Path(out).glob("run_*.jsonl")):
         for slow in attempt_stragglers(record, attempt):
-            blamed.setdefault(str(slow["node"]), f"straggler: rank {slow['rank']} computed at {slow['score']:.2f} of "
-                                                 f"the fastest rank's speed for {slow['windows']} windows in a row")
+            node = str(slow["node"])
+            blamed.setdefault(host.get(node, node), f"straggler: rank {slow['rank']} computed at "
+                                                    f"{slow['score']:.2f} of the fastest rank's speed for "
+                                                    f"{slow['windows']} windows in a row")
     return blamed
+
+
+def blame_check(cause: str) -> Check:
+    """A training failure pinned on a node, as a failed check of its own."""
+    return Check("training_failure", FAIL, cause[:200], "no failure in the last attempt")
 
 
 def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict[str, dict]:
@@ -99,7 +122,7 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                          note="the between-node checks did not finish")
         checks += [pair] if pair else []
         if node in blamed:
-            checks.append(Check("training_failure", FAIL, blamed[node][:200], "no failure in the last attempt"))
+            checks.append(blame_check(blamed[node]))
         verdicts[node] = {"gpu": record.get("gpu"), "started": record.get("started"), "checks": checks,
                           "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
@@ -158,6 +181,19 @@ def read(out: Path) -> dict | None:
 
 def record_remediation(out: Path, lines: list[str]) -> None:
     record = read(out)
+    record["remediation"] = record.get("remediation", []) + lines
+    (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def record_blame(out: Path, reasons: dict[str, list[str]], lines: list[str]) -> None:
+    """Add the nodes a training failure kept out after preflight (Kubernetes, where the job goes on rather than
+    being submitted again) to preflight.json's `excluded`, with what the cluster was told; no preflight, no file."""
+    record = read(out)
+    if record is None:
+        return
+    for node, why in reasons.items():
+        record["excluded"][node] = record["excluded"].get(node, []) + why
+    record["kept"] = [n for n in record["kept"] if n not in reasons]
     record["remediation"] = record.get("remediation", []) + lines
     (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
