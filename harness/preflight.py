@@ -185,15 +185,19 @@ def record_remediation(out: Path, lines: list[str]) -> None:
     (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def record_blame(out: Path, reasons: dict[str, list[str]], lines: list[str]) -> None:
+def record_blame(out: Path, blamed: dict[str, Check], lines: list[str]) -> None:
     """Add the nodes a training failure kept out after preflight (Kubernetes, where the job goes on rather than
-    being submitted again) to preflight.json's `excluded`, with what the cluster was told; no preflight, no file."""
+    being submitted again) to preflight.json, with the failed check and what the cluster was told; no
+    preflight, no file."""
     record = read(out)
     if record is None:
         return
-    for node, why in reasons.items():
-        record["excluded"][node] = record["excluded"].get(node, []) + why
-    record["kept"] = [n for n in record["kept"] if n not in reasons]
+    for node, check in blamed.items():
+        record["excluded"][node] = record["excluded"].get(node, []) + [reason(check)]
+        verdict = record["nodes"].setdefault(node, {"gpu": None, "checks": []})
+        verdict["ok"] = False
+        verdict["checks"].append(check.to_dict())
+    record["kept"] = [n for n in record["kept"] if n not in blamed]
     record["remediation"] = record.get("remediation", []) + lines
     (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -211,6 +215,18 @@ def table(record: dict) -> str:
     lines.append(f"preflight: {record['message']}; training on {', '.join(record['kept']) or 'no node'}"
                  f" ({record['seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+def kept_out_rows(record: dict) -> list[dict]:
+    """Each failed check of each node kept out: {node, check, measured, unit, threshold, reason}, for the
+    report's JSON, CSV, Markdown and HTML (the reason as the table and the Slurm drain say it)."""
+    rows = []
+    for node in record["excluded"]:
+        for c in (record["nodes"].get(node) or {}).get("checks", []):
+            if c["verdict"] == FAIL:
+                rows.append({"node": node, "check": c["name"], "measured": c["measured"], "unit": c["unit"],
+                             "threshold": c["threshold"], "reason": reason(Check.from_dict(c))})
+    return rows
 
 
 def kept_out_lines(record: dict) -> list[str]:

@@ -82,7 +82,8 @@ class BlamedNodeWatcher:
                                                   for replica in job["spec"]["pytorchReplicaSpecs"]}}}
         _call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
              PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
-        reasons = {node: [preflight.reason(preflight.blame_check(cause))] for node, cause in blamed.items()}
+        checks = {node: preflight.blame_check(cause) for node, cause in blamed.items()}
+        reasons = {node: [preflight.reason(check)] for node, check in checks.items()}
         record = {"nodes": {node: {"ok": False} for node in blamed}, "excluded": reasons}
         reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, name=self.name,
                                           namespace=self.namespace, uid=job["metadata"].get("uid"))
@@ -93,6 +94,6 @@ class BlamedNodeWatcher:
                 _call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
                 self.uids.pop(pod.metadata.name, None)  # its successor is ours, not a new failure
                 lines.append(f"{pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created elsewhere")
-        preflight.record_blame(self.spec.out_dir, reasons, lines)
+        preflight.record_blame(self.spec.out_dir, checks, lines)
         for line in lines:
             print(f"harness: {line}", flush=True)
