@@ -25,6 +25,7 @@ from harness.results.goodput import attempt_stragglers
 from workloads.common.run_record import read_attempts
 
 PREFLIGHT_FILE = "preflight.json"
+VERDICTS_ENV = "HARNESS_PREFLIGHT_VERDICTS"  # pod_verdicts, where the run folder has no preflight.json
 EXIT_PREFLIGHT = 6  # too few healthy nodes: the job stops before training
 _FAILING = {">=": "<", "<=": ">", "==": "!="}
 
@@ -215,6 +216,35 @@ def table(record: dict) -> str:
     lines.append(f"preflight: {record['message']}; training on {', '.join(record['kept']) or 'no node'}"
                  f" ({record['seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+def check_verdicts(checks: list[dict]) -> dict[str, bool]:
+    """{check: passed} for one node: a check measured on several GPUs or ports passes where every one passed;
+    a check that was only skipped has no verdict."""
+    verdicts: dict[str, bool] = {}
+    for c in checks:
+        if isinstance(c, dict) and c.get("verdict") in (PASS, FAIL):
+            verdicts[str(c.get("name"))] = verdicts.get(str(c.get("name")), True) and c["verdict"] == PASS
+    return verdicts
+
+
+def pod_verdicts(record: dict) -> dict:
+    """The verdicts of the nodes training may land on (kept and spare), small enough for one environment
+    variable at 448 nodes: {"checks": [names], "nodes": {node: one character per check, 1 pass, 0 fail, - none}}."""
+    per_node = {n: check_verdicts(record["nodes"][n]["checks"]) for n in record["kept"] + record["spare"]}
+    names = sorted({name for verdicts in per_node.values() for name in verdicts})
+    return {"checks": names, "nodes": {n: "".join({True: "1", False: "0"}.get(v.get(name), "-") for name in names)
+                                       for n, v in per_node.items()}}
+
+
+def verdicts_of(node: str, encoded: str) -> dict[str, bool]:
+    """One node's {check: passed} from pod_verdicts as JSON (VERDICTS_ENV); nothing where it is unreadable."""
+    try:
+        table = json.loads(encoded)
+        names, row = table["checks"], table["nodes"].get(node, "")
+        return {str(name): flag == "1" for name, flag in zip(names, row) if flag in ("0", "1")}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
 
 
 def kept_out_rows(record: dict) -> list[dict]:

@@ -36,6 +36,7 @@ from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from harness.agent import HOST_ENV, NODE_ENV
+from harness import preflight
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
@@ -86,6 +87,8 @@ def _pod_parts(spec: JobSpec, nproc: int, token: str) -> _PodParts:
                                         read_only=read_only or None))
     _check_paths(spec)
     env = {**profile.env, **spec.env, IMAGE_ENV: profile.image}
+    if spec.node_verdicts:
+        env[preflight.VERDICTS_ENV] = json.dumps(spec.node_verdicts, separators=(",", ":"), sort_keys=True)
     in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(pvc_folder(spec, token)))
     # Both operators give every pod PET_MASTER_ADDR/PORT; the kubelet expands $(VAR) in arguments.
     command = agent_command(in_pod, "python", nproc, rendezvous="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
