@@ -7,6 +7,7 @@ runs to a refusal before torch (the fake kubelet runs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -228,6 +229,10 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
     launcher = get_launcher("k8s")
     handle = launcher.submit(launcher.render(spec))
     watch = launcher.restart_watcher(spec, handle)
+    for without in ({"max_restarts": 0}, {"preflight": False, "spare_nodes": 0}):
+        assert launcher.restart_watcher(dataclasses.replace(spec, **without), handle) is None
+    trainjob = profiles.apply_overrides(profile, ["kubernetes.api=trainjob"])
+    assert launcher.restart_watcher(dataclasses.replace(spec, profile=trainjob), handle) is None
     host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
     assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
     watch()
@@ -241,6 +246,10 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
     watch()  # the master still runs attempt 0: not judged yet
     assert ("gpu-b" not in str(operator.jobs[(NS, JOB)]["spec"]) and
             operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-b")
+    reads = operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods"))  # each read is a results pod
+    watch()
+    assert operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods")) == reads  # not again for a while
+    watch.next_read = 0  # the while is over
     code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
     operator.exit_pod(NS, "rn-master-0", code)
     watch()

@@ -20,6 +20,7 @@ attempt, leaves that attempt short of a node: it counts against --max-restarts l
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -33,6 +34,9 @@ from harness.spec import JobSpec
 from workloads.common.run_record import ATTEMPTS_DIR, read_attempts
 
 
+READ_AGAIN_S = 10.0
+
+
 class BlamedNodeWatcher:
     """A `watch` tick for one PyTorchJob (see the module's notes)."""
 
@@ -43,15 +47,20 @@ class BlamedNodeWatcher:
         self.uids: dict[str, str] = {}  # pod name -> the uid last seen under it
         self.pending = False  # a pod was recreated and its failed attempt is not judged yet
         self.judged: set[int] = set()
+        # Between two reads of an attempt still running somewhere: each read is a pod, and a lost node's
+        # replacement can wait long for a free node.
+        self.reread_s, self.next_read = READ_AGAIN_S, 0.0
+
+    def _pods(self, core) -> list:
+        return _call("list the job's pods", core.list_namespaced_pod, self.namespace,
+                     label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
 
     def __call__(self) -> None:
         jobs, core = _api()
-        pods = _call("list the job's pods", core.list_namespaced_pod, self.namespace,
-                     label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
-        seen = {p.metadata.name: p.metadata.uid for p in pods}
+        seen = {p.metadata.name: p.metadata.uid for p in self._pods(core)}
         self.pending |= any(self.uids.get(name, uid) != uid for name, uid in seen.items())
         self.uids.update(seen)
-        if not self.pending:
+        if not self.pending or time.monotonic() < self.next_read:
             return
         with tempfile.TemporaryDirectory(dir=self.handle.out_dir, prefix=".attempts-") as staging:
             try:
@@ -62,6 +71,7 @@ class BlamedNodeWatcher:
                 return
             records = read_attempts(Path(staging))
             if not preflight.settled(records):
+                self.next_read = time.monotonic() + self.reread_s
                 return  # a node still runs the failed attempt: judged at a later poll
             attempt = max(r["attempt"] for r in records if r.get("event") == "end")
             self.pending = False
@@ -71,9 +81,9 @@ class BlamedNodeWatcher:
             blamed = {node: cause for node, cause in preflight.blamed_nodes(Path(staging)).items()
                       if node not in self.excluded}
         if blamed:
-            self._keep_out(jobs, core, blamed, pods)
+            self._keep_out(jobs, core, blamed)
 
-    def _keep_out(self, jobs, core, blamed: dict[str, str], pods: list) -> None:
+    def _keep_out(self, jobs, core, blamed: dict[str, str]) -> None:
         self.excluded |= set(blamed)
         affinity = kubernetes_nodes.with_exclusions({}, sorted(self.excluded))["affinity"]
         job = _call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
@@ -89,7 +99,8 @@ class BlamedNodeWatcher:
                                           namespace=self.namespace, uid=job["metadata"].get("uid"))
         lines = [f"{node}: kept out of the job's next attempt ({reasons[node][0]})" for node in blamed]
         lines += kubernetes_nodes.remediate(core, _call, self.spec, record, job=reference)
-        for pod in pods:
+        # Listed after the patch: every pod not in this list is created from the patched template.
+        for pod in self._pods(core):
             if pod.spec.node_name in blamed:
                 _call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
                 self.uids.pop(pod.metadata.name, None)  # its successor is ours, not a new failure
