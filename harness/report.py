@@ -157,8 +157,9 @@ def _documents(results: ResultSet, fmt: str) -> str:
         text = (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"
                 f"## Runs\n\n{runs.to_markdown(index=False, floatfmt='.4f')}")
         return text + (f"\n\n## Nodes kept out\n\n{nodes.to_markdown(index=False)}" if len(nodes) else "")
-    text = (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}"
-            f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}")
+    number = '{:.4f}'.format
+    text = (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format=number)}"
+            f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format=number)}")
     return text + (f"\n<h2>Nodes kept out</h2>\n{nodes.to_html(index=False, na_rep='-')}" if len(nodes) else "")
 
 

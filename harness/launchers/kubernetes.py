@@ -35,8 +35,8 @@ import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
-from harness.agent import HOST_ENV, NODE_ENV
 from harness import preflight
+from harness.agent import HOST_ENV, NODE_ENV
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,

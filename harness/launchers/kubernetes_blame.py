@@ -87,11 +87,11 @@ class BlamedNodeWatcher:
         self.excluded |= set(blamed)
         affinity = kubernetes_nodes.with_exclusions({}, sorted(self.excluded))["affinity"]
         job = _call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
-                   self.namespace, PYTORCHJOB.plural, self.name)
+                    self.namespace, PYTORCHJOB.plural, self.name)
         patch = {"spec": {"pytorchReplicaSpecs": {replica: {"template": {"spec": {"affinity": affinity}}}
                                                   for replica in job["spec"]["pytorchReplicaSpecs"]}}}
         _call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
-             PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
+              PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
         checks = {node: preflight.blame_check(cause) for node, cause in blamed.items()}
         reasons = {node: [preflight.reason(check)] for node, check in checks.items()}
         record = {"nodes": {node: {"ok": False} for node in blamed}, "excluded": reasons}
