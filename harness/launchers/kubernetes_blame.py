@@ -3,7 +3,8 @@
 On Slurm the job goes back into the queue and its preflight step judges the nodes again, the failure's node
 included (harness.preflight.blamed_nodes). A PyTorchJob instead goes on: the training operator deletes a pod
 that failed with a retryable code and creates it again from the replica's pod template as the job holds it
-at that moment (createNewPod copies spec.Template at each pass), so the exclusion has to reach that template.
+at that moment (createNewPod copies spec.Template at each pass), so the exclusion has to reach that template
+(the operator's webhook checks an update as it checks a create, only runPolicy being held to the old one).
 While `harness run` watches, at every poll it lists the job's pods; a pod the operator recreated (a new uid
 under a known name) means an attempt failed. The harness then reads the attempt records from the results
 volume (a results pod, as `collect` does), waits until every node is done with that attempt, and for each
