@@ -405,18 +405,20 @@ def _attempts(args, node: str) -> int:
     _stop_on_sigterm()
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
+    # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
+    identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {})}
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left
         _say(f"attempt {attempt} refused: the restart budget ({args.max_restarts}) is spent")
         return EXIT_BUDGET_SPENT
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
-        _append(args.out, node, {"event": "start", "attempt": attempt, "node": node, "time": time.time()})
+        _append(args.out, node, {"event": "start", "attempt": attempt, **identity, "time": time.time()})
         with NewerAttemptWatch(args.out, attempt) as watch:
             cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
-        end = {"event": "end", "attempt": attempt, "node": node, "time": time.time(), "ok": failure is None}
+        end = {"event": "end", "attempt": attempt, **identity, "time": time.time(), "ok": failure is None}
         if failure:
             end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
                        signal=failure.signal, run=run, step=step)

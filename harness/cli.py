@@ -290,11 +290,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                 return _preflight_failed(record)
             request = launcher.render(remediation.without_excluded(spec, record))
     handle = launcher.submit(request)
+    ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
+
+    def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
+        for each in ticks:
+            each()
+
     # A CI timeout sends SIGTERM, not Ctrl-C: both cancel the job, so no workers outlive `harness run`.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         state = None
-        for state in launcher.watch(handle, tick=watcher):
+        for state in launcher.watch(handle, tick=tick):
             if launcher.name != "local":  # local workers print their own progress
                 print(f"harness: job {handle.job_id} {state.value}", flush=True)
     except (KeyboardInterrupt, _Terminated) as stop:

@@ -177,18 +177,18 @@ def _accounting(out: Path) -> list[tuple[str, dict]]:
 
 
 def _preflight(out: Path, node: str) -> list[tuple[str, bool]]:
-    """This node's preflight verdicts, where preflight ran: (check, passed)."""
-    try:
-        report = json.loads((Path(out) / "preflight.json").read_text())
-    except (OSError, ValueError):
-        return []
+    """This node's preflight verdicts, where preflight ran: (check, passed), one per check (a check measured on
+    every GPU passes where all passed). From the run folder's preflight.json, else (Kubernetes, where preflight
+    ran in a job of its own) from what the harness handed the pods (VERDICTS_ENV)."""
+    from harness.preflight import VERDICTS_ENV, check_verdicts, read, verdicts_of
+
+    report = read(out)
+    if report is None:
+        return sorted(verdicts_of(node, os.environ.get(VERDICTS_ENV, "")).items())
     nodes = report.get("nodes") if isinstance(report, dict) else None
     mine = nodes.get(node) if isinstance(nodes, dict) else None
     checks = mine.get("checks") if isinstance(mine, dict) else None
-    if not isinstance(checks, list):
-        return []
-    return [(str(c.get("name")), c.get("verdict") == "pass") for c in checks
-            if isinstance(c, dict) and c.get("verdict") in ("pass", "fail")]
+    return sorted(check_verdicts(checks).items()) if isinstance(checks, list) else []
 
 
 class Exporter:

@@ -25,6 +25,7 @@ from harness.results.goodput import attempt_stragglers
 from workloads.common.run_record import read_attempts
 
 PREFLIGHT_FILE = "preflight.json"
+VERDICTS_ENV = "HARNESS_PREFLIGHT_VERDICTS"  # pod_verdicts, where the run folder has no preflight.json
 EXIT_PREFLIGHT = 6  # too few healthy nodes: the job stops before training
 _FAILING = {">=": "<", "<=": ">", "==": "!="}
 
@@ -54,30 +55,53 @@ def _pair_check(record: dict) -> Check | None:
                  f"median with {peers}")
 
 
+def _newest_ended(records: list[dict]) -> int | None:
+    """The newest attempt some node ended: on Kubernetes a recreated pod may have begun the next one already."""
+    return max((r["attempt"] for r in records if r.get("event") == "end"), default=None)
+
+
+def settled(records: list[dict]) -> bool:
+    """Whether the newest ended attempt is over on every node: each node that began it has ended it or begun a
+    later one (a lost node's recreated pod). Until then a node still running it would read as lost."""
+    attempt = _newest_ended(records)
+    if attempt is None:
+        return False
+    over = {r["node"] for r in records if (r["attempt"] == attempt and r.get("event") == "end")
+            or (r["attempt"] > attempt and r.get("event") == "start")}
+    return all(r["node"] in over for r in records if r["attempt"] == attempt and r.get("event") == "start")
+
+
 def blamed_nodes(out: Path) -> dict[str, str]:
-    """Nodes the newest failed training attempt points at, with the cause: a rank killed by a signal other
+    """Machines the newest failed training attempt points at, with the cause: a rank killed by a signal other
     than the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or
-    the node of a rank the straggler checks named (slow over several windows in a row)."""
+    the node of a rank the straggler checks named (slow over several windows in a row). Where the agents
+    ran in pods, a record's `host` (the Kubernetes node under the pod) is what is blamed."""
     records = read_attempts(out)
-    ends = [r for r in records if r.get("event") == "end"]
-    if not records:
+    attempt = _newest_ended(records)
+    if attempt is None:
         return {}
-    attempt = max(r["attempt"] for r in records)
     mine = [r for r in records if r["attempt"] == attempt]
     if any(r.get("event") == "end" and r.get("ok") for r in mine) and not any(
             r.get("event") == "end" and not r.get("ok") for r in mine):
         return {}
-    blamed = {r["node"]: r.get("cause", "failed") for r in mine if r.get("event") == "end" and not r.get("ok")
-              and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
-    ended = {r["node"] for r in ends if r["attempt"] == attempt}
-    if ended:
-        blamed.update({r["node"]: "the node was lost: its agent never recorded the attempt's end" for r in mine
-                       if r.get("event") == "start" and r["node"] not in ended})
+    host = {r["node"]: r.get("host", r["node"]) for r in mine if r.get("event") == "start"}
+    blamed = {host.get(r["node"], r["node"]): r.get("cause", "failed") for r in mine if r.get("event") == "end"
+              and not r.get("ok") and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
+    ended = {r["node"] for r in mine if r.get("event") == "end"}
+    blamed.update({host[r["node"]]: "the node was lost: its agent never recorded the attempt's end" for r in mine
+                   if r.get("event") == "start" and r["node"] not in ended})
     for record in sorted(Path(out).glob("run_*.jsonl")):
         for slow in attempt_stragglers(record, attempt):
-            blamed.setdefault(str(slow["node"]), f"straggler: rank {slow['rank']} computed at {slow['score']:.2f} of "
-                                                 f"the fastest rank's speed for {slow['windows']} windows in a row")
+            node = str(slow["node"])
+            blamed.setdefault(host.get(node, node), f"straggler: rank {slow['rank']} computed at "
+                                                    f"{slow['score']:.2f} of the fastest rank's speed for "
+                                                    f"{slow['windows']} windows in a row")
     return blamed
+
+
+def blame_check(cause: str) -> Check:
+    """A training failure pinned on a node, as a failed check of its own."""
+    return Check("training_failure", FAIL, cause[:200], "no failure in the last attempt")
 
 
 def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict[str, dict]:
@@ -99,7 +123,7 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                          note="the between-node checks did not finish")
         checks += [pair] if pair else []
         if node in blamed:
-            checks.append(Check("training_failure", FAIL, blamed[node][:200], "no failure in the last attempt"))
+            checks.append(blame_check(blamed[node]))
         verdicts[node] = {"gpu": record.get("gpu"), "started": record.get("started"), "checks": checks,
                           "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
@@ -162,6 +186,23 @@ def record_remediation(out: Path, lines: list[str]) -> None:
     (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def record_blame(out: Path, blamed: dict[str, Check], lines: list[str]) -> None:
+    """Add the nodes a training failure kept out after preflight (Kubernetes, where the job goes on rather than
+    being submitted again) to preflight.json, with the failed check and what the cluster was told; no
+    preflight, no file."""
+    record = read(out)
+    if record is None:
+        return
+    for node, check in blamed.items():
+        record["excluded"][node] = record["excluded"].get(node, []) + [reason(check)]
+        verdict = record["nodes"].setdefault(node, {"gpu": None, "checks": []})
+        verdict["ok"] = False
+        verdict["checks"].append(check.to_dict())
+    record["kept"] = [n for n in record["kept"] if n not in blamed]
+    record["remediation"] = record.get("remediation", []) + lines
+    (Path(out) / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
 def table(record: dict) -> str:
     """The per-node table: node, check, where, measured, threshold, verdict; skipped checks say why."""
     rows = [("node", "check", "where", "measured", "threshold", "verdict")]
@@ -175,6 +216,47 @@ def table(record: dict) -> str:
     lines.append(f"preflight: {record['message']}; training on {', '.join(record['kept']) or 'no node'}"
                  f" ({record['seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+def check_verdicts(checks: list[dict]) -> dict[str, bool]:
+    """{check: passed} for one node: a check measured on several GPUs or ports passes where every one passed;
+    a check that was only skipped has no verdict."""
+    verdicts: dict[str, bool] = {}
+    for c in checks:
+        if isinstance(c, dict) and c.get("verdict") in (PASS, FAIL):
+            verdicts[str(c.get("name"))] = verdicts.get(str(c.get("name")), True) and c["verdict"] == PASS
+    return verdicts
+
+
+def pod_verdicts(record: dict) -> dict:
+    """The verdicts of the nodes training may land on (kept and spare), small enough for one environment
+    variable at 448 nodes: {"checks": [names], "nodes": {node: one character per check, 1 pass, 0 fail, - none}}."""
+    per_node = {n: check_verdicts(record["nodes"][n]["checks"]) for n in record["kept"] + record["spare"]}
+    names = sorted({name for verdicts in per_node.values() for name in verdicts})
+    return {"checks": names, "nodes": {n: "".join({True: "1", False: "0"}.get(v.get(name), "-") for name in names)
+                                       for n, v in per_node.items()}}
+
+
+def verdicts_of(node: str, encoded: str) -> dict[str, bool]:
+    """One node's {check: passed} from pod_verdicts as JSON (VERDICTS_ENV); nothing where it is unreadable."""
+    try:
+        table = json.loads(encoded)
+        names, row = table["checks"], table["nodes"].get(node, "")
+        return {str(name): flag == "1" for name, flag in zip(names, row) if flag in ("0", "1")}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def kept_out_rows(record: dict) -> list[dict]:
+    """Each failed check of each node kept out: {node, check, measured, unit, threshold, reason}, for the
+    report's JSON, CSV, Markdown and HTML (the reason as the table and the Slurm drain say it)."""
+    rows = []
+    for node in record["excluded"]:
+        for c in (record["nodes"].get(node) or {}).get("checks", []):
+            if c["verdict"] == FAIL:
+                rows.append({"node": node, "check": c["name"], "measured": c["measured"], "unit": c["unit"],
+                             "threshold": c["threshold"], "reason": reason(Check.from_dict(c))})
+    return rows
 
 
 def kept_out_lines(record: dict) -> list[str]:

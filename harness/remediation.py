@@ -62,5 +62,7 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
 
 
 def without_excluded(spec: JobSpec, record: dict) -> JobSpec:
-    """The training spec after a preflight outside the allocation: the nodes it kept out are excluded."""
-    return dataclasses.replace(spec, exclude_nodes=sorted({*spec.exclude_nodes, *record["excluded"]}))
+    """The training spec after a preflight outside the allocation: the nodes it kept out are excluded, and the
+    verdicts of the others go with it (the training pods' preflight_passed metric: preflight.json stays here)."""
+    return dataclasses.replace(spec, exclude_nodes=sorted({*spec.exclude_nodes, *record["excluded"]}),
+                               node_verdicts=preflight.pod_verdicts(record))

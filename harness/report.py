@@ -19,6 +19,10 @@ startup, save, restore, lost, recovery, other) come from the harness's run recor
 null for logs that have none; so do `stragglers`, the ranks the straggler checks named
 (`[{"rank", "node", "score", "windows"}]`). `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
 logged by GPT-3, and null elsewhere.
+`kept_out` lists the nodes preflight (or a failed attempt) kept out of the group's runs, from each run
+folder's preflight.json: `[{"folder", "node", "check", "measured", "unit", "threshold", "reason"}]`, one entry
+per failed check. CSV carries the same entries of each run's folder in a `kept_out` column (JSON); Markdown
+and HTML in a table of their own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 from harness.results import Group, ResultSet, Run
 
@@ -38,12 +43,26 @@ def run_record(run: Run) -> dict:
     return {name: getattr(run, name) for name in RUN_FIELDS}
 
 
+def _kept_out_in(folder: Path) -> list[dict]:
+    """The nodes kept out of the runs in `folder` (harness.preflight.kept_out_rows)."""
+    from harness.preflight import kept_out_rows, read
+
+    record = read(folder)
+    return [{"folder": str(folder), **row} for row in kept_out_rows(record)] if record else []
+
+
+def kept_out(runs: list[Run]) -> list[dict]:
+    """The nodes kept out of these runs, each run folder once."""
+    return [row for folder in dict.fromkeys(Path(r.file).parent for r in runs) for row in _kept_out_in(folder)]
+
+
 def group_record(group: Group) -> dict:
     return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
             "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
             "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
             "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy,
-            "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs]}
+            "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs],
+            "kept_out": kept_out(group.runs)}
 
 
 def _number(value, digits: int) -> str:
@@ -113,13 +132,13 @@ def _table(results: ResultSet) -> str:
 def _csv(results: ResultSet) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(("submitter", "system", "system_id", "benchmark", "score_min", "rcp") + RUN_FIELDS)
+    writer.writerow(("submitter", "system", "system_id", "benchmark", "score_min", "rcp") + RUN_FIELDS + ("kept_out",))
     for group in results.groups:
         for run in group.runs:
-            record = run_record(run)
+            record = {**run_record(run), "kept_out": kept_out([run])}
             writer.writerow((group.submitter, group.system, group.system_id, group.benchmark, group.score_min,
-                             group.rcp,
-                             *(json.dumps(v) if isinstance(v, (dict, list)) else v for v in map(record.get, RUN_FIELDS))))
+                             group.rcp, *(json.dumps(v) if isinstance(v, (dict, list)) else v
+                                          for v in map(record.get, RUN_FIELDS + ("kept_out",)))))
     return out.getvalue().rstrip("\n")
 
 
@@ -129,12 +148,19 @@ def _documents(results: ResultSet, fmt: str) -> str:
                                             "max_min": "slowest_min"})
     runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min",
                          "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
+    import pandas as pd
+
     title = f"MLPerf Training results (ruleset {results.ruleset})"
+    nodes = pd.DataFrame([row for group in results.groups for row in kept_out(group.runs)],
+                         columns=["folder", "node", "check", "measured", "unit", "threshold", "reason"])
     if fmt == "markdown":
-        return (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"
+        text = (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"
                 f"## Runs\n\n{runs.to_markdown(index=False, floatfmt='.4f')}")
-    return (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}"
-            f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format='{:.4f}'.format)}")
+        return text + (f"\n\n## Nodes kept out\n\n{nodes.to_markdown(index=False)}" if len(nodes) else "")
+    number = '{:.4f}'.format
+    text = (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format=number)}"
+            f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format=number)}")
+    return text + (f"\n<h2>Nodes kept out</h2>\n{nodes.to_html(index=False, na_rep='-')}" if len(nodes) else "")
 
 
 def render(results: ResultSet, fmt: str) -> str:

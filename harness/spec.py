@@ -85,6 +85,9 @@ class JobSpec:
     drain_bad_nodes: bool = False  # Slurm: drain the nodes preflight kept out, with the reason
     taint_bad_nodes: bool = False  # Kubernetes: a NoSchedule taint on them (a condition is always written)
     exclude_nodes: list[str] = field(default_factory=list)  # nodes the training must not use
+    # The verdicts of the nodes training may use, where preflight.json stays on the submitting side (Kubernetes):
+    # harness.preflight.pod_verdicts, handed to the training pods for their preflight_passed metric.
+    node_verdicts: dict = field(default_factory=dict)
     profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
     def resolved(self, runs_root: Path | None = None) -> "JobSpec":

@@ -26,7 +26,16 @@ pod.go, pkg/core, the PyTorchJob reconciler), as far as restarts go:
   controller-runtime reconciler (FakeWorkQueue), with the limit: so only a limit of
   0 ever fails a job, on its first retryable failure;
 - the Master's success is the job's; a finished job's pods are deleted as
-  cleanPodPolicy says (Running: those still running or pending; None: none).
+  cleanPodPolicy says (Running: those still running or pending; None: none);
+- a pod is created from the replica's template as the job holds it at that moment
+  (createNewPod: spec.Template.DeepCopy()), so a template patched after submit shapes
+  the pods created after it, recreated ones included, and no pod already there; a job's
+  pod deleted through the API is created again at the next pass.
+
+Where `nodes` holds Nodes, a fake scheduler binds each new job pod (spec.nodeName) to
+the first Node that its required node affinity (kubernetes.io/hostname In / NotIn)
+admits, whose NoSchedule and NoExecute taints it tolerates, and that holds no other pod
+of the same job (one training pod fills a node's GPUs); with none left it stays Pending.
 """
 
 from __future__ import annotations
@@ -69,6 +78,17 @@ def served_log(log: str) -> str:
     return data[len(data) - len(data) % LOG_ROTATE_BYTES:].decode(errors="replace") if len(data) > LOG_ROTATE_BYTES \
         else log
 NODES = re.compile(r"/api/v1/nodes$")
+
+
+def merge_patch(target: dict, patch: dict) -> None:
+    """RFC 7386: objects merge key by key, null removes a key, anything else (lists too) replaces."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = value
 NODE = re.compile(r"/api/v1/nodes/([^/]+)(/status)?$")
 
 
@@ -128,10 +148,36 @@ class FakeKubeAPI:
             "metadata": {"name": name, "namespace": namespace, "labels": {label: job}},
             "status": {"phase": phase}, "log": log}
 
-    def add_node(self, name: str) -> None:
+    def add_node(self, name: str, taints: list[dict] | None = None) -> None:
+        taints = [{"key": "example.com/other", "effect": "NoExecute"}] if taints is None else taints
         self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "resourceVersion": "1"},
-                            "spec": {"taints": [{"key": "example.com/other", "effect": "NoExecute"}]},
+                            "spec": {"taints": taints},
                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def _schedule(self, pod: dict, job: str) -> str | None:
+        """The fake scheduler (see the module's notes): the node the pod is bound to, or None (Pending)."""
+        spec = pod["spec"]
+        terms = (((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+        taken = {p["spec"].get("nodeName") for p in self.job_pods(pod["metadata"]["namespace"], job).values()}
+
+        def admits(term: dict, node: str) -> bool:
+            for expression in term.get("matchExpressions", []):
+                assert expression["key"] == "kubernetes.io/hostname", expression
+                if (node in expression["values"]) != (expression["operator"] == "In"):
+                    return False
+            return True
+
+        def tolerated(taint: dict) -> bool:
+            return taint.get("effect") not in ("NoSchedule", "NoExecute") or any(
+                t.get("key") == taint["key"] and (t.get("operator") == "Exists" or t.get("value") == taint.get("value"))
+                for t in spec.get("tolerations") or [])
+
+        for name, node in self.nodes.items():
+            if name not in taken and (not terms or any(admits(t, name) for t in terms)) \
+                    and all(tolerated(t) for t in node["spec"].get("taints") or []):
+                return name
+        return None
 
     def _patch_node(self, name: str, patch: dict, status: bool) -> dict | None:
         """A strategic merge patch as the API server applies it to a Node: status conditions merge by type;
@@ -287,6 +333,12 @@ class FakeKubeAPI:
             "spec": pod_spec, "log": ""}
         pod = self.pods[(namespace, pod_name)]
         pod["status"] = {"phase": "Running", "containerStatuses": [_container_status(pod, {"running": {}})]}
+        if self.nodes:
+            node = self._schedule(pod, job)
+            if node is None:
+                pod["status"] = {"phase": "Pending"}
+            else:
+                pod_spec["nodeName"] = node
         self.operations.append(("create", pod_name))
 
     def _delete_pod(self, namespace: str, pod_name: str) -> None:
@@ -326,6 +378,10 @@ class FakeKubeAPI:
                         return self._not_found("pods", m.group(2))
                     if method == "DELETE":
                         fake.pods.pop((m.group(1), m.group(2)))
+                        job = pod["metadata"]["labels"].get(JOB_LABEL)
+                        if fake.operator and (m.group(1), job) in fake.jobs:  # the operator sees a pod missing
+                            fake.operations.append(("delete", m.group(2)))
+                            fake.reconcile(m.group(1), job)
                     return self._send(200, {k: v for k, v in pod.items() if k != "log"})
                 if (m := PODS.match(url.path)) and method == "GET":
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
@@ -376,6 +432,10 @@ class FakeKubeAPI:
                 if name is None or (namespace, name) not in fake.jobs:
                     return self._not_found(plural, name or "")
                 if method == "GET":
+                    return self._send(200, fake.jobs[(namespace, name)])
+                if method == "PATCH":  # a JSON merge patch (RFC 7386), as the client sends a dict for a custom object
+                    fake.patches.append((self.path, self.headers.get("Content-Type", "")))
+                    merge_patch(fake.jobs[(namespace, name)], self._body())
                     return self._send(200, fake.jobs[(namespace, name)])
                 if method == "DELETE":  # its pods go too (the garbage collector follows their ownerReferences)
                     fake.jobs.pop((namespace, name))

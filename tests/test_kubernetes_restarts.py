@@ -7,6 +7,7 @@ runs to a refusal before torch (the fake kubelet runs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -51,16 +52,20 @@ class NodeAgent:
     """harness.agent.main on one pod, in its steps: claim the folder, take the attempt number from the
     record, refuse one past the budget, record the start; at the end, record it and decide."""
 
-    def __init__(self, out: Path, token: str, pod: str):
+    def __init__(self, out: Path, token: str, pod: str, host: str | None = None):
         self.out, self.token, self.pod = out, token, pod
+        self.host = host  # the Kubernetes node under the pod, as the agent records it from HARNESS_HOST
         self.attempt: int | None = None
+
+    def _names(self) -> dict:
+        return {"node": self.pod, **({"host": self.host} if self.host else {})}
 
     def start(self) -> int | None:
         assert claim_run_folder(self.out, self.token) is None
         attempt = next_attempt(read_records(self.out), self.pod)
         if attempt > BUDGET:
             return None
-        _append(self.out, self.pod, {"event": "start", "attempt": attempt, "node": self.pod, "time": time.time()})
+        _append(self.out, self.pod, {"event": "start", "attempt": attempt, **self._names(), "time": time.time()})
         self.attempt = attempt
         return attempt
 
@@ -69,8 +74,9 @@ class NodeAgent:
         return rdzv
 
     def end(self, failure: Failure) -> int:
-        _append(self.out, self.pod, {"event": "end", "attempt": self.attempt, "node": self.pod, "time": time.time(),
-                           "ok": False, "kind": failure.kind, "cause": failure.cause, "run": 0, "step": None})
+        _append(self.out, self.pod, {"event": "end", "attempt": self.attempt, **self._names(), "time": time.time(),
+                                     "ok": False, "kind": failure.kind, "cause": failure.cause,
+                                     "signal": failure.signal, "run": 0, "step": None})
         return decide(read_records(self.out), self.attempt, BUDGET).exit_code
 
 
@@ -203,3 +209,86 @@ def test_the_run_folder_is_claimed_once(tmp_path):
     old.mkdir()
     (old / "result_0.txt").write_text("an older harness's run\n")
     assert "no job claimed" in claim_run_folder(old, "aaaa") and not (old / "job-token").exists()
+
+
+def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, tmp_path, capsys):
+    """A rank killed on gpu-b: the operator recreates its pod from the same template, on gpu-b again; the
+    harness's watch patches the template (NotIn gpu-b), marks the node, and moves the pod, which lands on the
+    spare gpu-c. The operator's pods are created from the template as the job holds it (fake_kube_api)."""
+    from harness import preflight
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+    from tests.test_preflight import _report
+
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        operator.add_node(node, taints=[])
+        _report(tmp_path / JOB, node, 470)
+    preflight.decide(tmp_path / JOB, ["gpu-a", "gpu-b", "gpu-c"], 2)  # as the health job left it
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), [f"kubernetes.namespace={NS}"])
+    spec = JobSpec("resnet", nodes=2, name=JOB, out_dir=tmp_path / JOB, profile=profile, max_restarts=BUDGET,
+                   preflight=True, spare_nodes=1, taint_bad_nodes=True).resolved()
+    launcher = get_launcher("k8s")
+    handle = launcher.submit(launcher.render(spec))
+    watch = launcher.restart_watcher(spec, handle)
+    for without in ({"max_restarts": 0}, {"preflight": False, "spare_nodes": 0}):
+        assert launcher.restart_watcher(dataclasses.replace(spec, **without), handle) is None
+    trainjob = profiles.apply_overrides(profile, ["kubernetes.api=trainjob"])
+    assert launcher.restart_watcher(dataclasses.replace(spec, profile=trainjob), handle) is None
+    host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
+    assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
+    watch()
+    out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod, host[pod]) for pod in host}
+    assert [agent.start() for agent in agents.values()] == [0, 0]
+
+    code = agents["rn-worker-0"].end(Failure(INFRASTRUCTURE, "rank 1 killed by SIGKILL", 1, -9, "SIGKILL"))
+    operator.exit_pod(NS, "rn-worker-0", code)
+    assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-b"  # the same template, the same node
+    watch()  # the master still runs attempt 0: not judged yet
+    assert ("gpu-b" not in str(operator.jobs[(NS, JOB)]["spec"]) and
+            operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-b")
+    reads = operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods"))  # each read is a results pod
+    watch()
+    assert operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods")) == reads  # not again for a while
+    watch.next_read = 0  # the while is over
+    code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
+    operator.exit_pod(NS, "rn-master-0", code)
+    watch()
+
+    assert {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in host} == {
+        "rn-master-0": "gpu-a", "rn-worker-0": "gpu-c"}
+    for replica in operator.jobs[(NS, JOB)]["spec"]["pytorchReplicaSpecs"].values():
+        [term] = replica["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                             "values": ["gpu-b"]}]
+    why = "training_failure rank 1 killed by SIGKILL, expected no failure in the last attempt"
+    condition = {c["type"]: c for c in operator.nodes["gpu-b"]["status"]["conditions"]}[CONDITION]
+    assert (condition["status"], condition["message"]) == ("True", f"harness preflight: {why}")
+    assert [t["key"] for t in operator.nodes["gpu-b"]["spec"]["taints"]] == [TAINT.key]
+    told = {(e["involvedObject"]["kind"], e["involvedObject"]["name"]) for e in operator.events
+            if e["reason"] == "PreflightFailed"}
+    assert told == {("Node", "gpu-b"), ("PyTorchJob", JOB)}
+    record = preflight.read(tmp_path / JOB)
+    assert record["excluded"] == {"gpu-b": [why]} and "gpu-b" not in record["kept"]
+    assert "harness: gpu-b: kept out of the job's next attempt" in capsys.readouterr().out
+
+    agents["rn-worker-0"].host = "gpu-c"
+    assert [agent.start() for agent in agents.values()] == [1, 1]
+    patches = len(operator.patches)
+    watch()  # nothing recreated since: nothing read, nothing patched
+    assert len(operator.patches) == patches and "rn-worker-0" in operator.job_pods(NS, JOB)
+
+
+def test_an_agent_in_a_pod_records_the_machine_under_it(tmp_path, monkeypatch):
+    """What a failure is blamed on is the Kubernetes node (HARNESS_HOST), not the pod the record is named by."""
+    import argparse
+
+    from harness import agent
+
+    monkeypatch.setenv(agent.HOST_ENV, "gpu-b")
+    monkeypatch.setattr(agent, "_stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(agent, "run_attempt", lambda argv: (False, None))
+    args = argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=0, restart_here=False)
+    assert agent._attempts(args, "rn-worker-0") == 0
+    assert [(r["event"], r["node"], r["host"]) for r in read_records(tmp_path)] == [
+        ("start", "rn-worker-0", "gpu-b"), ("end", "rn-worker-0", "gpu-b")]

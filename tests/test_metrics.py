@@ -184,3 +184,50 @@ def test_kubernetes_pods_expose_the_metrics_port_and_a_pod_monitor_scrapes_it(tm
     assert off.returncode == 2 and "--pod-monitor needs metrics" in off.stderr
     slurm = harness("run", "resnet", "--backend", "slurm", "--pod-monitor")
     assert slurm.returncode == 2 and "prometheus-targets.json" in slurm.stderr
+
+
+def test_the_training_pods_scrape_the_preflight_verdicts_that_stayed_on_the_submitting_side(tmp_path, monkeypatch):
+    """Kubernetes: preflight.json is written where `harness run` runs, not in the training job's folder on the
+    volume; the verdicts of the nodes training may use reach the pods in their environment, and a pod's scrape
+    shows what a local run's scrape shows from preflight.json: one series per check (every GPU's ECC at once)."""
+    from harness import preflight, profiles
+    from harness.health import at_most, skipped
+    from harness.launchers import get_launcher
+    from harness.remediation import without_excluded
+    from harness.spec import JobSpec
+    from tests.test_preflight import _report
+
+    here = tmp_path / "run"  # the submitting side's run folder
+    for node, busbw in (("gpu-a", 470), ("gpu-b", 120), ("gpu-c", 480)):
+        _report(here, node, busbw)
+    report = here / "preflight" / "nodes" / "gpu-a.json"
+    node = json.loads(report.read_text())
+    node["checks"] += [at_most("ecc_uncorrected", 0, 0, where=f"gpu {i}").to_dict() for i in range(2)]
+    node["checks"].append(skipped("ib_port_state", "no InfiniBand device").to_dict())
+    report.write_text(json.dumps(node))
+    record = preflight.decide(here, ["gpu-a", "gpu-b", "gpu-c"], 1)
+    spec = JobSpec("resnet", nodes=1, spare_nodes=1, preflight=True, out_dir=here,
+                   profile=profiles.load("h100-ib")).resolved()
+    body = get_launcher("k8s").render(without_excluded(spec, record)).payload["body"]
+    (container,) = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    handed = {e["name"]: e.get("value") for e in container["env"]}[preflight.VERDICTS_ENV]
+    monkeypatch.setenv(preflight.VERDICTS_ENV, handed)
+    pod_folder, feeds = tmp_path / "pvc" / "run-token", tmp_path / "feeds"
+    pod_folder.mkdir(parents=True)
+    feeds.mkdir()
+
+    def verdicts(out: Path, node: str) -> dict:
+        exporter = Exporter(Source(out, feeds, "job-a", "resnet", node), _free_port())
+        try:
+            family = _scrape(exporter.port)[PREFIX + "preflight_passed"]
+        finally:
+            exporter.close()
+        assert all(s.labels["node"] == node for s in family.samples)
+        return {s.labels["check"]: s.value for s in family.samples}
+
+    assert verdicts(pod_folder, "gpu-a") == {"allreduce_busbw": 1.0, "ecc_uncorrected": 1.0, "pair_busbw": 1.0}
+    assert verdicts(pod_folder, "gpu-a") == verdicts(here, "gpu-a")  # a local run reads preflight.json itself
+    assert verdicts(pod_folder, "gpu-c") == {"allreduce_busbw": 1.0, "pair_busbw": 1.0}
+    assert verdicts(pod_folder, "gpu-b") == {}  # kept out: no training pod lands there
+    assert verdicts(here, "gpu-b") == {"allreduce_busbw": 0.0, "pair_busbw": 1.0}
+    assert len(handed) < 300  # one character per check per node: 448 nodes fit one environment variable

@@ -169,6 +169,40 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
         too_few["message"]
 
 
+def test_every_report_format_names_the_nodes_kept_out_and_why(tmp_path):
+    import csv
+    import html
+    import io
+    import json
+
+    from harness import preflight
+    from harness.report import render
+    from harness.results import load
+    from tests.test_results import write_run
+
+    _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}])
+    _report(tmp_path, "b", 120, [{"peer": "a", "busbw_gbps": 45.0}])
+    record = preflight.decide(tmp_path, ["a", "b"], 1)
+    for i in range(2):
+        write_run(tmp_path / f"result_{i}.txt", 1.0 + i, accuracy=0.76)
+    results = load([tmp_path])
+    why = "allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"
+    assert record["excluded"] == {"b": [why]}
+    expected = [{"folder": str(tmp_path), "node": "b", "check": "allreduce_busbw", "measured": 120, "unit": "GB/s",
+                 "threshold": ">= 460", "reason": why}]
+    [group] = json.loads(render(results, "json"))
+    assert group["kept_out"] == expected
+    rows = list(csv.DictReader(io.StringIO(render(results, "csv"))))
+    assert len(rows) == 2 and all(json.loads(row["kept_out"]) == expected for row in rows)
+    markdown = render(results, "markdown").split("## Nodes kept out")[1]
+    assert "| b " in markdown and why in markdown and ">= 460" in markdown
+    page = render(results, "html").split("<h2>Nodes kept out</h2>")[1]
+    assert "<td>b</td>" in page and html.escape(why) in page and html.escape(">= 460") in page
+    (tmp_path / preflight.PREFLIGHT_FILE).unlink()  # no preflight: nothing kept out, no section
+    assert json.loads(render(load([tmp_path]), "json"))[0]["kept_out"] == []
+    assert "Nodes kept out" not in render(load([tmp_path]), "markdown")
+
+
 def _failed_attempt(out: Path, b_signal: str) -> None:
     """Healthy reports for nodes a and b, and attempt 0 failed: a's rank stopped by SIGTERM (the peer of a failed
     rank), b's by `b_signal`."""

@@ -137,6 +137,11 @@ class Launcher(ABC):
         The default has no cluster to tell: the nodes are only kept out of this job."""
         return [f"{node} kept out of this job" for node in preflight["excluded"]]
 
+    def restart_watcher(self, spec: JobSpec, handle: Handle) -> Callable[[], None] | None:
+        """A `watch` tick that keeps the node a failed attempt points at out of the next attempt, where the
+        job restarts without going back through preflight (Kubernetes); None where preflight does it."""
+        return None
+
     def watch(self, handle: Handle, poll_s: float = 1.0, tick: Callable[[], None] | None = None
               ) -> Iterator[JobState]:
         """Yield each state change until the job reaches a terminal state; `tick` runs at every poll."""

@@ -35,6 +35,7 @@ import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
+from harness import preflight
 from harness.agent import HOST_ENV, NODE_ENV
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
@@ -86,6 +87,8 @@ def _pod_parts(spec: JobSpec, nproc: int, token: str) -> _PodParts:
                                         read_only=read_only or None))
     _check_paths(spec)
     env = {**profile.env, **spec.env, IMAGE_ENV: profile.image}
+    if spec.node_verdicts:
+        env[preflight.VERDICTS_ENV] = json.dumps(spec.node_verdicts, separators=(",", ":"), sort_keys=True)
     in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(pvc_folder(spec, token)))
     # Both operators give every pod PET_MASTER_ADDR/PORT; the kubelet expands $(VAR) in arguments.
     command = agent_command(in_pod, "python", nproc, rendezvous="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
@@ -565,6 +568,15 @@ class KubernetesLauncher(Launcher):
         _, core = _api()
         return kubernetes_nodes.remediate(core, _call, spec, preflight)
 
+    def restart_watcher(self, spec: JobSpec, handle: Handle):
+        """With preflight and restarts, on a PyTorchJob: harness.launchers.kubernetes_blame. A TrainJob's
+        restarts are its runtime's (JobSet failurePolicy), outside --max-restarts."""
+        if not (spec.preflight and spec.max_restarts and APIS[spec.profile.kubernetes.api] is PYTORCHJOB):
+            return None
+        from harness.launchers.kubernetes_blame import BlamedNodeWatcher
+
+        return BlamedNodeWatcher(self, spec, handle)
+
     def submit(self, request: Request) -> Handle:
         spec = request.spec
         if not spec.profile.kubernetes.results_pvc:
@@ -647,11 +659,24 @@ class KubernetesLauncher(Launcher):
     def collect(self, handle: Handle, poll_s: float = 1.0) -> list[Path]:
         """Copy the job's run folder from the results volume: a manifest, then the files in chunks, each
         through a one-shot pod and its log; checked against the manifest's checksums before use."""
+        with tempfile.TemporaryDirectory(dir=handle.out_dir, prefix=".collect-") as staging:
+            files = self.fetch(handle, "", Path(staging), poll_s)
+            fetched, kept = merge_run_folder(Path(staging), files, handle.out_dir)
+        if kept:
+            print(f"harness: kept the local copies of {', '.join(kept)}, which differ from the results volume's",
+                  file=sys.stderr)
+        return fetched
+
+    def fetch(self, handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> list[RemoteFile]:
+        """Copy the folder `sub` of the job's run folder on the results volume ("": all of it) into `into`:
+        a manifest, then the files in chunks, each through a one-shot pod and its log. Checked by `collect`
+        against the manifest's checksums before use."""
         spec, _, namespace, name = self._job(handle)
         folder = handle.record().get("pvc_folder")
         if not folder:
             raise HarnessError(f"{handle.out_dir}/job.json names no folder on the results volume (pvc_folder); "
                                "it was submitted by an older harness", 1)
+        folder = str(PurePosixPath(folder, sub)) if sub else folder
         _, core = _api()
         nonce = secrets.token_hex(3)
 
@@ -660,14 +685,9 @@ class KubernetesLauncher(Launcher):
                                        folder, poll_s)
 
         files = parse_manifest(run_pod("m", MANIFEST_SCRIPT, [folder]))
-        with tempfile.TemporaryDirectory(dir=handle.out_dir, prefix=".collect-") as staging:
-            for index, pieces in enumerate(plan_chunks(files)):
-                write_pieces(Path(staging), pieces, run_pod(str(index), CHUNK_SCRIPT, [folder, json.dumps(pieces)]))
-            fetched, kept = merge_run_folder(Path(staging), files, handle.out_dir)
-        if kept:
-            print(f"harness: kept the local copies of {', '.join(kept)}, which differ from the results volume's",
-                  file=sys.stderr)
-        return fetched
+        for index, pieces in enumerate(plan_chunks(files)):
+            write_pieces(into, pieces, run_pod(str(index), CHUNK_SCRIPT, [folder, json.dumps(pieces)]))
+        return files
 
     @staticmethod
     def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: str, args: list[str],

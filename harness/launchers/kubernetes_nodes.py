@@ -73,13 +73,14 @@ def _event(namespace: str, involved: k8s.V1ObjectReference, reason: str, message
         first_timestamp=now, last_timestamp=now, count=1, source=k8s.V1EventSource(component="mlperf-harness"))
 
 
-def remediate(core: k8s.CoreV1Api, call, spec, record: dict) -> list[str]:
+def remediate(core: k8s.CoreV1Api, call, spec, record: dict, job: k8s.V1ObjectReference | None = None) -> list[str]:
     """Condition every checked Node, taint the failed ones (with spec.taint_bad_nodes), and record Events on the
-    failed Nodes and on the health job. `call(what, fn, *args)` turns API errors into one-line HarnessErrors."""
+    failed Nodes and on `job` (by default the health job). `call(what, fn, *args)` turns API errors into
+    one-line HarnessErrors."""
     namespace = spec.profile.kubernetes.namespace
     now = datetime.now(timezone.utc).isoformat()
-    job = k8s.V1ObjectReference(api_version="kubeflow.org/v1", kind="PyTorchJob", name=preflight_name(spec),
-                                namespace=namespace)
+    job = job or k8s.V1ObjectReference(api_version="kubeflow.org/v1", kind="PyTorchJob", name=preflight_name(spec),
+                                       namespace=namespace)
     done = []
     for node, verdict in record["nodes"].items():
         reasons = record["excluded"].get(node, [])
