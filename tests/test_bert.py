@@ -3,6 +3,8 @@ the reference's names, the tiny preset through the official checker, real-format
 
 from __future__ import annotations
 
+import itertools
+
 import h5py
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from tests.closed_proxy import BERT_MODEL as BERT_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
-from workloads.bert.data import TrainStream, collate, pack, read_rows, tiny_pair, write_tiny_dataset
+from workloads.bert.data import (TrainStream, collate, pack, read_rows, tiny_pair, train_batches,
+                                 write_tiny_dataset)
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
 from workloads.bert.model import model_outputs
@@ -63,6 +66,49 @@ def test_a_file_that_is_not_a_bert_shard_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no HDF5 shards"):
         TrainStream(tmp_path / "empty", seed=0, rank=0, world=1)
+
+
+def _batches_as_before(stream, batch, max_seq_len, skip):
+    """The loader before issue 14, verbatim: every unit read whole and every batch collated on the training
+    thread. The oracle the worker loader must match."""
+    def rows(skip):
+        epoch, skip = divmod(skip, stream.rows_per_epoch)
+        while True:
+            rng = np.random.default_rng([stream.seed, epoch, stream.rank])
+            for u in rng.permutation(len(stream.units)):
+                shard, start, stop = stream.units[u]
+                order = rng.permutation(stop - start)
+                if skip >= len(order):
+                    skip -= len(order)
+                    continue
+                unit = read_rows(shard, start, stop)
+                for i in order[skip:]:
+                    yield unit[i]
+                skip = 0
+            epoch += 1
+    stream_rows = rows(skip)
+    while True:
+        yield collate([next(stream_rows) for _ in range(batch)], max_seq_len)
+
+
+@pytest.mark.parametrize("layout", ["fixed", "packed"])
+def test_the_worker_loader_yields_the_batches_the_training_thread_did(tmp_path, layout):
+    """Same batches, same order, from the start, mid-epoch and past an epoch, with 0 and 2 workers; rank 1 of 3
+    reads slices of the 2 shards."""
+    _write(tmp_path, layout)
+    max_seq_len = TINY.model.max_seq_len
+    for rank, world in ((0, 1), (1, 3)):
+        stream = TrainStream(tmp_path / "train", seed=7, rank=rank, world=world)
+        epoch = stream.rows_per_epoch
+        for skip in (0, epoch // 2 + 1, epoch + 3):
+            expected = list(itertools.islice(_batches_as_before(stream, 5, max_seq_len, skip), 3 * epoch // 5))
+            for workers in (0, 2):
+                got = list(itertools.islice(train_batches(stream, 5, max_seq_len, skip, workers, pin_memory=False),
+                                            len(expected)))
+                assert len(got) == len(expected)
+                for ours, theirs in zip(got, expected):
+                    assert ours.keys() == theirs.keys()
+                    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), (rank, skip, workers)
 
 
 def test_a_packed_row_scores_each_sequence_as_if_it_were_alone():

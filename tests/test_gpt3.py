@@ -22,7 +22,7 @@ from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.model import GPT, optimizer_groups
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, BlendedSamples, EvalShard, IndexedDataset, \
-    SequenceSamples, tiny_entropy, write_indexed_dataset
+    SequenceSamples, c4_loaders, tiny_entropy, write_indexed_dataset
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -90,6 +90,28 @@ def _write_c4(folder, vocab: int = 128) -> None:
     rng = np.random.default_rng(0)
     for prefix in (*C4_TRAIN, C4_EVAL):
         write_indexed_dataset(folder / prefix, [rng.integers(1, vocab, 3000).astype(np.uint16) for _ in range(4)])
+
+
+def test_loader_workers_yield_the_batches_of_the_training_thread_and_keep_the_skip(tmp_path):
+    """Data rank 1 of 2, micro batch 3: the same train and eval batches with 0 and 2 workers, and a skip set on
+    the sampler after the loader is built (here, after a first pass with persistent workers) starts the next
+    pass exactly that many samples in."""
+    _write_c4(tmp_path)
+
+    def passes(workers):
+        loaders = c4_loaders(tmp_path, seq_len=16, micro_batch=3, train_samples=200, eval_sequences=20, seed=5,
+                             data_rank=1, data_world=2, workers=workers)
+        read = [[b.tolist() for b in loaders.train]]
+        for skip in (12, 3):
+            loaders.sampler.skip = skip
+            read.append([b.tolist() for b in loaders.train])
+        read.append([(tokens.tolist(), counted.tolist()) for tokens, counted in loaders.eval])
+        return read
+
+    alone = passes(0)
+    whole = alone[0]
+    assert len(whole) == 100 // 3 and alone[1] == whole[4:] and alone[2] == whole[1:]
+    assert passes(2) == alone
 
 
 def test_trains_from_real_format_files(tmp_path):

@@ -3,24 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from mlperf_logging.mllog import constants as C
 from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torchvision import datasets, transforms
 
 from harness.results import parse_file
 from harness.results.parse import iter_events
 from tests.conftest import REPO, TINY_RUNS, Completed, compliance, failed_checks, harness
+from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext
 from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
 from workloads.resnet.config import PRESETS, LarsStep, default_optimizer, lars_step
-from workloads.resnet.data import image_folder_loaders
+from workloads.resnet.data import (MEAN, STD, image_folder_loaders, scan_images, shared_image_list,
+                                   to_model_input)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
 
 
@@ -184,19 +191,115 @@ def test_the_tiny_resnet_reaches_its_target_with_lars(tmp_path):
     assert run.status == C.SUCCESS and run.quality >= 0.90
 
 
+def _write_images(root, classes=3, per_class=5, val_per_class=2):
+    """Random-noise images of varied sizes in ImageNet's layout (train/<class>, val/<class>), PNG and JPEG."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", per_class), ("val", val_per_class)):
+        for c in range(classes):
+            (root / split / f"n{c:08d}").mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (int(rng.integers(20, 48)), int(rng.integers(20, 48)), 3), np.uint8)
+                Image.fromarray(pixels).save(root / split / f"n{c:08d}" / f"{i}.{'png' if i % 2 else 'JPEG'}")
+
+
+def _ctx(rank=0, world=2):
+    return DistContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                       device=torch.device("cpu"))
+
+
 def test_each_run_sees_its_own_data_order(tmp_path):
     """The training order follows the run's seed: two runs of a campaign never see the same order."""
-    for label in ("a", "b"):
-        (tmp_path / "train" / label).mkdir(parents=True)
-        (tmp_path / "val" / label).mkdir(parents=True)
-        for i in range(8):
-            Image.new("RGB", (8, 8)).save(tmp_path / "train" / label / f"{i}.png")
-        Image.new("RGB", (8, 8)).save(tmp_path / "val" / label / "0.png")
-    ctx = DistContext(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+    _write_images(tmp_path, classes=2, per_class=8)
+    images = scan_images(tmp_path / "train"), scan_images(tmp_path / "val")
 
     def order(seed: int) -> list[int]:
-        sampler = image_folder_loaders(tmp_path, 8, 2, 0, ctx, seed).sampler
+        sampler = image_folder_loaders(tmp_path, *images, 8, 2, 0, _ctx(), seed).sampler
         sampler.set_epoch(1)
         return list(sampler)
 
     assert order(7) == order(7) and order(7) != order(8)
+
+
+def _list_on_a_rank(ctx, folder):
+    """shared_image_list on one rank, counting the directory listings this process makes."""
+    scans = []
+    real = os.scandir
+
+    def counted(path="."):
+        scans.append(str(path))
+        return real(path)
+
+    os.scandir = counted
+    try:
+        images = shared_image_list(folder / "train", ctx)
+    finally:
+        os.scandir = real
+    return {"scans": len(scans), "images": images}
+
+
+def test_the_file_list_is_scanned_once_and_shared(tmp_path):
+    """Rank 0 lists the folder (the class folder and each class), rank 1 lists nothing, and both get
+    ImageFolder's list and order; a folder rank 0 cannot list fails on both ranks with its message."""
+    from tests.test_shared_checkpoints import run_ranks
+
+    _write_images(tmp_path)
+    ranks = run_ranks(_list_on_a_rank, 2, tmp_path)
+    assert ranks[0]["scans"] == 1 + 3 and ranks[1]["scans"] == 0
+    folder = datasets.ImageFolder(str(tmp_path / "train"))
+    expected = [[os.path.relpath(path, tmp_path / "train"), label] for path, label in folder.samples]
+    assert ranks[0]["images"] == ranks[1]["images"] == expected and len(expected) == 15
+    shutil.rmtree(tmp_path / "train")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(AssertionError, match=r"\[1, 1\]"):  # both ranks raise, neither hangs
+        run_ranks(_list_on_a_rank, 2, tmp_path)
+
+
+def test_a_folder_without_images_is_named_on_every_rank(tmp_path):
+    _write_images(tmp_path / "data")
+    shutil.rmtree(tmp_path / "data" / "val")
+    (tmp_path / "data" / "val").mkdir()
+    result = worker_run(tmp_path / "run", "--data", str(tmp_path / "data"), procs=2, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    # Rank 0's message, one line from each rank (torchrun's own report of the failed ranks aside).
+    assert re.findall(r"^workloads: Couldn't find any class folder in .*/val\.$", output, re.M) == [
+        f"workloads: Couldn't find any class folder in {tmp_path / 'data' / 'val'}."] * 2, output
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_path, workers):
+    """The new loader (uint8 from the workers, to_model_input after) against the old one (ImageFolder with
+    ToTensor and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from
+    the start and after a resume's skip, train and eval."""
+    _write_images(tmp_path)
+    crop, batch, ctx = 16, 2, _ctx(rank=1)
+    normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
+    old_train = datasets.ImageFolder(str(tmp_path / "train"), transforms.Compose(
+        [transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), *normalize]))
+    old_eval = datasets.ImageFolder(str(tmp_path / "val"), transforms.Compose(
+        [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), *normalize]))
+    old_sampler = ResumableSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))
+    common = dict(batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
+    old = (DataLoader(old_train, sampler=old_sampler, drop_last=True, **common),
+           DataLoader(Subset(old_eval, range(1, len(old_eval), 2)), **common))
+    new = image_folder_loaders(tmp_path, scan_images(tmp_path / "train"), scan_images(tmp_path / "val"), crop, batch,
+                               workers, ctx, seed=3)
+    compared = 0
+    for epoch, skip in ((1, 0), (2, 1)):
+        for sampler in (old_sampler, new.sampler):
+            sampler.set_epoch(epoch)
+            sampler.skip = skip * batch
+        for theirs, ours in ((old[0], new.train), (old[1], new.eval)):
+            torch.manual_seed(epoch)
+            expected = list(theirs)
+            torch.manual_seed(epoch)
+            got = list(ours)
+            assert len(got) == len(expected) > 0
+            for (images, labels), (want, want_labels) in zip(got, expected):
+                assert images.dtype == torch.uint8
+                model_input = to_model_input(images, torch.device("cpu"))
+                assert model_input.is_contiguous(memory_format=torch.channels_last)
+                torch.testing.assert_close(model_input, want, rtol=0, atol=1e-6)
+                assert torch.equal(labels, want_labels)
+                compared += 1
+    assert compared >= 8

@@ -74,6 +74,7 @@ class BertPreset:
     hyperparameters: Hyperparameters | None = None
     eval_every: int | None = None  # samples between evaluations; None: MLPerf's rule
     max_samples: int = 14_000_000  # give up here (NVIDIA's limit); the tiny preset's is small
+    loader_workers: int = 4  # processes per rank that read and collate the training batches (0: the training thread)
 
 
 PRESETS = {
@@ -88,7 +89,7 @@ PRESETS = {
                        hyperparameters=Hyperparameters(base_lr=8e-3, training_steps=1200, warmup_steps=0,
                                                        start_warmup_step=0, beta_1=0.9, beta_2=0.999,
                                                        weight_decay=0.01),
-                       eval_every=2048, max_samples=38_400),
+                       eval_every=2048, max_samples=38_400, loader_workers=1),
 }
 
 

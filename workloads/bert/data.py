@@ -17,6 +17,7 @@ exactly the rows it had trained.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Iterator
 import h5py
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
@@ -56,30 +58,43 @@ def _layout(f: h5py.File, path: Path) -> str:
     return "fixed" if f["input_ids"].ndim == 2 else "varlength"
 
 
+class ShardSlice:
+    """Rows [start, stop) of one shard, in any of the three layouts: the arrays are read in one go, and a row
+    is built only when asked for, so a loader worker that trains on every n-th batch builds only its own."""
+
+    def __init__(self, path: Path, start: int = 0, stop: int | None = None):
+        with h5py.File(path, "r") as f:
+            layout = _layout(f, path)
+            part = slice(start, stop)
+            self.ids, self.segments = f["input_ids"][part], f["segment_ids"][part]
+            self.positions, self.masked = f["masked_lm_positions"][part], f["masked_lm_ids"][part]
+            self.nsp = f["next_sentence_labels"][part]
+            if layout == "fixed":
+                mask = f["input_mask"][part] if "input_mask" in f else self.ids != 0
+                self.lengths = [np.array([int(n)]) for n in mask.sum(axis=1)]
+            elif layout == "varlength":
+                self.lengths = [np.array([len(i)]) for i in self.ids]
+            else:
+                self.lengths = [np.asarray(n, dtype=np.int64) for n in f["packed_input_len"][part]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def row(self, i: int) -> Row:
+        n = self.lengths[i]
+        total = int(n.sum())
+        keep = self.positions[i] > 0  # position 0 is [CLS], never masked: a 0 is padding
+        return Row(input_ids=np.asarray(self.ids[i][:total], np.int64),
+                   segment_ids=np.asarray(self.segments[i][:total], np.int64), lengths=n,
+                   mlm_positions=np.asarray(self.positions[i][keep], np.int64),
+                   mlm_ids=np.asarray(self.masked[i][keep], np.int64),
+                   nsp_labels=np.atleast_1d(np.asarray(self.nsp[i], np.int64)))
+
+
 def read_rows(path: Path, start: int = 0, stop: int | None = None) -> list[Row]:
     """Rows [start, stop) of one shard, in any of the three layouts."""
-    with h5py.File(path, "r") as f:
-        layout = _layout(f, path)
-        part = slice(start, stop)
-        ids, segments = f["input_ids"][part], f["segment_ids"][part]
-        positions, masked, nsp = f["masked_lm_positions"][part], f["masked_lm_ids"][part], f["next_sentence_labels"][part]
-        if layout == "fixed":
-            mask = f["input_mask"][part] if "input_mask" in f else ids != 0
-            lengths = [np.array([int(m.sum())]) for m in mask]
-        elif layout == "varlength":
-            lengths = [np.array([len(i)]) for i in ids]
-        else:
-            lengths = [np.asarray(n, dtype=np.int64) for n in f["packed_input_len"][part]]
-    rows = []
-    for i, n in enumerate(lengths):
-        total = int(n.sum())
-        keep = positions[i] > 0  # position 0 is [CLS], never masked: a 0 is padding
-        rows.append(Row(input_ids=np.asarray(ids[i][:total], np.int64), segment_ids=np.asarray(segments[i][:total],
-                                                                                               np.int64),
-                        lengths=n, mlm_positions=np.asarray(positions[i][keep], np.int64),
-                        mlm_ids=np.asarray(masked[i][keep], np.int64),
-                        nsp_labels=np.atleast_1d(np.asarray(nsp[i], np.int64))))
-    return rows
+    rows = ShardSlice(path, start, stop)
+    return [rows.row(i) for i in range(len(rows))]
 
 
 def shard_length(path: Path) -> int:
@@ -196,8 +211,9 @@ class TrainStream:
         with h5py.File(shards[0], "r") as f:
             self.packed = _layout(f, shards[0]) == "packed"  # rows of several sequences
 
-    def rows(self, skip: int = 0) -> Iterator[Row]:
-        """Rows from position `skip` of the stream on."""
+    def order(self, skip: int = 0) -> Iterator[tuple[int, int]]:
+        """(unit, row within the unit) of every row from position `skip` of the stream on: the order alone,
+        with nothing read."""
         epoch, skip = divmod(skip, self.rows_per_epoch)
         while True:
             rng = np.random.default_rng([self.seed, epoch, self.rank])
@@ -207,16 +223,55 @@ class TrainStream:
                 if skip >= len(order):
                     skip -= len(order)
                     continue
-                rows = read_rows(shard, start, stop)
                 for i in order[skip:]:
-                    yield rows[i]
+                    yield int(u), int(i)
                 skip = 0
             epoch += 1
 
-    def batches(self, batch: int, max_seq_len: int, skip_rows: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        rows = self.rows(skip_rows)
-        while True:
-            yield collate([next(rows) for _ in range(batch)], max_seq_len)
+    def batches(self, batch: int, max_seq_len: int, skip_rows: int = 0, part: int = 0, parts: int = 1
+                ) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches of `batch` rows from row `skip_rows` on; of those, only batches part, part + parts, ...
+        (one loader worker's share: the DataLoader takes its workers' batches in turn, which restores the
+        sequence). A unit is read only if one of this part's batches takes a row of it."""
+        order = self.order(skip_rows)
+        unit, rows = -1, None  # the unit in memory
+        for k in itertools.count():
+            picks = list(itertools.islice(order, batch))
+            if k % parts != part:
+                continue
+            chosen = []
+            for u, i in picks:
+                if u != unit:
+                    unit, rows = u, ShardSlice(*self.units[u])
+                chosen.append(rows.row(i))
+            yield collate(chosen, max_seq_len)
+
+
+# Batches each loader worker keeps ready. A unit switch makes every worker read at once; 4 workers x 8 batches
+# of 32 sequences hold about 1.8 s of input at 580 sequences/s (issue 14's goal per GPU) while they read.
+PREFETCH_PER_WORKER = 8
+
+
+class _StreamBatches(IterableDataset):
+    """A stream's batches from `skip_rows` on, each loader worker making its share (see TrainStream.batches)."""
+
+    def __init__(self, stream, batch: int, max_seq_len: int, skip_rows: int):
+        self.stream, self.batch, self.max_seq_len, self.skip_rows = stream, batch, max_seq_len, skip_rows
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker = get_worker_info()
+        part, parts = (worker.id, worker.num_workers) if worker else (0, 1)
+        return self.stream.batches(self.batch, self.max_seq_len, self.skip_rows, part, parts)
+
+
+def train_batches(stream, batch: int, max_seq_len: int, skip_rows: int, workers: int, pin_memory: bool
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+    """The stream's batches from `skip_rows` on, exactly as stream.batches() gives them, read and collated by
+    `workers` loader processes (0: on this thread) into pinned memory when asked, ahead of the training step.
+    `stream` is a TrainStream, or anything with its batches(batch, max_seq_len, skip_rows, part, parts)."""
+    loader = DataLoader(_StreamBatches(stream, batch, max_seq_len, skip_rows), batch_size=None, num_workers=workers,
+                        pin_memory=pin_memory, prefetch_factor=PREFETCH_PER_WORKER if workers else None)
+    return iter(loader)
 
 
 def eval_batches(folder: Path, batch: int, max_seq_len: int, samples: int | None, rank: int, world: int

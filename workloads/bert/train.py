@@ -10,6 +10,7 @@ NVIDIA's logs have it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,7 +23,7 @@ from mlperf_logging.mllog import constants as C
 from torch.nn.parallel import DistributedDataParallel
 
 from workloads.bert.config import PRESETS, BertPreset, eval_interval, plan_batch
-from workloads.bert.data import Row, TrainStream, collate, ensure_tiny_dataset, eval_batches, share
+from workloads.bert.data import Row, TrainStream, collate, ensure_tiny_dataset, eval_batches, share, train_batches
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict, model_outputs, pretraining_loss
 from workloads.bert.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
@@ -155,8 +156,9 @@ class BertWorkload(Workload):
         self.samples, self.next_eval = position["samples"], position["next_eval"]
 
     def batches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
-        return self.stream.batches(self.plan.micro_batch, self.preset.model.max_seq_len,
-                                   skip_rows=step * self.plan.micro_batch * self.plan.grad_accum)
+        return train_batches(self.stream, self.plan.micro_batch, self.preset.model.max_seq_len,
+                             skip_rows=step * self.plan.micro_batch * self.plan.grad_accum,
+                             workers=self.preset.loader_workers, pin_memory=self.ctx.device.type == "cuda")
 
     def epoch_num(self, step: int) -> int:
         return self.samples
@@ -236,7 +238,9 @@ class SyntheticStream:
     def __init__(self, cfg: BertPreset, seed: int, rank: int):
         self.cfg, self.seed, self.rank = cfg, seed, rank
 
-    def batches(self, batch: int, max_seq_len: int, skip_rows: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        rng = np.random.default_rng([self.seed, self.rank, skip_rows])
-        while True:
+    def batches(self, batch: int, max_seq_len: int, skip_rows: int = 0, part: int = 0, parts: int = 1
+                ) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches part, part + parts, ... from row `skip_rows` on; each batch is seeded by its position."""
+        for k in itertools.count(part, parts):
+            rng = np.random.default_rng([self.seed, self.rank, skip_rows + k * batch])
             yield collate([synthetic_row(self.cfg, rng) for _ in range(batch)], max_seq_len)

@@ -60,6 +60,7 @@ class GPT3Config:
     tensor_parallel: int = 1  # at most the GPUs of a node; 1 on CPU
     activation_checkpointing: bool = False
     max_steps: int = 100_000
+    loader_workers: int = 2  # processes per rank that read the samples ahead (0: the training thread)
 
 
 PRESETS = {
@@ -75,7 +76,8 @@ PRESETS = {
     "tiny": GPT3Config(
         model=GPTConfig(vocab_size=128, seq_len=2048, n_layer=2, n_head=4, d_model=128),
         global_batch=4, micro_batch=1, base_lr=3e-5, end_lr_ratio=0.1, warmup_steps=2, decay_steps=4000,
-        lr_batch=4, eval_interval=16, eval_sequences=16, target=2.69, init_checkpoint_step=30, max_steps=300),
+        lr_batch=4, eval_interval=16, eval_sequences=16, target=2.69, init_checkpoint_step=30, max_steps=300,
+        loader_workers=1),
 }
 
 

@@ -155,17 +155,30 @@ class EvalShard(Dataset):
         return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
 
 
-def _loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int) -> GPTLoaders:
-    """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank."""
+# Micro batches each loader worker keeps ready: one is 2,049 tokens a sequence, so holding a few costs nothing
+# and hides the page faults of a cold memory map.
+PREFETCH_PER_WORKER = 4
+
+
+def _loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int, workers: int,
+             pin_memory: bool) -> GPTLoaders:
+    """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank.
+
+    `workers` processes per loader (0: the training thread) read the samples ahead, into pinned memory when
+    asked, and stay up between iterations (persistent). The sampler runs in this process, so a skip set on
+    it before iter() applies with workers too."""
     sampler = ResumableSampler(DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False,
                                                   drop_last=True))
-    return GPTLoaders(train=DataLoader(train, batch_size=micro_batch, sampler=sampler, drop_last=True),
-                      eval=DataLoader(EvalShard(eval_set, data_rank, data_world), batch_size=micro_batch),
+    common = dict(batch_size=micro_batch, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                  prefetch_factor=PREFETCH_PER_WORKER if workers else None)
+    return GPTLoaders(train=DataLoader(train, sampler=sampler, drop_last=True, **common),
+                      eval=DataLoader(EvalShard(eval_set, data_rank, data_world), **common),
                       eval_sequences=len(eval_set), sampler=sampler)
 
 
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int | None,
-               seed: int, data_rank: int, data_world: int, train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> GPTLoaders:
+               seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
+               train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> GPTLoaders:
     """Loaders over MLPerf's C4 layout in `root`."""
     missing = [p for p in (*train_prefixes, eval_prefix) if not Path(root, f"{p}.idx").is_file()]
     if missing:
@@ -177,7 +190,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
     eval_set: Dataset = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None)
     if eval_sequences is not None:
         eval_set = torch.utils.data.Subset(eval_set, range(min(eval_sequences, len(eval_set))))
-    return _loaders(train, eval_set, micro_batch, data_rank, data_world)
+    return _loaders(train, eval_set, micro_batch, data_rank, data_world, workers, pin_memory)
 
 
 class RandomTokens(Dataset):
@@ -195,9 +208,11 @@ class RandomTokens(Dataset):
 
 
 def synthetic_loaders(vocab_size: int, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int,
-                      seed: int, data_rank: int, data_world: int) -> GPTLoaders:
+                      seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False
+                      ) -> GPTLoaders:
     return _loaders(RandomTokens(vocab_size, seq_len, train_samples, seed),
-                    RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1), micro_batch, data_rank, data_world)
+                    RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1), micro_batch, data_rank, data_world,
+                    workers, pin_memory)
 
 
 # The tiny preset's text: a Markov chain over a small vocabulary, where each token has a few likely

@@ -78,13 +78,15 @@ class GPT3Workload(Workload):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
+        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda")
         if opts.synthetic:
             self.loaders = synthetic_loaders(cfg.model.vocab_size, cfg.model.seq_len, cfg.micro_batch, samples,
-                                             cfg.eval_sequences or layout.data, seed, data_rank, layout.data)
+                                             cfg.eval_sequences or layout.data, seed, data_rank, layout.data,
+                                             **reading)
         else:
             self.loaders = c4_loaders(opts.data or self._tiny_corpus(), cfg.model.seq_len, cfg.micro_batch,
                                       train_samples=samples, eval_sequences=cfg.eval_sequences, seed=seed,
-                                      data_rank=data_rank, data_world=layout.data)
+                                      data_rank=data_rank, data_world=layout.data, **reading)
 
     def _tiny_corpus(self) -> Path:
         if self.ctx.local_rank == 0:

@@ -7,19 +7,22 @@ loader and the MLPerf preprocessing the full preset uses on real ImageNet.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-from torchvision import datasets, transforms
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision import transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
 
 from workloads.common.cache import build_once, cache_root
 from workloads.common.data import ResumableSampler
-from workloads.common.distributed import DistContext
+from workloads.common.distributed import DistContext, broadcast_object
 
 # ImageNet statistics, as in the MLPerf reference.
 MEAN = (0.485, 0.456, 0.406)
@@ -29,39 +32,98 @@ IMAGENET_EVAL_SAMPLES = 50_000
 
 
 def train_transform(crop: int) -> transforms.Compose:
-    """MLPerf training preprocessing: random-resized crop and horizontal flip."""
+    """MLPerf training preprocessing up to the pixels: random-resized crop and horizontal flip, kept uint8
+    (normalised on the device by to_model_input)."""
     return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
-                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+                               transforms.PILToTensor()])
 
 
 def eval_transform(crop: int) -> transforms.Compose:
-    """MLPerf eval preprocessing: resize to crop*256/224 (256 for 224), center crop."""
+    """MLPerf eval preprocessing up to the pixels: resize to crop*256/224 (256 for 224), center crop, uint8."""
     return transforms.Compose([transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop),
-                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+                               transforms.PILToTensor()])
+
+
+def to_model_input(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A uint8 batch (N, 3, H, W) -> the model's input on `device`: copied as uint8 (a quarter of float32's
+    bytes), then scaled to [0, 1], normalised by ImageNet's statistics (what ToTensor and Normalize did on the
+    host), laid out channels_last, and cast to bf16 on GPUs (the dtype autocast would give the first conv)."""
+    mean, std = _statistics(device)
+    normalised = images.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
+    return normalised.to(memory_format=torch.channels_last,
+                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+@functools.cache
+def _statistics(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """MEAN and STD as (1, 3, 1, 1) tensors on `device`, made once: a copy to the GPU every step would wait."""
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
+
+
+def scan_images(folder: Path) -> list[tuple[str, int]]:
+    """`folder`/<class>/<image> as ImageFolder lists it, by its own functions (so in its order): (path relative
+    to the folder, class index by sorted class name)."""
+    _, class_to_idx = find_classes(folder)
+    return [(os.path.relpath(path, folder), label)
+            for path, label in make_dataset(folder, class_to_idx, extensions=IMG_EXTENSIONS)]
+
+
+def shared_image_list(folder: Path, ctx: DistContext) -> list[tuple[str, int]]:
+    """The folder's image list (see scan_images), scanned by rank 0 alone and sent to every rank: one listing
+    of ImageNet's 1.28M files per job, not one per rank (relative paths: about 46 MB pickled). A scan that
+    fails fails on every rank with rank 0's message rather than leaving the others waiting."""
+    scanned: list[tuple[str, int]] | str | None = None
+    if ctx.is_main:
+        try:
+            scanned = scan_images(folder)
+        except (OSError, ValueError) as exc:
+            scanned = str(exc)
+    scanned = broadcast_object(scanned, ctx)
+    if isinstance(scanned, str):
+        raise FileNotFoundError(scanned)
+    return scanned
+
+
+class ListedImages(Dataset):
+    """ImageFolder over a given image list (see scan_images): (uint8 image tensor, class index)."""
+
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], transform: transforms.Compose):
+        self.folder, self.samples, self.transform = folder, samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[i]
+        return self.transform(default_loader(str(self.folder / path))), label
 
 
 @dataclass
 class Loaders:
-    train: object  # an iterable of (images, labels) batches with len()
+    train: object  # an iterable of (uint8 images, labels) batches with len(); see to_model_input
     eval: object
     train_samples: int
     eval_samples: int
     sampler: ResumableSampler | None  # needs set_epoch() each epoch; None for synthetic input
 
 
-def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, ctx: DistContext,
-                         seed: int) -> Loaders:
-    """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...).
-
-    The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
-    disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
-    """
+def check_layout(root: Path) -> None:
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise FileNotFoundError(f"{root} has no {split}/ folder: expected ImageNet's layout "
                                     f"{root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG")
-    train_set = datasets.ImageFolder(str(root / "train"), train_transform(crop))
-    eval_set = datasets.ImageFolder(str(root / "val"), eval_transform(crop))
+
+
+def image_folder_loaders(root: Path, train_images: list[tuple[str, int]], eval_images: list[tuple[str, int]],
+                         crop: int, batch_size: int, workers: int, ctx: DistContext, seed: int) -> Loaders:
+    """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...), whose images
+    `train_images` and `eval_images` list (see shared_image_list). The workers decode and crop to uint8.
+
+    The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
+    disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
+    """
+    train_set = ListedImages(root / "train", train_images, train_transform(crop))
+    eval_set = ListedImages(root / "val", eval_images, eval_transform(crop))
     sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
                                                   drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
@@ -74,12 +136,14 @@ def image_folder_loaders(root: Path, crop: int, batch_size: int, workers: int, c
 
 
 class SyntheticBatches:
-    """The same random batch, already on the device, `steps` times: measures the model, not the input pipeline."""
+    """The same random uint8 batch, already on the device, `steps` times: measures the model, not the input
+    pipeline."""
 
     def __init__(self, steps: int, batch_size: int, crop: int, classes: int, device: torch.device):
         self.steps = steps
         generator = torch.Generator().manual_seed(0)
-        self.images = torch.randn(batch_size, 3, crop, crop, generator=generator).to(device)
+        self.images = torch.randint(0, 256, (batch_size, 3, crop, crop), generator=generator,
+                                    dtype=torch.uint8).to(device)
         self.labels = torch.randint(0, classes, (batch_size,), generator=generator).to(device)
 
     def __len__(self) -> int:

@@ -27,8 +27,8 @@ from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.resilience import Block
 from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, lars_step
-from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders, synthetic_loaders,
-                                   tiny_dataset_root)
+from workloads.resnet.data import (Loaders, check_layout, ensure_tiny_dataset, image_folder_loaders,
+                                   shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
 from workloads.resnet.lars import EPSILON, Lars
 from workloads.resnet.model import build_model
 
@@ -82,7 +82,12 @@ class ResNetWorkload(Workload):
         else:
             root = ensure_tiny_dataset(tiny_dataset_root()) if ctx.local_rank == 0 else tiny_dataset_root()
             torch.distributed.barrier()  # the other ranks wait until the dataset exists
-        return image_folder_loaders(root, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed)
+        try:
+            check_layout(root)
+            images = shared_image_list(root / "train", ctx), shared_image_list(root / "val", ctx)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"workloads: {exc}") from None
+        return image_folder_loaders(root, *images, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed)
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup to base_lr, then (1 - progress)^power decay down to end_lr."""
@@ -159,8 +164,7 @@ class ResNetWorkload(Workload):
         else:
             batches = itertools.islice(self.loaders.train, skip, None)
         for images, labels in batches:
-            yield (images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last),
-                   labels.to(self.ctx.device, non_blocking=True))
+            yield to_model_input(images, self.ctx.device), labels.to(self.ctx.device, non_blocking=True)
 
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
         images, labels = next(batches)
@@ -178,8 +182,7 @@ class ResNetWorkload(Workload):
         self.model.eval()
         correct, total = torch.zeros((), dtype=torch.int64, device=self.ctx.device), 0
         for images, labels in self.loaders.eval:
-            images = images.to(self.ctx.device, non_blocking=True, memory_format=torch.channels_last)
-            labels = labels.to(self.ctx.device, non_blocking=True)
+            images, labels = to_model_input(images, self.ctx.device), labels.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
                 logits = self.forward(images)
             correct += (logits.argmax(1) == labels).sum()  # read once, after the last batch
