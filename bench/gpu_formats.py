@@ -1,0 +1,79 @@
+"""The three benchmarks' real on-disk input, written small for bench/gpu_throughput.py.
+
+A throughput run on synthetic batches measures the model; one on files measures the input
+pipeline too, so these are the formats the workloads read from MLPerf's data: ImageNet as a JPEG
+ImageFolder, BERT's HDF5 shards, GPT-3's Megatron `.idx`/`.bin` pairs. Each writer makes just
+enough for the steps a run times, so that no epoch restarts inside the measurement. The BERT and
+GPT-3 writers are the workloads' own (`write_shard`, `write_indexed_dataset`).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# ImageNet's typical training image; JPEG quality as its files have it. Distinct encodings are a small
+# pool written under many names: reading and decoding cost the same, writing costs far less.
+IMAGENET_LIKE_SIZE = (500, 375)
+JPEG_QUALITY = 90
+DISTINCT_IMAGES = 64
+IMAGE_CLASSES = 10
+
+
+def write_image_folder(root: Path, train_images: int, size: tuple[int, int], seed: int) -> Path:
+    """ImageNet's layout, root/train/<class>/*.JPEG and root/val/<class>/*.JPEG (one per class)."""
+    rng = np.random.default_rng(seed)
+    pool = [_jpeg(rng, size) for _ in range(DISTINCT_IMAGES)]
+    for split, count in (("train", train_images), ("val", IMAGE_CLASSES)):
+        for c in range(IMAGE_CLASSES):
+            (root / split / f"n{c:08d}").mkdir(parents=True)
+        for i in range(count):
+            path = root / split / f"n{i % IMAGE_CLASSES:08d}" / f"{split}_{i:08d}.JPEG"
+            path.write_bytes(pool[i % len(pool)])
+    return root
+
+
+def _jpeg(rng: np.random.Generator, size: tuple[int, int]) -> bytes:
+    """A smooth random colour field with grain: compresses like a photograph, unlike pure noise."""
+    width, height = size
+    coarse = Image.fromarray(rng.integers(0, 256, (max(2, height // 32), max(2, width // 32), 3), dtype=np.uint8))
+    smooth = np.asarray(coarse.resize(size, Image.BICUBIC), dtype=np.int16)
+    grain = rng.integers(-12, 13, smooth.shape, dtype=np.int16)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=JPEG_QUALITY)
+    return buffer.getvalue()
+
+
+def write_bert_shards(root: Path, preset, train_rows: int, eval_rows: int, shards: int, seed: int) -> Path:
+    """root/train/part-*.hdf5 and root/eval/eval.hdf5 in MLPerf's fixed layout: full-length random rows."""
+    from workloads.bert.data import write_shard
+    from workloads.bert.train import synthetic_row
+
+    rng = np.random.default_rng(seed)
+    seq_len, predictions = preset.model.max_seq_len, preset.max_predictions
+    bounds = np.linspace(0, train_rows, shards + 1).astype(int)
+    files = [(root / "train" / f"part-{i:05d}-of-{shards:05d}.hdf5", int(b - a))
+             for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    for path, rows in [*files, (root / "eval" / "eval.hdf5", eval_rows)]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_shard(path, [synthetic_row(preset, rng) for _ in range(rows)], "fixed", seq_len, predictions)
+    return root
+
+
+def write_megatron_corpus(root: Path, vocab_size: int, seq_len: int, train_samples: int, eval_samples: int,
+                          seed: int) -> Path:
+    """MLPerf's C4 layout: its two training shards (each holding train_samples windows of seq_len + 1 tokens,
+    so the 0.5/0.5 blend never wraps) and the validation subset, as documents of random tokens ending in EOD."""
+    from workloads.gpt3.data import C4_EVAL, C4_TRAIN, EOD, write_indexed_dataset
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for prefix, samples in ((C4_TRAIN[0], train_samples), (C4_TRAIN[1], train_samples), (C4_EVAL, eval_samples)):
+        tokens = samples * seq_len + 1
+        documents = [np.append(rng.integers(EOD + 1, vocab_size, min(seq_len, tokens - start) - 1), EOD)
+                     for start in range(0, tokens, seq_len)]
+        write_indexed_dataset(root / prefix, [d.astype(np.uint16) for d in documents if len(d)])
+    return root

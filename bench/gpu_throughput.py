@@ -1,0 +1,294 @@
+"""Training throughput of ResNet-50, BERT-large and a GPT-3-shaped decoder per GPU, against issue 14's goals.
+
+    python bench/gpu_throughput.py [--workloads resnet,bert,gpt3] [--out-dir results/bench]
+    bench/gpu_throughput.sh [same options]     # on a GPU machine with only torch, pandas, matplotlib, pytest
+
+On all visible GPUs (one process each, NCCL, rendezvous on localhost), each workload trains on
+synthetic batches and then on files in its real on-disk format written to a temporary folder
+(bench/gpu_formats.py); bench/gpu_timing.py times each. Reported per device: samples/s (and
+tokens/s and MFU for GPT-3) over a window after warm-up, peak memory, the spread of single
+steps, and the ratio to the goal (ResNet 4,200 img/s, BERT 580 seq/s, GPT MFU 45% per H100).
+Writes results/bench/gpu-<device>.json (e.g. gpu-nvidia-h100-80gb-hbm3.json) and prints a table.
+
+Sizes: on GPUs the full benchmarks' per-GPU shapes (ResNet-50 at batch 256, BERT-large at micro
+batch 32 and sequence 512, and for GPT-3, whose 175B model needs many nodes, a GPT-3 XL-shaped
+1.3B decoder at sequence 2048); on CPU the tiny presets for a few steps, written to gpu-cpu.json
+and labelled as no GPU figure (no goal applies, so no ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_image_folder, write_megatron_corpus
+from gpu_timing import Job, Steps, run_rank, spread
+from summary import machine  # bench/summary.py, beside this script
+
+WORKLOADS = ("resnet", "bert", "gpt3")
+DEFAULT_STEPS = {"cuda": Steps(warmup=20, timed=50, spread=20), "cpu": Steps(warmup=2, timed=4, spread=3)}
+CPU_NOTE = "CPU tiny mode: not a GPU figure"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Goal:
+    """Issue 14's goal for one H100 SXM: a rate per GPU (samples/s) or an MFU."""
+
+    metric: str  # "samples_per_s" or "mfu"
+    value: float
+    unit: str
+    yardstick: str
+
+
+GOALS = {
+    "resnet": Goal("samples_per_s", 4200.0, "img/s", "60% of NVIDIA's MLPerf v3.0 7,010 img/s per H100 (MXNet + DALI)"),
+    "bert": Goal("samples_per_s", 580.0, "seq/s", "60% of NVIDIA's MLPerf v3.0 970 seq/s per H100 (PyTorch)"),
+    "gpt3": Goal("mfu", 0.45, "MFU", "45% MFU (MegaScale 55.2% on 12,288 GPUs; Llama 3 38 to 43%)"),
+}
+UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s"}
+
+
+def gpt3_bench_preset(on_gpu: bool):
+    """GPT-3 as one GPU can hold it: GPT-3 XL's shape (24 layers, d_model 2048, 1.3B parameters; 16 heads of
+    128) at sequence 2048 and the 175B preset's optimizer. On CPU the tiny preset. One micro batch per
+    step and process (no accumulation), so a step's time is one forward and backward."""
+    from workloads.gpt3.config import PRESETS, GPTConfig
+
+    if on_gpu:
+        return replace(PRESETS["full"], model=GPTConfig(vocab_size=50_304, seq_len=2048, n_layer=24, n_head=16,
+                                                        d_model=2048),
+                       global_batch=4, micro_batch=4, tensor_parallel=1, activation_checkpointing=False,
+                       eval_sequences=8)
+    tiny = PRESETS["tiny"]
+    return replace(tiny, global_batch=tiny.micro_batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One workload's run: the preset, what it measures in words, and how to write its files."""
+
+    preset: str
+    measured: str
+    extra_preset: object | None = None
+
+
+def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
+    if workload == "resnet":
+        from workloads.resnet.config import PRESETS
+
+        cfg = PRESETS["full" if on_gpu else "tiny"]
+        return Plan("full" if on_gpu else "tiny",
+                    f"ResNet ({cfg.arch}), {cfg.crop} px, batch {cfg.batch_size} per process, {cfg.workers} loader "
+                    f"workers per process for files ({IMAGENET_LIKE_SIZE[0]}x{IMAGENET_LIKE_SIZE[1]} JPEGs on GPU)"
+                    if on_gpu else
+                    f"tiny ResNet, {cfg.crop} px, batch {cfg.batch_size}, JPEGs of 40x40")
+    if workload == "bert":
+        from workloads.bert.config import PRESETS, plan_batch
+
+        preset = "full" if on_gpu else "tiny"
+        cfg, batch = PRESETS[preset], plan_batch(PRESETS[preset], world)
+        m = cfg.model
+        return Plan(preset, f"BERT ({m.n_layer} layers, hidden {m.d_model}, {m.params / 1e6:.0f}M parameters), "
+                            f"sequence {m.max_seq_len}, micro batch {batch.micro_batch} x {batch.grad_accum} "
+                            f"accumulation per process, global batch {batch.global_batch} ({batch.source})")
+    cfg = gpt3_bench_preset(on_gpu)
+    m = cfg.model
+    return Plan("bench-gpu" if on_gpu else "bench-cpu",
+                f"GPT-3-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
+                f"{m.params / 1e9:.2f}B parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} per "
+                f"process, no accumulation, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}",
+                extra_preset=cfg)
+
+
+def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int, steps: Steps) -> Path:
+    """Enough real-format data for every step of the run, in one epoch."""
+    steps_needed = steps.total + 2
+    if workload == "resnet":
+        from workloads.resnet.config import PRESETS
+
+        cfg = PRESETS[plan_.preset]
+        return write_image_folder(root, cfg.batch_size * world * steps_needed,
+                                  IMAGENET_LIKE_SIZE if on_gpu else (40, 40), seed=1)
+    if workload == "bert":
+        from workloads.bert.config import PRESETS, plan_batch
+
+        cfg = PRESETS[plan_.preset]
+        rows = plan_batch(cfg, world).global_batch * steps_needed
+        return write_bert_shards(root, cfg, rows, cfg.eval_samples or 64, shards=world, seed=1)
+    cfg = plan_.extra_preset
+    return write_megatron_corpus(root, cfg.model.vocab_size, cfg.model.seq_len, cfg.global_batch * world * steps_needed,
+                                 cfg.eval_sequences, seed=1)
+
+
+def resnet_problem() -> str | None:
+    """Why ResNet cannot run here (torchvision missing, or built for another torch), or None."""
+    try:
+        import torchvision
+        from torchvision.ops import nms
+
+        nms(torch.zeros(1, 4), torch.zeros(1), 0.5)  # its compiled ops load only against the torch they were built for
+    except Exception as exc:  # a mismatched build fails in several ways: ImportError, RuntimeError, OSError
+        return (f"resnet skipped: torchvision does not work with torch {torch.__version__} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); install the torchvision "
+                "built for this torch (bench/wheelhouse.py fill --torch VERSION --torchvision VERSION)")
+    del torchvision
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path) -> tuple[Plan, dict, float]:
+    """Write the workload's files, spawn its ranks, and return rank 0's figures for both data kinds."""
+    plan_ = plan_for(workload, on_gpu, world)
+    started = time.perf_counter()
+    files = write_files(workload, plan_, tmp / workload / "files", on_gpu, world, steps)
+    written_s = time.perf_counter() - started
+    job = Job(workload=workload, preset=plan_.preset, steps=steps, files=files, scratch=tmp / workload,
+              result=tmp / workload / "figures.json", extra_preset=plan_.extra_preset)
+    mp.spawn(run_rank, args=(world, free_port(), job), nprocs=world, join=True)
+    return plan_, json.loads(job.result.read_text()), written_s
+
+
+def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str | None, world: int) -> dict:
+    """One table row: per-device rate, MFU (GPT-3 on a GPU the peak table knows), memory, spread, and the
+    ratio to the goal (GPUs only: no goal applies to a CPU)."""
+    from workloads.common.gpu_peaks import mfu
+
+    goal = GOALS[workload]
+    per_device = figures["samples"] / figures["window_s"] / world
+    tokens, utilisation = None, None
+    if workload == "gpt3":
+        model = plan_.extra_preset.model
+        tokens = per_device * model.seq_len
+        utilisation = mfu(model.flops_per_token(), tokens * world, world, device_name) if device_name else None
+    achieved = utilisation if goal.metric == "mfu" else per_device
+    step_times = spread(figures["step_times_s"])
+    peak = figures["peak_memory_bytes"]
+    return {"workload": workload, "data": data, "measured": plan_.measured, "preset": plan_.preset,
+            "samples_per_s_per_device": round(per_device, 2), "unit": UNITS[workload],
+            "tokens_per_s_per_device": round(tokens, 1) if tokens is not None else None,
+            "mfu": round(utilisation, 4) if utilisation is not None else None,
+            "goal": goal.value if device_name else None, "goal_metric": goal.metric,
+            "ratio": round(achieved / goal.value, 3) if device_name and achieved is not None else None,
+            "peak_memory_gib": round(peak / GIB, 2) if peak is not None else None,
+            "step_time_s": {k: round(v, 4) for k, v in step_times.items()} if step_times else None,
+            "window_s": round(figures["window_s"], 3), "samples_in_window": figures["samples"],
+            "last_loss": round(figures["last_loss"], 4)}
+
+
+def table(rows: list[dict], not_run: dict[str, str]) -> str:
+    """The printed summary: one line per workload and data kind."""
+    head = ("workload", "data", "rate per device", "goal", "ratio", "MFU", "peak mem", "step s: median [p10, p90]")
+    lines = [head]
+    for r in rows:
+        steps = r["step_time_s"]
+        lines.append((r["workload"], r["data"], f"{r['samples_per_s_per_device']:,.1f} {r['unit']}"
+                      + (f" ({r['tokens_per_s_per_device']:,.0f} tok/s)" if r["tokens_per_s_per_device"] else ""),
+                      "-" if r["goal"] is None else (f"{r['goal']:.0%} MFU" if r["goal_metric"] == "mfu"
+                                                     else f"{r['goal']:,.0f} {r['unit']}"),
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+                      "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f} GiB",
+                      "-" if steps is None else f"{steps['median']:.3f} [{steps['p10']:.3f}, {steps['p90']:.3f}]"))
+    lines += [(workload, "-", why, "", "", "", "", "") for workload, why in not_run.items()]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def versions(on_gpu: bool) -> dict:
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "results" / "bench",
+                        help="where gpu-<device>.json goes (default: results/bench)")
+    for name, what in (("warmup", "untimed steps first"), ("timed", "steps in the throughput window"),
+                       ("spread", "steps timed one by one, for the spread")):
+        parser.add_argument(f"--{name}-steps", type=int,
+                            help=f"{what} (default: {DEFAULT_STEPS['cuda'].__dict__[name]} on GPUs, "
+                                 f"{DEFAULT_STEPS['cpu'].__dict__[name]} on CPU)")
+    args = parser.parse_args(argv)
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in chosen if w not in WORKLOADS]
+    if unknown or not chosen:
+        parser.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = [w for w in WORKLOADS if w in chosen]
+    for name in ("warmup", "timed", "spread"):
+        value = getattr(args, f"{name}_steps")
+        if value is not None and value < (0 if name == "warmup" else 1):
+            parser.error(f"--{name}-steps must be {'0' if name == 'warmup' else '1'} or more, not {value}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    world = torch.cuda.device_count() if on_gpu else 1
+    default = DEFAULT_STEPS["cuda" if on_gpu else "cpu"]
+    steps = Steps(*(getattr(args, f"{n}_steps") if getattr(args, f"{n}_steps") is not None else getattr(default, n)
+                    for n in ("warmup", "timed", "spread")))
+    device_name = torch.cuda.get_device_name(0) if on_gpu else None
+    rows, skipped, failed = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        for workload in args.workloads:
+            problem = resnet_problem() if workload == "resnet" else None
+            if problem:
+                skipped[workload] = problem
+                print(problem, file=sys.stderr)
+                continue
+            try:
+                plan_, figures, written_s = measure(workload, on_gpu, world, steps, Path(tmp))
+            except mp.ProcessRaisedException as exc:  # a rank failed: report it, go on with the next workload
+                failed[workload] = f"failed: {str(exc).strip().splitlines()[-1]}"
+                print(f"gpu_throughput: {workload} failed on a rank:\n{exc}", file=sys.stderr)
+                continue
+            rows += [row(workload, data, plan_, f, device_name, world) for data, f in figures.items()]
+            print(f"gpu_throughput: {workload} done (its files took {written_s:.1f} s to write)", file=sys.stderr)
+    report = {
+        "device": device_name or "cpu",
+        **({} if on_gpu else {"note": CPU_NOTE}),
+        "devices": world,
+        "machine": machine(),
+        **versions(on_gpu),
+        "steps": {"warmup": steps.warmup, "timed": steps.timed, "spread": steps.spread},
+        "how": "per device = samples over all ranks / the slowest rank's window / devices; the window runs between "
+               "two device synchronisations after the warm-up; step_time_s is from steps synchronised one by one",
+        "goals": {w: {"metric": g.metric, "value": g.value, "unit": g.unit, "yardstick": g.yardstick}
+                  for w, g in GOALS.items()},
+        "results": rows,
+        "skipped": skipped,
+        "failed": failed,
+    }
+    path = args.out_dir / f"gpu-{device_slug(device_name) if device_name else 'cpu'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(rows, {**skipped, **failed}))
+    print(f"wrote {path}" + ("" if on_gpu else f" ({CPU_NOTE})"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

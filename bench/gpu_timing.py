@@ -1,0 +1,160 @@
+"""One rank of bench/gpu_throughput.py: build a workload, warm it up, time it, and report.
+
+The workload is driven through the interface the training loop uses (workloads.common.loop):
+`batches(0)` then `train_step(batches)`, so whatever a workload does inside its step (compiled
+graphs, fused optimizers, loader workers) is what gets measured. Per data kind:
+
+- warm-up steps, untimed (compilation, cuDNN autotuning, loader workers starting);
+- a window of steps between two device synchronisations: the throughput (the loss stays on the
+  device, as the loop leaves it);
+- then steps with a synchronisation after each: the step-time spread.
+
+The run on files starts from the synthetic run's weights, saved the way the workload reads its
+starting checkpoint (BERT: a state dict; GPT-3: a DCP folder), since both refuse to train a
+non-tiny preset from nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+WORKLOAD_CLASSES = {"resnet": ("workloads.resnet.train", "ResNetWorkload"),
+                    "bert": ("workloads.bert.train", "BertWorkload"),
+                    "gpt3": ("workloads.gpt3.train", "GPT3Workload")}
+
+
+@dataclass(frozen=True)
+class Steps:
+    warmup: int
+    timed: int
+    spread: int
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.timed + self.spread
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank runs for one workload."""
+
+    workload: str
+    preset: str
+    steps: Steps
+    files: Path  # the real-format data bench/gpu_formats.py wrote
+    scratch: Path  # run folders and the starting checkpoint
+    result: Path  # rank 0 writes the figures here (JSON)
+    seed: int = 0
+    # A preset the workload's config does not have (GPT-3's single-GPU model): registered in each rank.
+    extra_preset: object | None = None
+
+
+def run_rank(local_rank: int, world: int, port: int, job: Job) -> None:
+    """torch.multiprocessing.spawn's entry: one process per GPU (one on CPU), rendezvous on localhost."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    from workloads.common.distributed import init_distributed, shutdown_distributed
+
+    ctx = init_distributed()
+    if job.extra_preset is not None:
+        importlib.import_module(f"workloads.{job.workload}.config").PRESETS[job.preset] = job.extra_preset
+    module, name = WORKLOAD_CLASSES[job.workload]
+    workload_cls = getattr(importlib.import_module(module), name)
+    figures = {}
+    start_weights = None
+    for data in ("synthetic", "files"):
+        figures[data], start_weights = _measure_kind(workload_cls, job, ctx, data, start_weights)
+    if ctx.is_main:
+        job.result.write_text(json.dumps(figures))
+    shutdown_distributed()
+
+
+def _measure_kind(workload_cls, job: Job, ctx, data: str, start_weights: Path | None) -> tuple[dict, Path | None]:
+    from workloads.common.campaign import RunOptions
+
+    synthetic = data == "synthetic"
+    opts = RunOptions(benchmark=job.workload, preset=job.preset, out=job.scratch / data, runs=1, seed=job.seed,
+                      submitter="bench", system=None, data=None if synthetic else job.files, synthetic=synthetic,
+                      max_steps=job.steps.total + 1, batch_size=None,
+                      init_checkpoint=None if synthetic else start_weights)
+    torch.manual_seed(job.seed + ctx.rank)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    workload = workload_cls(opts, ctx, job.seed)
+    figures = _time_steps(workload, job.steps, ctx)
+    if synthetic and job.workload in ("bert", "gpt3"):
+        start_weights = _save_start_weights(job.workload, workload.model, job.scratch / "start", ctx)
+    del workload
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return figures, start_weights
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(workload, steps: Steps, ctx) -> dict:
+    batches = workload.batches(0)
+    for _ in range(steps.warmup):
+        workload.train_step(batches)
+    _sync(ctx.device)
+    samples = 0
+    started = time.perf_counter()
+    for _ in range(steps.timed):
+        loss, trained = workload.train_step(batches)
+        samples += trained
+    _sync(ctx.device)
+    window = time.perf_counter() - started
+    step_times = []
+    for _ in range(steps.spread):
+        started = time.perf_counter()
+        loss, _ = workload.train_step(batches)
+        _sync(ctx.device)
+        step_times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+    # The slowest rank sets the pace; the largest peak is the one that must fit.
+    worst = torch.tensor([window, float(peak)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    window, peak = worst.tolist()
+    return {"samples": samples, "window_s": window, "step_times_s": step_times,
+            "peak_memory_bytes": int(peak) if ctx.device.type == "cuda" else None, "last_loss": float(loss)}
+
+
+def _save_start_weights(workload: str, model: torch.nn.Module, path: Path, ctx) -> Path:
+    """The model's weights where the workload's --init-checkpoint reads them. get_model_state_dict names
+    them as the bare model does, whatever wraps it (DDP, FSDP, torch.compile)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)
+    if workload == "gpt3":
+        dcp.save({"model": state}, checkpoint_id=str(path))
+    else:
+        path = path.with_suffix(".pt")
+        if ctx.is_main:
+            torch.save(state, path)
+    dist.barrier()
+    return path
+
+
+def spread(step_times: list[float]) -> dict[str, float] | None:
+    """Median, p10, p90, min and max of per-step seconds (None when no step was timed alone)."""
+    if not step_times:
+        return None
+    ordered = sorted(step_times)
+    deciles = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
+    return {"median": statistics.median(ordered), "p10": deciles[0], "p90": deciles[-1], "min": ordered[0],
+            "max": ordered[-1]}
