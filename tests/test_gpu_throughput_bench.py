@@ -1,0 +1,148 @@
+"""bench/gpu_throughput.py and its wheelhouse, on CPU: the tiny mode's JSON, the goal arithmetic a GPU row
+gets, the skip when torchvision cannot run, and the offline install's choices.
+
+Kept fast: the bench runs BERT alone, for 1 + 2 + 2 steps (the CPU run that results/bench/gpu-cpu.json
+comes from runs all three)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu_throughput  # noqa: E402  (bench/ is not a package)
+import wheelhouse  # noqa: E402
+
+
+def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "bert",
+                           "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",
+                           "--spread-steps", "2"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert report["device"] == "cpu" and report["note"] == gpu_throughput.CPU_NOTE
+    assert report["torch"] and report["nccl"] is None and report["devices"] == 1
+    assert report["steps"] == {"warmup": 1, "timed": 2, "spread": 2}
+    assert report["skipped"] == {} and report["failed"] == {}
+    rows = report["results"]
+    assert [(r["workload"], r["data"]) for r in rows] == [("bert", "synthetic"), ("bert", "files")]
+    for r in rows:
+        # tiny BERT: a global batch of 32 sequences per step, 2 steps in the window
+        assert r["samples_in_window"] == 64
+        assert r["samples_per_s_per_device"] == pytest.approx(64 / r["window_s"], rel=0.01)
+        assert r["ratio"] is None and r["goal"] is None and r["mfu"] is None and r["peak_memory_gib"] is None
+        spread = r["step_time_s"]
+        assert 0 < spread["min"] <= spread["p10"] <= spread["median"] <= spread["p90"] <= spread["max"]
+        assert r["last_loss"] > 0 and "BERT (2 layers" in r["measured"]
+    assert "rate per device" in proc.stdout and "bert      files" in proc.stdout
+
+
+def test_unknown_workload_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "bert,vit",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2
+    assert "unknown vit; choose from resnet, bert, gpt3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def figures(samples: int, window: float) -> dict:
+    return {"samples": samples, "window_s": window, "step_times_s": [0.2, 0.1, 0.3], "peak_memory_bytes": 3 * 2**30,
+            "last_loss": 2.5}
+
+
+def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
+    h100 = "NVIDIA H100 80GB HBM3"
+    gpt = gpu_throughput.plan_for("gpt3", on_gpu=True, world=2)
+    model = gpt.extra_preset.model
+    assert 1.2e9 < model.params < 1.4e9 and model.seq_len == 2048
+    row = gpu_throughput.row("gpt3", "synthetic", gpt, figures(samples=80, window=10.0), h100, world=2)
+    tokens = 80 / 10.0 / 2 * 2048
+    assert row["tokens_per_s_per_device"] == pytest.approx(tokens, rel=1e-3)
+    assert row["mfu"] == pytest.approx(model.flops_per_token() * tokens / 989.4e12, abs=1e-4)
+    assert row["ratio"] == pytest.approx(row["mfu"] / 0.45, abs=1e-3)
+    assert row["peak_memory_gib"] == 3.0 and row["step_time_s"]["median"] == 0.2
+
+    resnet = gpu_throughput.plan_for("resnet", on_gpu=True, world=1)
+    row = gpu_throughput.row("resnet", "files", resnet, figures(samples=21_000, window=10.0), h100, world=1)
+    assert row["samples_per_s_per_device"] == 2100.0 and row["ratio"] == 0.5 and row["mfu"] is None
+    # A GPU the peak table does not know: no MFU, so no GPT ratio, rather than a guess.
+    assert gpu_throughput.row("gpt3", "files", gpt, figures(80, 10.0), "Some GPU", 2)["ratio"] is None
+    # On CPU no goal applies.
+    cpu = gpu_throughput.plan_for("bert", on_gpu=False, world=1)
+    assert gpu_throughput.row("bert", "files", cpu, figures(64, 1.0), None, 1)["ratio"] is None
+    assert gpu_throughput.device_slug(h100) == "nvidia-h100-80gb-hbm3"
+
+
+def test_resnet_is_skipped_with_a_reason_when_torchvision_cannot_load(monkeypatch):
+    assert gpu_throughput.resnet_problem() is None
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision now raises ImportError
+    problem = gpu_throughput.resnet_problem()
+    assert problem.startswith("resnet skipped: torchvision does not work with torch") and "wheelhouse.py" in problem
+
+
+def fake_wheel(folder: Path, name: str, version: str, torch_pin: str) -> Path:
+    path = folder / f"{name}-{version}-cp312-cp312-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA",
+                   f"Name: {name}\nVersion: {version}\nRequires-Dist: numpy\nRequires-Dist: torch (=={torch_pin})\n")
+    return path
+
+
+def test_install_leaves_out_a_torchvision_built_for_another_torch(tmp_path, monkeypatch, capsys):
+    assert wheelhouse.wheel_torch_pin(fake_wheel(tmp_path, "torchvision", "0.26.0", "2.11.0")) == "2.11.0"
+    real_find_spec = wheelhouse.importlib.util.find_spec
+    monkeypatch.setattr(wheelhouse.importlib.util, "find_spec",
+                        lambda name: None if name == "torchvision" else real_find_spec(name))
+    monkeypatch.setattr("torch.__version__", "2.99.0+cu130")
+    assert wheelhouse.install(tmp_path / "site", tmp_path) == 0  # nothing else is missing: pip is not run
+    assert "no torchvision for torch 2.99.0" in capsys.readouterr().err and not (tmp_path / "site").exists()
+
+
+def test_install_without_a_wheelhouse_names_the_fill_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(wheelhouse.importlib.util, "find_spec", lambda name: None if name == "h5py" else object())
+    assert wheelhouse.install(tmp_path / "site", tmp_path / "absent") == 2
+    assert "h5py missing" in capsys.readouterr().err
+
+
+def _requirement_closure(roots: list[str]) -> set[str]:
+    """Distributions installed with `roots` (their requirements, extras left out), normalised names."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        todo += [re.match(r"[A-Za-z0-9_.\-]+", r).group(0) for r in requires if "extra ==" not in r]
+    return seen
+
+
+def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_packages():
+    """A GPU machine with only torch, pandas, matplotlib and pytest gets the rest from the wheelhouse: every
+    third-party module the bench and the workloads import must come from one or the other."""
+    probe = ("import sys; before = set(sys.modules); sys.path.insert(0, 'bench'); "
+             "import gpu_throughput, gpu_timing, gpu_formats, torch.distributed.checkpoint; "
+             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train; "
+             "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before}))")
+    imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
+    providers = metadata.packages_distributions()
+    baseline = _requirement_closure(["torch", "pandas", "matplotlib", "pytest"])
+    carried = {re.sub(r"[-_.]+", "-", d).lower() for d in wheelhouse.NEEDED}
+    uncovered = {module: providers[module] for module in imported if module in providers
+                 and not {re.sub(r"[-_.]+", "-", d).lower() for d in providers[module]} & (baseline | carried | {"mlperf-harness"})}
+    assert not uncovered, f"add these to bench/wheelhouse.py's NEEDED: {uncovered}"
