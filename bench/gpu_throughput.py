@@ -215,7 +215,8 @@ def device_slug(name: str) -> str:
 
 
 def versions(on_gpu: bool) -> dict:
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None
+    nccl = torch.cuda.nccl.version() if on_gpu else None  # a tuple such as (2, 27, 3)
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
 
 
@@ -264,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             except mp.ProcessRaisedException as exc:  # a rank failed: report it, go on with the next workload
                 failed[workload] = f"failed: {str(exc).strip().splitlines()[-1]}"
                 print(f"gpu_throughput: {workload} failed on a rank:\n{exc}", file=sys.stderr)
+                continue
+            except mp.ProcessExitedException as exc:  # killed (out of memory) or a SystemExit, printed above
+                failed[workload] = f"failed: a rank exited with code {exc.exit_code} (see its message above)"
+                continue
+            except ValueError as exc:  # the workload's plan refuses this GPU count (BERT's reference batches)
+                failed[workload] = f"failed: {exc}"
                 continue
             rows += [row(workload, data, plan_, f, device_name, world) for data, f in figures.items()]
             print(f"gpu_throughput: {workload} done (its files took {written_s:.1f} s to write)", file=sys.stderr)
