@@ -63,6 +63,10 @@ def run_rank(local_rank: int, world: int, port: int, job: Job) -> None:
     """torch.multiprocessing.spawn's entry: one process per GPU (one on CPU), rendezvous on localhost."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if "OMP_NUM_THREADS" not in os.environ and (world > 1 or not torch.cuda.is_available()):
+        # One intra-op thread per rank, as torchrun gives the harness's ranks (its CPU runs have two): on a
+        # shared CPU, OpenMP threads that spin waiting for a busy core slowed tiny BERT fifteen-fold here.
+        torch.set_num_threads(1)
     from workloads.common.distributed import init_distributed, shutdown_distributed
 
     ctx = init_distributed()
