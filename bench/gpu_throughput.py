@@ -76,38 +76,47 @@ def gpt3_bench_preset(on_gpu: bool):
 
 @dataclass(frozen=True)
 class Plan:
-    """One workload's run: the preset, what it measures in words, and how to write its files."""
+    """One workload's run: its preset, what it measures in words, and the preset to register when the
+    workload's config has none that fits (GPT-3)."""
 
     preset: str
     measured: str
     extra_preset: object | None = None
 
 
+def jpeg_size(on_gpu: bool) -> tuple[int, int]:
+    """ImageNet-like JPEGs for ResNet-50; small ones for the tiny ResNet's 32 px crops."""
+    return IMAGENET_LIKE_SIZE if on_gpu else (40, 40)
+
+
 def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
     if workload == "resnet":
         from workloads.resnet.config import PRESETS
 
-        cfg = PRESETS["full" if on_gpu else "tiny"]
-        return Plan("full" if on_gpu else "tiny",
-                    f"ResNet ({cfg.arch}), {cfg.crop} px, batch {cfg.batch_size} per process, {cfg.workers} loader "
-                    f"workers per process for files ({IMAGENET_LIKE_SIZE[0]}x{IMAGENET_LIKE_SIZE[1]} JPEGs on GPU)"
-                    if on_gpu else
-                    f"tiny ResNet, {cfg.crop} px, batch {cfg.batch_size}, JPEGs of 40x40")
+        preset = "full" if on_gpu else "tiny"
+        cfg, (width, height) = PRESETS[preset], jpeg_size(on_gpu)
+        return Plan(preset, f"ResNet ({cfg.arch}), {cfg.crop} px, batch {cfg.batch_size} per process; files: "
+                            f"{width}x{height} JPEGs, {cfg.workers} loader workers per process")
     if workload == "bert":
         from workloads.bert.config import PRESETS, plan_batch
 
         preset = "full" if on_gpu else "tiny"
         cfg, batch = PRESETS[preset], plan_batch(PRESETS[preset], world)
         m = cfg.model
-        return Plan(preset, f"BERT ({m.n_layer} layers, hidden {m.d_model}, {m.params / 1e6:.0f}M parameters), "
+        return Plan(preset, f"BERT ({m.n_layer} layers, hidden {m.d_model}, {m.params / 1e6:,.1f}M parameters), "
                             f"sequence {m.max_seq_len}, micro batch {batch.micro_batch} x {batch.grad_accum} "
                             f"accumulation per process, global batch {batch.global_batch} ({batch.source})")
+    from workloads.gpt3.config import GIB, estimate_memory, plan_layout
+
     cfg = gpt3_bench_preset(on_gpu)
     m = cfg.model
+    estimate = estimate_memory(cfg, plan_layout(cfg, world, world)).total / GIB
     return Plan("bench-gpu" if on_gpu else "bench-cpu",
                 f"GPT-3-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
-                f"{m.params / 1e9:.2f}B parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} per "
-                f"process, no accumulation, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}",
+                f"{m.params / 1e6:,.1f}M parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} per "
+                f"process, no accumulation, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}"
+                f", FSDP over {world}" + (f"; the harness's estimate of its GPU memory: {estimate:.1f} GiB" if on_gpu
+                                          else ""),
                 extra_preset=cfg)
 
 
@@ -118,8 +127,7 @@ def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int
         from workloads.resnet.config import PRESETS
 
         cfg = PRESETS[plan_.preset]
-        return write_image_folder(root, cfg.batch_size * world * steps_needed,
-                                  IMAGENET_LIKE_SIZE if on_gpu else (40, 40), seed=1)
+        return write_image_folder(root, cfg.batch_size * world * steps_needed, jpeg_size(on_gpu), seed=1)
     if workload == "bert":
         from workloads.bert.config import PRESETS, plan_batch
 
@@ -134,7 +142,6 @@ def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int
 def resnet_problem() -> str | None:
     """Why ResNet cannot run here (torchvision missing, or built for another torch), or None."""
     try:
-        import torchvision
         from torchvision.ops import nms
 
         nms(torch.zeros(1, 4), torch.zeros(1), 0.5)  # its compiled ops load only against the torch they were built for
@@ -142,7 +149,6 @@ def resnet_problem() -> str | None:
         return (f"resnet skipped: torchvision does not work with torch {torch.__version__} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); install the torchvision "
                 "built for this torch (bench/wheelhouse.py fill --torch VERSION --torchvision VERSION)")
-    del torchvision
     return None
 
 
