@@ -109,7 +109,8 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
 
 def test_resnet_is_skipped_with_a_reason_when_torchvision_cannot_load(monkeypatch):
     assert gpu_throughput.resnet_problem() is None
-    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision now raises ImportError
+    for module in ("torchvision", "torchvision.ops"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
     problem = gpu_throughput.resnet_problem()
     assert problem.startswith("resnet skipped: torchvision does not work with torch") and "wheelhouse.py" in problem
 
