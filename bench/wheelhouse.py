@@ -78,9 +78,10 @@ def install(target: Path, folder: Path) -> int:
               "where PyPI is reachable, and bring the folder along", file=sys.stderr)
         return 2
     print(f"wheelhouse: installing {', '.join(missing)} into {target}", file=sys.stderr)
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--root-user-action=ignore", "--no-index",
-                           "--no-deps", "--no-compile", "--find-links", str(folder), "--target", str(target),
-                           *missing]).returncode
+    # --upgrade: a target left by an earlier run is replaced, not kept with a warning
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--root-user-action=ignore",
+                           "--no-index", "--no-deps", "--no-compile", "--find-links", str(folder), "--target",
+                           str(target), *missing]).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

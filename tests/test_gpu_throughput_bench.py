@@ -133,6 +133,22 @@ def test_install_leaves_out_a_torchvision_built_for_another_torch(tmp_path, monk
     assert "no torchvision for torch 2.99.0" in capsys.readouterr().err and not (tmp_path / "site").exists()
 
 
+def test_install_puts_only_the_missing_packages_into_the_target(tmp_path, monkeypatch):
+    """pip, offline, from the wheelhouse: a package that imports already is left alone."""
+    name = "gpu_bench_probe"
+    with zipfile.ZipFile(tmp_path / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        files = {f"{name}/__init__.py": "", f"{name}-1.0.dist-info/METADATA":
+                 f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+                 f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+        record = f"{name}-1.0.dist-info/RECORD"
+        files[record] = "".join(f"{path},,\n" for path in [*files, record])
+        for path, text in files.items():
+            z.writestr(path, text)
+    monkeypatch.setattr(wheelhouse, "NEEDED", {name: name, "tqdm": "tqdm"})
+    assert wheelhouse.install(tmp_path / "site", tmp_path) == 0
+    assert (tmp_path / "site" / name / "__init__.py").is_file() and not (tmp_path / "site" / "tqdm").exists()
+
+
 def test_install_without_a_wheelhouse_names_the_fill_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(wheelhouse.importlib.util, "find_spec", lambda name: None if name == "h5py" else object())
     assert wheelhouse.install(tmp_path / "site", tmp_path / "absent") == 2
