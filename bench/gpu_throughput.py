@@ -158,14 +158,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path) -> tuple[Plan, dict, float]:
-    """Write the workload's files, spawn its ranks, and return rank 0's figures for both data kinds."""
+def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path,
+            profiles: Path | None) -> tuple[Plan, dict, float]:
+    """Write the workload's files, spawn its ranks, and return rank 0's figures for both data kinds (and,
+    when steps are profiled, leave the tables at `profiles`-<data>.txt)."""
     plan_ = plan_for(workload, on_gpu, world)
     started = time.perf_counter()
     files = write_files(workload, plan_, tmp / workload / "files", on_gpu, world, steps)
     written_s = time.perf_counter() - started
     job = Job(workload=workload, preset=plan_.preset, steps=steps, files=files, scratch=tmp / workload,
-              result=tmp / workload / "figures.json", extra_preset=plan_.extra_preset)
+              result=tmp / workload / "figures.json", profiles=profiles, extra_preset=plan_.extra_preset)
     mp.spawn(run_rank, args=(world, free_port(), job), nprocs=world, join=True)
     return plan_, json.loads(job.result.read_text()), written_s
 
@@ -237,16 +239,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{name}-steps", type=int,
                             help=f"{what} (default: {DEFAULT_STEPS['cuda'].__dict__[name]} on GPUs, "
                                  f"{DEFAULT_STEPS['cpu'].__dict__[name]} on CPU)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="then this many steps under torch.profiler: its operator table per workload and data "
+                             "goes beside the JSON, as gpu-<device>-profile-<workload>-<data>.txt (default: 0, none)")
     args = parser.parse_args(argv)
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in chosen if w not in WORKLOADS]
     if unknown or not chosen:
         parser.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(WORKLOADS)}")
     args.workloads = [w for w in WORKLOADS if w in chosen]
-    for name in ("warmup", "timed", "spread"):
+    for name, least in (("warmup", 0), ("timed", 1), ("spread", 1), ("profile", 0)):
         value = getattr(args, f"{name}_steps")
-        if value is not None and value < (0 if name == "warmup" else 1):
-            parser.error(f"--{name}-steps must be {'0' if name == 'warmup' else '1'} or more, not {value}")
+        if value is not None and value < least:
+            parser.error(f"--{name}-steps must be {least} or more, not {value}")
     return args
 
 
@@ -256,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     world = torch.cuda.device_count() if on_gpu else 1
     default = DEFAULT_STEPS["cuda" if on_gpu else "cpu"]
     steps = Steps(*(getattr(args, f"{n}_steps") if getattr(args, f"{n}_steps") is not None else getattr(default, n)
-                    for n in ("warmup", "timed", "spread")))
+                    for n in ("warmup", "timed", "spread")), profiled=args.profile_steps)
     device_name = torch.cuda.get_device_name(0) if on_gpu else None
+    stem = f"gpu-{device_slug(device_name) if device_name else 'cpu'}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     rows, skipped, failed = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         for workload in args.workloads:
@@ -267,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(problem, file=sys.stderr)
                 continue
             try:
-                plan_, figures, written_s = measure(workload, on_gpu, world, steps, Path(tmp))
+                profiles = args.out_dir / f"{stem}-profile-{workload}" if steps.profiled else None
+                plan_, figures, written_s = measure(workload, on_gpu, world, steps, Path(tmp), profiles)
             except mp.ProcessRaisedException as exc:  # a rank failed: report it, go on with the next workload
                 failed[workload] = f"failed: {str(exc).strip().splitlines()[-1]}"
                 print(f"gpu_throughput: {workload} failed on a rank:\n{exc}", file=sys.stderr)
@@ -278,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:  # the workload's plan refuses this GPU count (BERT's reference batches)
                 failed[workload] = f"failed: {exc}"
                 continue
-            rows += [row(workload, data, plan_, f, device_name, world) for data, f in figures.items()]
+            rows += [{**row(workload, data, plan_, f, device_name, world),
+                      "profile": f"{profiles.name}-{data}.txt" if profiles else None} for data, f in figures.items()]
             print(f"gpu_throughput: {workload} done (its files took {written_s:.1f} s to write)", file=sys.stderr)
     report = {
         "device": device_name or "cpu",
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices": world,
         "machine": machine(),
         **versions(on_gpu),
-        "steps": {"warmup": steps.warmup, "timed": steps.timed, "spread": steps.spread},
+        "steps": {"warmup": steps.warmup, "timed": steps.timed, "spread": steps.spread, "profiled": steps.profiled},
         "how": "per device = samples over all ranks / the slowest rank's window / devices; the window runs between "
                "two device synchronisations after the warm-up; step_time_s is from steps synchronised one by one",
         "goals": {w: {"metric": g.metric, "value": g.value, "unit": g.unit, "yardstick": g.yardstick}
@@ -295,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "failed": failed,
     }
-    path = args.out_dir / f"gpu-{device_slug(device_name) if device_name else 'cpu'}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"{stem}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows, {**skipped, **failed}))
     print(f"wrote {path}" + ("" if on_gpu else f" ({CPU_NOTE})"))

@@ -38,10 +38,11 @@ class Steps:
     warmup: int
     timed: int
     spread: int
+    profiled: int = 0  # last, under torch.profiler: where a step's time goes
 
     @property
     def total(self) -> int:
-        return self.warmup + self.timed + self.spread
+        return self.warmup + self.timed + self.spread + self.profiled
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Job:
     files: Path  # the real-format data bench/gpu_formats.py wrote
     scratch: Path  # run folders and the starting checkpoint
     result: Path  # rank 0 writes the figures here (JSON)
+    profiles: Path | None = None  # and, when steps are profiled, a table per data kind here (<stem>-<data>.txt)
     seed: int = 0
     # A preset the workload's config does not have (GPT-3's single-GPU model): registered in each rank.
     extra_preset: object | None = None
@@ -95,10 +97,15 @@ def _measure_kind(workload_cls, job: Job, ctx, data: str, start_weights: Path | 
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     workload = workload_cls(opts, ctx, job.seed)
-    figures = _time_steps(workload, job.steps, ctx)
+    batches = workload.batches(0)  # one stream for every phase: a new one would restart the loader's workers
+    figures = _time_steps(workload, batches, job.steps, ctx)
+    if job.steps.profiled:
+        table = _profile_steps(workload, batches, job.steps.profiled, ctx)
+        if ctx.is_main:
+            Path(f"{job.profiles}-{data}.txt").write_text(table)
     if synthetic and job.workload in ("bert", "gpt3"):
         start_weights = _save_start_weights(job.workload, workload.model, job.scratch / "start", ctx)
-    del workload
+    del workload, batches
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -110,8 +117,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(workload, steps: Steps, ctx) -> dict:
-    batches = workload.batches(0)
+def _time_steps(workload, batches, steps: Steps, ctx) -> dict:
     for _ in range(steps.warmup):
         workload.train_step(batches)
     _sync(ctx.device)
@@ -135,6 +141,19 @@ def _time_steps(workload, steps: Steps, ctx) -> dict:
     window, peak = worst.tolist()
     return {"samples": samples, "window_s": window, "step_times_s": step_times,
             "peak_memory_bytes": int(peak) if ctx.device.type == "cuda" else None, "last_loss": float(loss)}
+
+
+def _profile_steps(workload, batches, steps: int, ctx) -> str:
+    """torch.profiler's operator table over `steps` more steps, by time on the device (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = ctx.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        for _ in range(steps):
+            workload.train_step(batches)
+        _sync(ctx.device)
+    return prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total",
+                                     row_limit=30)
 
 
 def _save_start_weights(workload: str, model: torch.nn.Module, path: Path, ctx) -> Path:

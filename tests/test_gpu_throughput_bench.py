@@ -28,13 +28,13 @@ import wheelhouse  # noqa: E402
 def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "gpt3,bert",
                            "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",
-                           "--spread-steps", "2"], capture_output=True, text=True, timeout=600,
+                           "--spread-steps", "2", "--profile-steps", "1"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert report["device"] == "cpu" and report["note"] == gpu_throughput.CPU_NOTE
     assert report["torch"] and report["nccl"] is None and report["devices"] == 1
-    assert report["steps"] == {"warmup": 1, "timed": 2, "spread": 2}
+    assert report["steps"] == {"warmup": 1, "timed": 2, "spread": 2, "profiled": 1}
     assert report["skipped"] == {} and report["failed"] == {}
     rows = report["results"]
     assert [(r["workload"], r["data"]) for r in rows] == [("bert", "synthetic"), ("bert", "files"),
@@ -48,6 +48,8 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
         spread = r["step_time_s"]
         assert 0 < spread["min"] <= spread["p10"] <= spread["median"] <= spread["p90"] <= spread["max"]
         assert r["last_loss"] > 0
+        assert r["profile"] == f"gpu-cpu-profile-{r['workload']}-{r['data']}.txt"
+        assert "Self CPU" in (tmp_path / r["profile"]).read_text()
     assert rows[0]["measured"].startswith("BERT (2 layers") and rows[2]["tokens_per_s_per_device"] == pytest.approx(
         rows[2]["samples_per_s_per_device"] * 2048, rel=0.01)
     assert "rate per device" in proc.stdout and "gpt3      files" in proc.stdout
