@@ -8,7 +8,8 @@ synthetic batches and then on files in its real on-disk format written to a temp
 (bench/gpu_formats.py); bench/gpu_timing.py times each. Reported per device: samples/s (and
 tokens/s and MFU for GPT-3) over a window after warm-up, peak memory, the spread of single
 steps, and the ratio to the goal (ResNet 4,200 img/s, BERT 580 seq/s, GPT MFU 45% per H100).
-Writes results/bench/gpu-<device>.json (e.g. gpu-nvidia-h100-80gb-hbm3.json) and prints a table.
+Writes results/bench/gpu-<device>.json (e.g. gpu-nvidia-h100-80gb-hbm3.json) and prints a table;
+with --profile-steps N, torch.profiler's operator table of N more steps per workload and data too.
 
 Sizes: on GPUs the full benchmarks' per-GPU shapes (ResNet-50 at batch 256, BERT-large at micro
 batch 32 and sequence 512, and for GPT-3, whose 175B model needs many nodes, a GPT-3 XL-shaped
@@ -106,7 +107,7 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
         return Plan(preset, f"BERT ({m.n_layer} layers, hidden {m.d_model}, {m.params / 1e6:,.1f}M parameters), "
                             f"sequence {m.max_seq_len}, micro batch {batch.micro_batch} x {batch.grad_accum} "
                             f"accumulation per process, global batch {batch.global_batch} ({batch.source})")
-    from workloads.gpt3.config import GIB, estimate_memory, plan_layout
+    from workloads.gpt3.config import estimate_memory, plan_layout
 
     cfg = gpt3_bench_preset(on_gpu)
     m = cfg.model
