@@ -55,7 +55,7 @@ def _pair_check(record: dict) -> Check | None:
                  f"median with {peers}")
 
 
-def _newest_ended(records: list[dict]) -> int | None:
+def newest_ended(records: list[dict]) -> int | None:
     """The newest attempt some node ended: on Kubernetes a recreated pod may have begun the next one already."""
     return max((r["attempt"] for r in records if r.get("event") == "end"), default=None)
 
@@ -63,7 +63,7 @@ def _newest_ended(records: list[dict]) -> int | None:
 def settled(records: list[dict]) -> bool:
     """Whether the newest ended attempt is over on every node: each node that began it has ended it or begun a
     later one (a lost node's recreated pod). Until then a node still running it would read as lost."""
-    attempt = _newest_ended(records)
+    attempt = newest_ended(records)
     if attempt is None:
         return False
     over = {r["node"] for r in records if (r["attempt"] == attempt and r.get("event") == "end")
@@ -71,15 +71,20 @@ def settled(records: list[dict]) -> bool:
     return all(r["node"] in over for r in records if r["attempt"] == attempt and r.get("event") == "start")
 
 
-def blamed_nodes(out: Path) -> dict[str, str]:
-    """Machines the newest failed training attempt points at, with the cause: a rank killed by a signal other
-    than the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or
-    the node of a rank the straggler checks named (slow over several windows in a row). Where the agents
-    ran in pods, a record's `host` (the Kubernetes node under the pod) is what is blamed."""
+def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
+    """Machines a failed training attempt points at, with the cause: a rank killed by a signal other than
+    the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or the
+    node of a rank the straggler checks named (slow over several windows in a row). Where the agents ran in
+    pods, a record's `host` (the Kubernetes node under the pod) is what is blamed.
+
+    `attempt` is the one judged: by default the newest, which a requeued Slurm job's preflight judges even
+    when no agent lived to record its end; the Kubernetes watcher names the newest that ended everywhere
+    (settled()), since a recreated pod may have begun the next one already."""
     records = read_attempts(out)
-    attempt = _newest_ended(records)
-    if attempt is None:
+    if not records:
         return {}
+    if attempt is None:
+        attempt = max(r["attempt"] for r in records)
     mine = [r for r in records if r["attempt"] == attempt]
     if any(r.get("event") == "end" and r.get("ok") for r in mine) and not any(
             r.get("event") == "end" and not r.get("ok") for r in mine):
@@ -88,8 +93,9 @@ def blamed_nodes(out: Path) -> dict[str, str]:
     blamed = {host.get(r["node"], r["node"]): r.get("cause", "failed") for r in mine if r.get("event") == "end"
               and not r.get("ok") and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
     ended = {r["node"] for r in mine if r.get("event") == "end"}
-    blamed.update({host[r["node"]]: "the node was lost: its agent never recorded the attempt's end" for r in mine
-                   if r.get("event") == "start" and r["node"] not in ended})
+    if ended:  # an attempt that no node ended (a whole job killed) loses none in particular
+        blamed.update({host[r["node"]]: "the node was lost: its agent never recorded the attempt's end"
+                       for r in mine if r.get("event") == "start" and r["node"] not in ended})
     for record in sorted(Path(out).glob("run_*.jsonl")):
         for slow in attempt_stragglers(record, attempt):
             node = str(slow["node"])

@@ -292,3 +292,24 @@ def test_an_agent_in_a_pod_records_the_machine_under_it(tmp_path, monkeypatch):
     assert agent._attempts(args, "rn-worker-0") == 0
     assert [(r["event"], r["node"], r["host"]) for r in read_records(tmp_path)] == [
         ("start", "rn-worker-0", "gpu-b"), ("end", "rn-worker-0", "gpu-b")]
+
+
+def test_an_api_error_in_the_blame_watch_is_printed_and_the_watch_goes_on(tmp_path, monkeypatch, capsys):
+    """A transient API error must not end `harness run`'s watch: the job would run on, unwatched and
+    uncollected."""
+    from types import SimpleNamespace
+
+    from harness.errors import HarnessError
+    from harness.launchers import kubernetes_blame
+
+    def refuse(what, *args, **kwargs):
+        raise HarnessError(f"could not {what}: the API server answered 500")
+
+    monkeypatch.setattr(kubernetes_blame, "_api", lambda: (SimpleNamespace(), SimpleNamespace(list_namespaced_pod=None)))
+    monkeypatch.setattr(kubernetes_blame, "_call", refuse)
+    watch = kubernetes_blame.BlamedNodeWatcher(None, SimpleNamespace(exclude_nodes=()),
+                                               SimpleNamespace(job_id=f"default/{JOB}", out_dir=tmp_path))
+    watch()
+    watch()
+    out = capsys.readouterr().out
+    assert out.count("could not list the job's pods: the API server answered 500") == 2

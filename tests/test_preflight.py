@@ -228,6 +228,21 @@ def test_the_node_of_a_lost_rank_is_kept_out_of_the_next_attempt(tmp_path):
     assert preflight.decide(tmp_path, ["a", "b"], 1)["spare"] == ["b"]  # without --blame-failures: both healthy
 
 
+def test_a_requeued_job_judges_its_newest_attempt_even_when_no_node_ended_it(tmp_path):
+    """Slurm killed the whole of attempt 1 (no agent recorded an end): nothing in it points at a node, and
+    attempt 0's culprit (since repaired, and healthy in this preflight) is not blamed again."""
+    import json
+
+    from harness import preflight
+
+    _failed_attempt(tmp_path, "SIGKILL")
+    with open(tmp_path / "attempts.jsonl", "a") as f:
+        f.write("".join(json.dumps({"event": "start", "attempt": 1, "node": node}) + "\n" for node in ("a", "b")))
+    assert preflight.blamed_nodes(tmp_path) == {}
+    assert list(preflight.blamed_nodes(tmp_path, attempt=0)) == ["b"]  # what the Kubernetes watcher names
+    assert preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)["excluded"] == {}
+
+
 def test_the_node_of_a_persistent_straggler_is_kept_out_of_the_next_attempt(tmp_path):
     import json
 

@@ -68,6 +68,7 @@ class Counting:
         self.losses, self.trained = losses or {}, []
 
     def batches(self, step):
+        self.resumed = step
         return iter(range(step + 1, self.total_steps + 1))
 
     def train_step(self, batches):
@@ -75,8 +76,8 @@ class Counting:
         self.trained.append(step)
         return torch.tensor(self.losses.get(step, 1.0 / step)), 10
 
-    def evaluate(self, step):
-        return step / 10
+    def evaluate(self):
+        return self.trained[-1] / 10 if self.trained else self.resumed / 10
 
     def epoch_num(self, step):
         return step * 10
@@ -137,6 +138,15 @@ def test_a_run_resumed_after_the_step_that_closes_a_block_evaluates_first():
     assert blocks(log) == [("start", 40), ("end", 40)]
 
 
+def test_a_run_resumed_after_its_last_step_evaluates_before_it_stops():
+    """Killed during the final evaluation of a run whose last step closes no regular block: the resumed
+    attempt evaluates, and can still reach the target."""
+    log, workload = Log(), Counting(total_steps=10, target=0.95)
+    support = Support(resume_at=10, block=Block(80, 20))
+    assert train(workload, log, "run", support) is True
+    assert support.evals == [10] and workload.trained == []
+
+
 def test_the_loss_is_read_every_few_steps_and_a_nan_between_reads_is_caught():
     workload = Counting(total_steps=2 * LOSS_READ_EVERY + 3, target=5.0, losses={LOSS_READ_EVERY + 2: math.nan})
     workload.block_ends = lambda step: False  # one block: reads only every LOSS_READ_EVERY steps and at the end
@@ -157,5 +167,26 @@ def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):
         train(Counting(total_steps=4, target=5.0), log, "run", Support(save_seconds_per_step=save_seconds_per_step))
         return next(value for _, key, value in log.lines if key == "tracked_stats")["throughput"]
 
-    assert rate(0.0) == pytest.approx(40 / 10)  # 4 steps of 10 samples in 10 s
-    assert rate(1.5) == pytest.approx(40 / (10 - 4 * 1.5))  # 6 of the 10 s went to saves
+    # The clock restarts after the attempt's first step (which compiles): 3 steps of 10 samples in 10 s.
+    assert rate(0.0) == pytest.approx(30 / 10)
+    assert rate(1.5) == pytest.approx(30 / (10 - 4 * 1.5))  # 6 of those 10 s went to saves
+
+
+def test_a_finished_runs_loader_workers_end_when_the_campaign_collects_it(one_rank_world, tmp_path):
+    """GPT-3's persistent loader workers live as long as the workload, which reference cycles keep past its
+    run: without the campaign's collection after each run, a 10-run campaign would keep 10 runs' workers."""
+    import gc
+    import multiprocessing
+
+    from workloads.common.campaign import RunOptions
+    from workloads.gpt3.train import GPT3Workload
+
+    options = RunOptions(benchmark="gpt3", preset="tiny", out=tmp_path, runs=1, seed=0, submitter="test",
+                         system=None, data=None, synthetic=True, max_steps=2, batch_size=None)
+    workload = GPT3Workload(options, one_rank_world, seed=0)
+    next(workload.batches(0))
+    assert multiprocessing.active_children()
+    del workload
+    assert multiprocessing.active_children()  # the cycle holds it: plain reference counting frees nothing
+    gc.collect()
+    assert not multiprocessing.active_children()

@@ -57,6 +57,15 @@ class BlamedNodeWatcher:
                      label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
 
     def __call__(self) -> None:
+        """One poll. An API error (a transient 500, a refused patch) is printed and the watch goes on: the
+        job keeps running either way, and `harness run` must keep watching and collecting it."""
+        try:
+            self._poll()
+        except HarnessError as exc:
+            print(f"harness: keeping failed nodes out of {self.name}: {exc} (tried again at the next poll)",
+                  flush=True)
+
+    def _poll(self) -> None:
         jobs, core = _api()
         seen = {p.metadata.name: p.metadata.uid for p in self._pods(core)}
         self.pending |= any(self.uids.get(name, uid) != uid for name, uid in seen.items())
@@ -74,12 +83,12 @@ class BlamedNodeWatcher:
             if not preflight.settled(records):
                 self.next_read = time.monotonic() + self.reread_s
                 return  # a node still runs the failed attempt: judged at a later poll
-            attempt = max(r["attempt"] for r in records if r.get("event") == "end")
+            attempt = preflight.newest_ended(records)
             self.pending = False
             if attempt in self.judged:
                 return
             self.judged.add(attempt)
-            blamed = {node: cause for node, cause in preflight.blamed_nodes(Path(staging)).items()
+            blamed = {node: cause for node, cause in preflight.blamed_nodes(Path(staging), attempt).items()
                       if node not in self.excluded}
         if blamed:
             self._keep_out(jobs, core, blamed)

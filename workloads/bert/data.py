@@ -141,7 +141,8 @@ def write_shard(path: Path, rows: list[Row], layout: str, max_seq_len: int, max_
 
 def padded_width(longest: int, max_seq_len: int) -> int:
     """The narrowest of four widths (quarters of max_seq_len, in multiples of 8) that holds `longest`: short
-    batches cost less than full ones, and a compiled model sees only four sequence lengths."""
+    batches cost less than full ones, and a compiled model sees only four sequence widths. (The number of
+    masked positions still varies by batch: dynamo makes that one size dynamic after its second shape.)"""
     for quarter in range(1, 5):
         width = min(max_seq_len, -(-max_seq_len * quarter // 32) * 8)
         if width >= longest:

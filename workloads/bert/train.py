@@ -206,7 +206,7 @@ class BertWorkload(Workload):
         return total, trained
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> float:
+    def evaluate(self) -> float:
         self.model.eval()
         correct = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
         total = 0

@@ -2,12 +2,13 @@
 
 For every run this module owns what the rules fix (dropping the page cache and cache_clear,
 init_start/stop, the submission keys, the seed, run_start, run_stop with its status); the
-workload owns its model, data, hyperparameters and training loop.
+workload owns its model, data, hyperparameters and step, and workloads.common.loop trains it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import platform
 import random
@@ -132,8 +133,8 @@ class Workload(ABC):
         all ranks."""
 
     @abstractmethod
-    def evaluate(self, step: int) -> float:
-        """The quality on the whole eval set, after `step`, the same on every rank."""
+    def evaluate(self) -> float:
+        """The quality on the whole eval set, the same on every rank."""
 
     @abstractmethod
     def epoch_num(self, step: int) -> int:
@@ -242,5 +243,9 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         FEED.state("stopped")
         support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
+        # A workload sits in reference cycles (its LR schedule holds a bound method): collected now, its data
+        # loaders' worker processes end with its run instead of piling up over the campaign.
+        del workload, support
+        gc.collect()
         dist.barrier()
     shutdown_distributed()

@@ -9,8 +9,8 @@ made once.
 
 Resuming: the step support.restore() returns is where the input continues. A run resumed inside
 a block continues that block (its block_start is logged already; the block's numbers come back
-from the checkpoint). A run resumed right after the step that closes a block evaluates first,
-since the checkpoint was taken before that evaluation.
+from the checkpoint). A run resumed right after the step that closes a block (the last step
+included) evaluates first, since the checkpoint was taken before that evaluation.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ LOSS_READ_EVERY = 10  # .item() waits for the device: the loss is read every thi
 
 @dataclass
 class _BlockClock:
-    """Samples trained and seconds spent training in the open block. Checkpoint saves are left out, and a
-    resumed block counts only what this attempt trained, so the rate is the training rate."""
+    """Samples trained and seconds spent training in the open block. Checkpoint saves are left out, and so is
+    an attempt's first step (compilation); a resumed block counts only what this attempt trained. So the rate
+    is the steady training rate."""
 
     started: float
     saves_before: float
@@ -89,7 +90,7 @@ def _train_blocks(workload, mlog: K.ResultLog, progress_desc: str, support: Resi
     """The loop itself; returns whether the target was reached and the last step trained."""
     total, batches, losses = workload.total_steps, workload.batches(resumed), _LossReader(workload.ctx.device)
     clock = None
-    if resumed and workload.block_ends(resumed):
+    if resumed and (resumed == total or workload.block_ends(resumed)):  # the step that closed a block
         if _evaluate(workload, mlog, resumed, support, progress, progress_desc, None):
             return True, resumed
     elif resumed:  # inside a block whose start is logged
@@ -103,8 +104,12 @@ def _train_blocks(workload, mlog: K.ResultLog, progress_desc: str, support: Resi
             clock = _BlockClock(time.perf_counter(), support.save_seconds)
         workload.step_starts(step, mlog)
         loss, samples = workload.train_step(batches)
-        clock.samples += samples
         block_ends = step == total or workload.block_ends(step)
+        if step == resumed + 1 and not block_ends:
+            # An attempt's first step compiles and autotunes: the rate is the steady one from the second on.
+            clock = _BlockClock(time.perf_counter(), support.save_seconds)
+        else:
+            clock.samples += samples
         value = losses.after(loss, read=block_ends or step % LOSS_READ_EVERY == 0)
         progress.advance(1, **({"loss": value} if value is not None else {}))
         support.after_step(step, value)
@@ -127,7 +132,7 @@ def _evaluate(workload, mlog: K.ResultLog, step: int, support: Resilience, progr
     target = workload.target
     with support.phase("eval", step):
         mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: epoch_num})
-        quality = workload.evaluate(step)
+        quality = workload.evaluate()
         mlog.event(C.EVAL_ACCURACY, quality, metadata={C.EPOCH_NUM: epoch_num})
         mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: epoch_num})
     label, key = workload.rate_shown

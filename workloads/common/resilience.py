@@ -1,14 +1,17 @@
-"""What every training loop calls so that a run survives failures, whatever the workload.
+"""What the training loop (workloads.common.loop) calls so that a run survives failures, whatever the workload.
 
-    support.restore()            at the start of train(): the step to continue from (0: a fresh run)
-    support.after_step(step)     after each optimizer step: record, inject a fault, checkpoint when due
+    support.restore()            at the start: the step to continue from (0: a fresh run)
+    support.after_step(step, loss)
+                                 after each optimizer step: record, stop every rank together on a
+                                 non-finite loss (when one was read), inject a fault, checkpoint when due
     with support.phase("eval")   around an evaluation, so the run record knows where the time went
     support.finish()             when the run stops: flush, wait for a save in flight, drop the checkpoints
 
 The training state is the workload's model, optimizer and LR scheduler (through DCP's
 get/set_state_dict, so DDP and FSDP2 save alike), each rank's RNG, the step, which is
 also the data position (each workload starts reading input there), and whatever
-counters the workload keeps beside it (Workload.position).
+counters the workload keeps beside it (Workload.position), and the open block of training
+(its numbers for the log's block_stop after a resume).
 """
 
 from __future__ import annotations
@@ -156,7 +159,9 @@ class Resilience:
         if self.stragglers:
             self.stragglers.after_step(step, seconds)
         if loss is not None and not finite_everywhere(loss, self.ctx):
-            raise TrainingDiverged(f"the training loss is not finite at step {step} (this rank's: {loss})")
+            # The loss is read every few steps: the first non-finite one may lie a few steps before this.
+            raise TrainingDiverged(f"the training loss is not finite by step {step} (the read at that step on "
+                                   f"this rank: {loss})")
         if self.fault and step == self.fault.step:
             self._inject(step)
         if self.schedule.due(step):

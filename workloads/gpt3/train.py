@@ -198,7 +198,7 @@ class GPT3Workload(Workload):
         return stats
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> float:
+    def evaluate(self) -> float:
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
         for tokens, counted in self.loaders.eval:

@@ -75,6 +75,7 @@ def shared_image_list(folder: Path, ctx: DistContext) -> list[tuple[str, int]]:
     scanned: list[tuple[str, int]] | str | None = None
     if ctx.is_main:
         try:
+            check_layout(folder.parent)  # rank 0's view decides, so a node without the data cannot stop alone
             scanned = scan_images(folder)
         except (OSError, ValueError) as exc:
             scanned = str(exc)

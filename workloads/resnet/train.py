@@ -27,7 +27,7 @@ from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.resilience import Block
 from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, lars_step
-from workloads.resnet.data import (Loaders, check_layout, ensure_tiny_dataset, image_folder_loaders,
+from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
                                    shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
 from workloads.resnet.lars import EPSILON, Lars
 from workloads.resnet.model import build_model
@@ -83,7 +83,6 @@ class ResNetWorkload(Workload):
             root = ensure_tiny_dataset(tiny_dataset_root()) if ctx.local_rank == 0 else tiny_dataset_root()
             torch.distributed.barrier()  # the other ranks wait until the dataset exists
         try:
-            check_layout(root)
             images = shared_image_list(root / "train", ctx), shared_image_list(root / "val", ctx)
         except FileNotFoundError as exc:
             raise SystemExit(f"workloads: {exc}") from None
@@ -178,7 +177,7 @@ class ResNetWorkload(Workload):
         return loss.detach(), self.global_batch
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> float:
+    def evaluate(self) -> float:
         self.model.eval()
         correct, total = torch.zeros((), dtype=torch.int64, device=self.ctx.device), 0
         for images, labels in self.loaders.eval:
