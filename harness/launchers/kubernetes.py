@@ -669,8 +669,9 @@ class KubernetesLauncher(Launcher):
 
     def fetch(self, handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> list[RemoteFile]:
         """Copy the folder `sub` of the job's run folder on the results volume ("": all of it) into `into`:
-        a manifest, then the files in chunks, each through a one-shot pod and its log. Checked by `collect`
-        against the manifest's checksums before use."""
+        a manifest, then the files in chunks, each through a one-shot pod and its log. Returns the manifest:
+        `collect` checks every file against its checksum before use; the blame watch reads attempt records,
+        whose reader skips a torn last line, so a torn copy at worst delays its judgement to a later poll."""
         spec, _, namespace, name = self._job(handle)
         folder = handle.record().get("pvc_folder")
         if not folder:
