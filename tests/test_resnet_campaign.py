@@ -99,7 +99,7 @@ def test_report_reads_the_campaign_in_every_format(tiny_campaign):
     assert abs(group["score_min"] - sum(middle) / len(middle)) < 1e-12
     csv = harness("report", str(out), "--format", "csv").stdout.splitlines()
     assert csv[0].startswith("submitter,system,system_id,benchmark,score_min,rcp,file,status,converged,time_to_train_min")
-    assert csv[0].endswith(",restarts,goodput,badput,stragglers")
+    assert csv[0].endswith(",restarts,goodput,badput,stragglers,kept_out")
     assert len(csv) == 1 + TINY_RUNS
     table = harness("report", str(out)).stdout
     assert f"score {group['score_min']:.4f} min" in table

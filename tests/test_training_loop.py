@@ -172,17 +172,21 @@ def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):
     assert rate(1.5) == pytest.approx(30 / (10 - 4 * 1.5))  # 6 of those 10 s went to saves
 
 
-def test_a_finished_runs_loader_workers_end_when_the_campaign_collects_it(one_rank_world, tmp_path):
+def test_a_finished_runs_loader_workers_end_when_the_campaign_collects_it(one_rank_world, tmp_path, monkeypatch):
     """GPT-3's persistent loader workers live as long as the workload, which reference cycles keep past its
     run: without the campaign's collection after each run, a 10-run campaign would keep 10 runs' workers."""
     import gc
     import multiprocessing
 
+    from dataclasses import replace
+
     from workloads.common.campaign import RunOptions
+    from workloads.gpt3.config import PRESETS
     from workloads.gpt3.train import GPT3Workload
 
     options = RunOptions(benchmark="gpt3", preset="tiny", out=tmp_path, runs=1, seed=0, submitter="test",
                          system=None, data=None, synthetic=True, max_steps=2, batch_size=None)
+    monkeypatch.setitem(PRESETS, "tiny", replace(PRESETS["tiny"], loader_workers=1))
     workload = GPT3Workload(options, one_rank_world, seed=0)
     next(workload.batches(0))
     assert multiprocessing.active_children()

@@ -5,6 +5,7 @@ its quality target (that verdict is in the logs, as run_stop's status), and
 non-zero on an error, which the elastic agent may answer with a restart.
 """
 
+import os
 import sys
 
 from workloads.common.requirements_check import exit_if_unfit
@@ -14,7 +15,6 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from workloads.common.campaign import RunOptions, run_campaign  # noqa: E402
 from workloads.common.rank_output import redirect_rank_output  # noqa: E402
-
 
 
 def workload_class(benchmark: str):
@@ -42,9 +42,14 @@ def main() -> int:
     except SystemExit as exc:
         # A refusal with its reason (bad input, a missing file): @record leaves SystemExit out of the error
         # file, so record it here for the agent's one-line cause; the worker prints it, without a traceback.
-        if isinstance(exc.code, str):
-            get_error_handler().record_exception(exc)
-        raise
+        if not isinstance(exc.code, str):
+            raise
+        get_error_handler().record_exception(exc)
+        # One write of the whole line (Python's own report writes the newline apart): ranks that refuse at
+        # once share the terminal, and their lines must not run into each other.
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), (exc.code + "\n").encode(errors="replace"))
+        return 1
     return 0
 
 

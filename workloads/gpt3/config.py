@@ -77,7 +77,7 @@ PRESETS = {
         model=GPTConfig(vocab_size=128, seq_len=2048, n_layer=2, n_head=4, d_model=128),
         global_batch=4, micro_batch=1, base_lr=3e-5, end_lr_ratio=0.1, warmup_steps=2, decay_steps=4000,
         lr_batch=4, eval_interval=16, eval_sequences=16, target=2.69, init_checkpoint_step=30, max_steps=300,
-        loader_workers=1),
+        loader_workers=0),  # as BERT's tiny preset: no loader process to compete with the ranks for cores
 }
 
 
