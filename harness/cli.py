@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="resnet: this optimizer whatever the global batch (default: SGD below a global batch of "
                           "4,096, LARS from there, as the reference submissions choose)")
     run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
-                     help="torch.compile the model: auto (default) compiles on GPUs and runs eagerly on CPU")
+                     help="torch.compile the model: auto compiles on GPUs and runs eagerly on CPU")
     run.add_argument("--straggler-window", type=float, default=60.0, metavar="SECONDS",
                      help="seconds of training between straggler checks (one small all-gather of each rank's mean "
                           "forward time); 0 turns them off")

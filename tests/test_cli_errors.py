@@ -22,6 +22,7 @@ from tests.conftest import harness
     (["run", "resnet", "--data", "/no/such/imagenet"], ["/no/such/imagenet", "does not exist"]),
     (["run", "resnet", "--preset", "full"], ["--data", "--synthetic"]),
     (["run", "resnet", "--env", "NOEQUALS"], ["KEY=VALUE"]),
+    (["run", "resnet", "--compile", "fast"], ["--compile 'fast'", "auto", "on", "off"]),
     (["run", "resnet", "--out", "/proc/harness-cannot-write-here"], ["cannot write", "/proc/harness"]),
     (["report", "/no/such/results"], ["no such file or folder", "/no/such/results"]),
     (["logs", "/"], ["not a run folder", "job.json"]),
