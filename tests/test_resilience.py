@@ -33,6 +33,47 @@ def test_failures_are_classified_by_what_failed():
     assert classify(0, 2, None, "", False).kind == WORKLOAD  # an exit the program chose
 
 
+def test_a_ranks_error_file_is_never_seen_half_written(tmp_path, monkeypatch):
+    """The agent parses a failed rank's error file after SIGTERMing the rest; a rank killed while writing its
+    own must leave no file (the agent then reports the exit) rather than an empty one, which crashes the agent."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors import error_handler as torch_handler
+
+    from workloads.common.error_file import AtomicErrorHandler
+
+    final = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(final))
+    real_dump = json.dump
+    seen_while_writing = []
+
+    def dump_then_check(data, fp):
+        fp.write("{")  # a first piece is out: a reader of the agent's path must not see it
+        seen_while_writing.append(final.exists())
+        fp.seek(0)
+        real_dump(data, fp)
+
+    monkeypatch.setattr(torch_handler.json, "dump", dump_then_check)
+    try:
+        raise RuntimeError("[gloo] Connection closed by peer")
+    except RuntimeError as exc:
+        AtomicErrorHandler().record_exception(exc)
+    assert seen_while_writing == [False]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(final))
+    assert failure.message["message"] == "RuntimeError: [gloo] Connection closed by peer"
+
+    final.unlink()
+
+    def killed_mid_write(data, fp):
+        fp.write("{")
+        raise KeyboardInterrupt  # stands for the signal that ends the rank mid-write
+
+    monkeypatch.setattr(torch_handler.json, "dump", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        AtomicErrorHandler().record_exception(RuntimeError("lost"))
+    assert list(tmp_path.iterdir()) == []
+    assert "SIGTERM" in ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(final)).message
+
+
 def _attempt(n: int, ok: bool = False, kind: str = INFRASTRUCTURE, cause: str = "rank 1 killed by SIGKILL",
              run: int = 0, step: int = 10) -> list[dict]:
     end = {"event": "end", "attempt": n, "node": "a", "time": n + 0.5, "ok": ok}

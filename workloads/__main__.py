@@ -7,13 +7,15 @@ non-zero on an error, which the elastic agent may answer with a restart.
 
 import os
 import sys
+from functools import partial
 
 from workloads.common.requirements_check import exit_if_unfit
 
 exit_if_unfit()  # before torch is imported: an image too old for the harness stops in one line
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from workloads.common.campaign import RunOptions, run_campaign  # noqa: E402
+from workloads.common.error_file import error_handler  # noqa: E402
 from workloads.common.rank_output import redirect_rank_output  # noqa: E402
 
 
@@ -33,7 +35,7 @@ def workload_class(benchmark: str):
     raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet, bert, gpt3)")
 
 
-@record  # writes the exception to torchelastic's error file so the agent reports the real cause
+@partial(record, error_handler=error_handler)  # the exception goes to torchelastic's error file: the agent's cause
 def main() -> int:
     opts = RunOptions.parse()
     redirect_rank_output(opts.out)
@@ -44,7 +46,7 @@ def main() -> int:
         # file, so record it here for the agent's one-line cause; the worker prints it, without a traceback.
         if not isinstance(exc.code, str):
             raise
-        get_error_handler().record_exception(exc)
+        error_handler.record_exception(exc)
         # One write of the whole line (Python's own report writes the newline apart): ranks that refuse at
         # once share the terminal, and their lines must not run into each other.
         sys.stderr.flush()
