@@ -87,6 +87,36 @@ def test_local_render_is_the_exact_command(tmp_path):
     assert request.payload["argv"][0] == sys.executable
 
 
+def test_the_local_gpu_count_asks_nvml_before_importing_torch(monkeypatch):
+    """Without a driver, `harness run` does not pay torch's import (seconds) to learn there is no GPU; where NVML
+    sees GPUs, torch counts the ones this process may use."""
+    import subprocess
+
+    probe = "import sys; from harness.launchers.local import visible_gpus; print(visible_gpus(), 'torch' in sys.modules)"
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has an NVIDIA driver; the check is for one without")
+    except pynvml.NVMLError:
+        pass
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "False"]
+
+    import torch
+
+    from harness.launchers import local
+
+    asked = []
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append(1) or 2)  # CUDA_VISIBLE_DEVICES=0,1
+    assert local.visible_gpus() == 2 and asked
+
+
 def test_dry_run_prints_the_command_and_starts_nothing(tmp_path, capsys):
     from harness.cli import main
 

@@ -94,6 +94,7 @@ class Launcher(ABC):
     # The training request itself runs preflight inside its allocation (Slurm); otherwise `harness run`
     # runs the health job first (render_preflight) and renders the training without the nodes it kept out.
     preflight_in_allocation: ClassVar[bool] = False
+    poll_s: ClassVar[float] = 1.0  # between `watch`'s status reads, each a call to the scheduler
 
     def runs_root(self, spec: JobSpec) -> Path | None:
         """Where run folders go without --out; None: results/runs under the working folder."""
@@ -142,7 +143,7 @@ class Launcher(ABC):
         job restarts without going back through preflight (Kubernetes); None where preflight does it."""
         return None
 
-    def watch(self, handle: Handle, poll_s: float = 1.0, tick: Callable[[], None] | None = None
+    def watch(self, handle: Handle, poll_s: float | None = None, tick: Callable[[], None] | None = None
               ) -> Iterator[JobState]:
         """Yield each state change until the job reaches a terminal state; `tick` runs at every poll."""
         last = None
@@ -155,7 +156,7 @@ class Launcher(ABC):
                 last = state
             if state.terminal:
                 return
-            time.sleep(poll_s)
+            time.sleep(poll_s or self.poll_s)
 
 
 def rank_log_files(out_dir: Path) -> list[Path]:

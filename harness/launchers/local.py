@@ -26,10 +26,29 @@ CANCEL_GRACE_S = 30.0
 
 
 def visible_gpus() -> int:
-    """GPUs torch can use here (importing torch only when the default is needed)."""
+    """GPUs torch can use here. NVML answers "none" in a tenth of a second where importing torch takes
+    seconds, which every `harness run` on a laptop would pay; where NVML sees GPUs, torch counts the ones it
+    may use (CUDA_VISIBLE_DEVICES)."""
+    if not _nvml_sees_gpus():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nvml_sees_gpus() -> bool:
+    try:
+        import pynvml
+    except ImportError:
+        return True  # nvidia-ml-py missing: let torch decide
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False  # no driver, so no GPU torch could use
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def gpu_memory_gib() -> float:
@@ -44,6 +63,7 @@ def cpu_count() -> int:
 
 class LocalLauncher(Launcher):
     name = "local"
+    poll_s = 0.2  # a local job's state is its process's, free to read; `harness run` ends soon after it
 
     def __init__(self) -> None:
         self._procs: dict[str, subprocess.Popen] = {}
