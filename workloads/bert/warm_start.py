@@ -14,7 +14,7 @@ from workloads.bert.config import BertPreset
 from workloads.bert.data import TrainStream, ensure_tiny_dataset
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, model_outputs, pretraining_loss
-from workloads.common.cache import build_once, cache_root
+from workloads.common.cache import all_cores, build_once, cache_root
 from workloads.common.param_groups import parameter_groups
 
 # The tiny preset's starting checkpoint: a short run from random weights, trained once in one process with a
@@ -31,7 +31,8 @@ def tiny_init_root() -> Path:
 
 
 def ensure_tiny_init_checkpoint(preset: BertPreset) -> Path:
-    return build_once(tiny_init_root(), lambda folder: _train_tiny_init(preset, folder))
+    with all_cores():  # the node's other ranks wait for it
+        return build_once(tiny_init_root(), lambda folder: _train_tiny_init(preset, folder))
 
 
 def _train_tiny_init(preset: BertPreset, folder: Path) -> None:

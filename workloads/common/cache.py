@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def cache_root() -> Path:
@@ -30,3 +31,17 @@ def build_once(root: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """torch on every core this process may use, for a while. torchrun gives each rank one thread, but a cached
+    input is built by one rank per node while the node's other ranks wait for it at a barrier."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

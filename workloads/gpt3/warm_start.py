@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.common.cache import build_once, cache_root
+from workloads.common.cache import all_cores, build_once, cache_root
 from workloads.gpt3.config import INIT_INFO, GPT3Config
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus
 from workloads.gpt3.model import GPT
@@ -30,7 +30,8 @@ def tiny_init_root() -> Path:
 
 
 def ensure_tiny_init_checkpoint(cfg: GPT3Config) -> Path:
-    return build_once(tiny_init_root(), lambda folder: _train_tiny_init(cfg, folder))
+    with all_cores():  # the node's other ranks wait for it
+        return build_once(tiny_init_root(), lambda folder: _train_tiny_init(cfg, folder))
 
 
 def _train_tiny_init(cfg: GPT3Config, folder: Path) -> None:
