@@ -18,6 +18,7 @@ import yaml
 from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
+from tests.test_resilience import _restored_step
 from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.model import GPT, optimizer_groups
@@ -128,13 +129,18 @@ def test_trains_from_real_format_files(tmp_path):
     assert result.returncode != 0 and "lacks c4_en_6_c4_spm_text_document.idx/.bin" in result.stdout + result.stderr
 
 
-def test_tiny_gpt3_reaches_its_target_and_passes_the_checker(tmp_path):
-    result = harness("run", "gpt3", "--out", str(tmp_path / "run"))
+def test_tiny_gpt3_survives_a_killed_rank_reaches_its_target_and_passes_the_checker(tmp_path):
+    """`harness run gpt3` on the local default, with rank 1 killed at step 6: one restart from step 4's
+    checkpoint (FSDP2's sharded state), and a log that the 4.1.0 checker passes."""
+    out = tmp_path / "run"
+    result = harness("run", "gpt3", "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "success" in result.stdout and "gpt3" in result.stdout
-    checked = compliance(tmp_path / "run" / "result_0.txt", "4.1.0", cwd=tmp_path)
-    assert "SUCCESS" in checked.stdout + checked.stderr and not failed_checks(checked), checked.stdout
-    log = (tmp_path / "run" / "result_0.txt").read_text()
+    assert _restored_step(out) == 4
+    checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
+    assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
+    assert "SUCCESS" in checked.stdout + checked.stderr
+    log = (out / "result_0.txt").read_text()
     for key in ("init_checkpoint_step", "opt_learning_rate_decay_schedule", "tracked_stats"):
         assert f'"key": "{key}"' in log
 

@@ -270,15 +270,6 @@ def test_no_restarts_left_stops_with_its_own_exit_code(tmp_path):
     assert (out / "result_0.txt").is_file()  # what was written stays
 
 
-def test_gpt3_survives_a_killed_rank(tmp_path):
-    out = tmp_path / "run"
-    result = harness("run", "gpt3", "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(out))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert _restored_step(out) == 4
-    checked = compliance(out / "result_0.txt", "4.1.0", cwd=tmp_path)
-    assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
-
-
 def _loss_check_rank(rank: int, port: int, losses: list, results) -> None:
     from workloads.common.distributed import DistContext
     from workloads.common.resilience import finite_everywhere
