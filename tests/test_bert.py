@@ -253,6 +253,25 @@ def test_a_reference_named_checkpoint_loads():
         load_reference_state_dict(model, reference)
 
 
+def test_the_warm_start_trains_on_every_core_while_the_other_ranks_wait(tmp_path, monkeypatch):
+    """torchrun gives each rank one thread; the one rank that trains the tiny starting checkpoint takes the
+    node's cores for it, and gives them back."""
+    import os
+
+    from workloads.bert import warm_start
+
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path))
+    threads = []
+    monkeypatch.setattr(warm_start, "_train_tiny_init", lambda preset, folder: threads.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        warm_start.ensure_tiny_init_checkpoint(PRESETS["tiny"])
+        assert threads == [len(os.sched_getaffinity(0))] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("layout", ["varlength", "packed"])
 def test_trains_from_real_format_files(tmp_path, layout):
     data = tmp_path / "bert"
