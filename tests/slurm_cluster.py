@@ -104,6 +104,8 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=1
 SchedulerType=sched/backfill
+# A requeued job waits for the periodic full scheduling pass (every 60 s by default) to be judged
+SchedulerParameters=sched_interval=2
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
