@@ -92,21 +92,18 @@ def test_the_local_gpu_count_asks_nvml_before_importing_torch(monkeypatch):
     sees GPUs, torch counts the ones this process may use."""
     import subprocess
 
-    probe = "import sys; from harness.launchers.local import visible_gpus; print(visible_gpus(), 'torch' in sys.modules)"
     import pynvml
+    import torch
+
+    from harness.launchers import local
 
     try:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
-        pytest.skip("this machine has an NVIDIA driver; the check is for one without")
-    except pynvml.NVMLError:
-        pass
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["0", "False"]
-
-    import torch
-
-    from harness.launchers import local
+    except pynvml.NVMLError:  # no driver here: a fresh interpreter answers 0 without importing torch
+        probe = "import sys; from harness.launchers.local import visible_gpus; print(visible_gpus(), 'torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+        assert out.split() == ["0", "False"]
 
     asked = []
     monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
@@ -115,6 +112,8 @@ def test_the_local_gpu_count_asks_nvml_before_importing_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append(1) or 2)  # CUDA_VISIBLE_DEVICES=0,1
     assert local.visible_gpus() == 2 and asked
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
+    assert local.visible_gpus() == 0 and len(asked) == 1  # NVML's "none" is final: torch is not asked
 
 
 def test_dry_run_prints_the_command_and_starts_nothing(tmp_path, capsys):
