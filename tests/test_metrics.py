@@ -22,9 +22,11 @@ from harness.metrics import PREFIX, Exporter, Source, metric_names
 from tests.conftest import REPO, harness
 
 DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
-# A 1 s straggler window is fixed as a step count after 5 calibration steps; 40 steps close one
-# even where a tiny ResNet step takes 0.03 s (about a quarter of its time on this 2-core machine).
-MAX_STEPS = 40
+# A straggler window is fixed as a step count after 5 calibration steps (whose mean includes the slow first
+# step). 1 s windows and 60 steps close about five on this 2-core machine (windows of about 10 steps), and one
+# even where a tiny ResNet step takes 0.015 s; shorter windows would be noisier.
+MAX_STEPS = 60
+WINDOW_S = "1"
 
 
 def _free_port() -> int:
@@ -53,7 +55,7 @@ def scraped_campaign(tmp_path_factory):
     out = tmp_path_factory.mktemp("metrics") / "run"
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--runs", "2", "--seed", "11",
-                             "--max-steps", str(MAX_STEPS), "--straggler-window", "1", "--metrics-port", str(port),
+                             "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW_S, "--metrics-port", str(port),
                              "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HARNESS_METRICS_TTL_S": "1"})
     scrapes = []
@@ -94,8 +96,8 @@ def test_metrics_are_served_while_the_run_trains_and_agree_with_its_log(scraped_
 def test_the_logs_and_results_are_the_same_with_metrics_off(scraped_campaign, tmp_path):
     out, _, _, _ = scraped_campaign
     plain = tmp_path / "plain"
-    result = harness("run", "resnet", "--runs", "2", "--seed", "11", "--max-steps", str(MAX_STEPS), "--straggler-window", "1",
-                     "--metrics-port", "0", "--out", str(plain))
+    result = harness("run", "resnet", "--runs", "2", "--seed", "11", "--max-steps", str(MAX_STEPS),
+                     "--straggler-window", WINDOW_S, "--metrics-port", "0", "--out", str(plain))
     assert result.returncode in (0, 1), result.stderr
     assert "harness: metrics:" not in result.stdout + result.stderr
     for index in (0, 1):
