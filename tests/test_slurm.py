@@ -193,7 +193,7 @@ def test_a_node_set_down_requeues_the_job_onto_the_other_node(slurm_cluster, tmp
     out = tmp_path / "run"
     downed = []
     try:
-        result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "60",
+        result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "120",
                                  on_step=_down_at_step_8(slurm_cluster, downed))
     finally:
         _resume(slurm_cluster, downed)
@@ -243,7 +243,7 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
                 answered[group["labels"]["node"]] = f'node="{group["labels"]["node"]}"' in body
         return len(answered) == 2
 
-    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--max-steps", "80", "--metrics-port", "9460",
+    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--max-steps", "120", "--metrics-port", "9460",
                              on_step=scrape)
     assert result.returncode in (0, 1), result.stdout + result.stderr + slurm_cluster.logs()
     assert answered == {"node1": True, "node2": True}, answered
