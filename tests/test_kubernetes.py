@@ -215,8 +215,8 @@ def test_harness_run_streams_the_job_states_and_collects_the_results(fake_api, t
     assert (run / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
     assert (run / "logs" / "rank_0.log").read_text() == "rank 0 log\n"
     assert not (run / "checkpoints").exists()  # checkpoints stay on the volume
-    fetched_minutes = load([BASELINE_LOG.parent]).records[0].time_to_train_min
-    assert "time-to-train (min)" in result.stdout and f"{fetched_minutes:.4f}" in result.stdout  # the fetched run's
+    (fetched,) = load([BASELINE_LOG]).records
+    assert "time-to-train (min)" in result.stdout and f"{fetched.time_to_train_min:.4f}" in result.stdout
     assert [e["reason"] for e in fake_api.events] == ["HarnessRunning", "HarnessSucceeded"]
     collector = [p for (_, name), p in fake_api.pods.items() if "-collect-" in name]
     assert not collector  # the results pod is deleted after use
