@@ -23,8 +23,8 @@ from tests.conftest import REPO, harness
 
 DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
 # A straggler window is fixed as a step count after 5 calibration steps (whose mean includes the slow first
-# step). 1 s windows and 60 steps close about five on this 2-core machine (windows of about 10 steps), and one
-# even where a tiny ResNet step takes 0.015 s; shorter windows would be noisier.
+# step). 1 s windows and 60 steps close about five on this 2-core machine (windows of 11 to 14 steps), and
+# at least one on a machine 3 times faster; shorter windows would be noisier.
 MAX_STEPS = 60
 WINDOW_S = "1"
 

@@ -51,7 +51,7 @@ PRESETS = {
     # MLPerf closed: ResNet-50 v1.5, 224 px, target 75.9% top-1, eval every 4 epochs.
     "full": ResNetConfig(arch="resnet50", crop=224, classes=1000, batch_size=256, max_epochs=41, eval_every=4,
                          target=0.759, base_lr=0.1, lr_batch=256, warmup_epochs=5),
-    # A small ResNet on the generated 32 px, 10-class dataset: reaches its target in under half a minute on 2 CPU cores.
+    # A small ResNet on the generated 32 px, 10-class dataset: reaches its target in about half a minute on 2 CPU cores.
     "tiny": ResNetConfig(arch="tiny", crop=32, classes=10, batch_size=32, max_epochs=20, eval_every=1,
                          target=0.90, base_lr=0.2, lr_batch=64, warmup_epochs=1, lars=(LarsStep(0, 10.0, 1),),
                          workers=0),
