@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "4,096, LARS from there, as the reference submissions choose)")
     run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
                      help="torch.compile the model: auto compiles on GPUs and runs eagerly on CPU")
-    run.add_argument("--straggler-window", type=float, default=60.0, metavar="SECONDS",
-                     help="seconds of training between straggler checks (one small all-gather of each rank's mean "
-                          "forward time); 0 turns them off")
+    run.add_argument("--straggler-window", default="60", metavar="SECONDS|Nsteps",
+                     help="seconds of training between straggler checks (60, 90s, 2m: one small all-gather of each "
+                          "rank's mean forward and step time; the step count follows the pace), or a fixed count of "
+                          "steps (20steps); 0 turns them off (default: 60)")
     run.add_argument("--straggler-threshold", type=float, default=0.75, metavar="SCORE",
                      help="a rank whose speed is below this share of the fastest rank's is a straggler")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",

@@ -18,7 +18,7 @@ from harness import profiles
 from harness.errors import HarnessError
 from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
-from workloads.common.resilience_options import CheckpointEvery, FaultPlan  # torch-free
+from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 
 # Benchmark name -> presets. The first preset is the default when no dataset is given.
 BENCHMARKS: dict[str, tuple[str, ...]] = {
@@ -64,7 +64,7 @@ class JobSpec:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
-    straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
+    straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: chosen by batch
     straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
     compile: str = "auto"  # torch.compile: "auto" (on GPUs), "on" or "off"
@@ -148,7 +148,7 @@ class JobSpec:
         if self.optimizer is not None:
             args += ["--optimizer", self.optimizer]
         args += ["--compile", self.compile]
-        args += ["--straggler-window", f"{self.straggler_window:g}",
+        args += ["--straggler-window", self.straggler_window,
                  "--straggler-threshold", f"{self.straggler_threshold:g}"]
         return args
 
@@ -255,8 +255,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.compile not in COMPILE_CHOICES:
         raise HarnessError(f"--compile {spec.compile!r}: choose one of {', '.join(COMPILE_CHOICES)} (auto: compiled "
                            "on GPUs, eager on CPU)")
-    if spec.straggler_window < 0:
-        raise HarnessError(f"--straggler-window must be 0 (off) or more seconds, got {spec.straggler_window:g}")
+    try:
+        StragglerWindow.parse(spec.straggler_window)
+    except ValueError as e:
+        raise HarnessError(str(e)) from None
     if not 0 < spec.straggler_threshold <= 1:
         raise HarnessError(f"--straggler-threshold must be above 0 and at most 1 (a share of the fastest rank's "
                            f"speed), got {spec.straggler_threshold:g}")

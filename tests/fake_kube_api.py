@@ -46,6 +46,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -135,6 +136,20 @@ class FakeKubeAPI:
         for condition in conditions:
             condition["status"] = "False" if condition["type"] in ("Running", "Restarting") else condition["status"]
         conditions.append({"type": kind, "status": "True", "message": message or f"PyTorchJob {name} is {kind}"})
+
+    def job_reads(self, namespace: str, name: str) -> int:
+        """How many times the job has been read (GET), by `harness run`'s watch or anyone."""
+        path = re.compile(rf"/namespaces/{re.escape(namespace)}/(pytorchjobs|trainjobs)/{re.escape(name)}$")
+        return sum(1 for method, url in list(self.requests) if method == "GET" and path.search(url))
+
+    def set_condition_seen(self, namespace: str, name: str, kind: str, timeout: float = 120) -> None:
+        """set_condition, then wait until the job has been read twice since (a read already under way may have
+        served the state before), so a watcher that polls it has seen this condition however slow it runs."""
+        before = self.job_reads(namespace, name)
+        self.set_condition(namespace, name, kind)
+        deadline = time.monotonic() + timeout
+        while self.job_reads(namespace, name) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def set_jobs_status(self, namespace: str, name: str, active: int) -> None:
         """What the TrainJob controller reports while its child jobs run."""

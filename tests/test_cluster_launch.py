@@ -201,7 +201,9 @@ def test_ranks_write_their_own_output_files_when_asked(tmp_path):
 
 def test_sigterm_cancels_the_local_job_as_ctrl_c_does(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--out", str(out)], cwd=REPO,
+    # Rank 0 hangs at step 3, so the job is still running when the signal comes, however fast it trains.
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--inject-failure", "0:3:hang",
+                             "--out", str(out)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

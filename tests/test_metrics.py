@@ -22,11 +22,12 @@ from harness.metrics import PREFIX, Exporter, Source, metric_names
 from tests.conftest import REPO, harness
 
 DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
-# A straggler window is fixed as a step count after 5 calibration steps (whose mean includes the slow first
-# step). 1 s windows and 60 steps close about five on this 2-core machine (windows of 11 to 14 steps), and
-# at least one on a machine 3 times faster; shorter windows would be noisier.
+# Counts, not seconds: windows of 10 steps after the 5 calibration steps close five windows in 60 steps on
+# any machine. The scraped campaign's rank 0 stalls 10 s at STALL_STEP (--inject-failure ...:stall), so the
+# run is still training while it is scraped however fast the machine trains.
 MAX_STEPS = 60
-WINDOW_S = "1"
+WINDOW = "10steps"
+STALL_STEP = 20
 
 
 def _free_port() -> int:
@@ -55,8 +56,8 @@ def scraped_campaign(tmp_path_factory):
     out = tmp_path_factory.mktemp("metrics") / "run"
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--runs", "2", "--seed", "11",
-                             "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW_S, "--metrics-port", str(port),
-                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW, "--metrics-port", str(port),
+                             "--inject-failure", f"0:{STALL_STEP}:stall", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HARNESS_METRICS_TTL_S": "1"})
     scrapes = []
     while proc.poll() is None:
@@ -80,6 +81,8 @@ def test_metrics_are_served_while_the_run_trains_and_agree_with_its_log(scraped_
     training = [f for f in scrapes if any(s.value == 1 and s.labels["state"] == "training"
                                           for s in _samples(f, PREFIX + "state"))]
     assert training, "no scrape saw a rank training"
+    stalled = [f for f in training if any(s.value == STALL_STEP for s in _samples(f, PREFIX + "train_step"))]
+    assert stalled, "no scrape saw the step the run stalled at"
     last = scrapes[-1]
     steps = {s.labels["rank"]: s.value for s in _samples(last, PREFIX + "train_step")}
     assert set(steps) == {"0", "1"} and all(0 < v <= MAX_STEPS for v in steps.values())
@@ -97,7 +100,7 @@ def test_the_logs_and_results_are_the_same_with_metrics_off(scraped_campaign, tm
     out, _, _, _ = scraped_campaign
     plain = tmp_path / "plain"
     result = harness("run", "resnet", "--runs", "2", "--seed", "11", "--max-steps", str(MAX_STEPS),
-                     "--straggler-window", WINDOW_S, "--metrics-port", "0", "--out", str(plain))
+                     "--straggler-window", WINDOW, "--metrics-port", "0", "--out", str(plain))
     assert result.returncode in (0, 1), result.stderr
     assert "harness: metrics:" not in result.stdout + result.stderr
     for index in (0, 1):
@@ -126,14 +129,15 @@ def test_a_clean_run_names_no_straggler(scraped_campaign):
     out, scrapes, _, _ = scraped_campaign
     windows = [json.loads(line) for line in (out / "run_0.jsonl").read_text().splitlines()
                if '"stragglers"' in line]
-    assert windows, "no straggler window closed"
+    assert [w["window_steps"] for w in windows] == [10] * 5
     report = json.loads(harness("report", str(out), "--format", "json").stdout)
     assert all(not run["stragglers"] for group in report for run in group["runs"])
 
 
 def test_a_slow_rank_is_named_while_the_job_runs_and_in_the_report(tmp_path):
     out = tmp_path / "run"
-    result = harness("run", "resnet", "--max-steps", "60", "--straggler-window", "1", "--inject-failure", "1:3:slow",
+    result = harness("run", "resnet", "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW,
+                     "--inject-failure", "1:3:slow",
                      "--metrics-port", "0", "--out", str(out))
     assert result.returncode in (0, 1), result.stderr
     assert re.search(r"straggler: rank 1 on \S+ computes at 0\.\d\d of the fastest rank's speed", result.stdout)

@@ -145,11 +145,16 @@ def _run_with_admin(slurm_cluster, out, *args, on_step=None):
         admin.join()
 
 
-def _down_at_step_8(slurm_cluster, downed: list, node: str | None = None):
-    """An on_step callback: at step 8, set `node` (default: the node the job runs on) DOWN, once."""
+# The first attempt hangs at HANG_STEP (--inject-failure 0:HANG_STEP:hang), so a test acts on a job that
+# is still running however fast the machine trains, and the requeued attempt (which injects nothing) finishes.
+HANG_STEP = 8
+
+
+def _down_when_hung(slurm_cluster, downed: list, node: str | None = None):
+    """An on_step callback: once the job hangs at HANG_STEP, set `node` (default: the node it runs on) DOWN."""
 
     def act(step: int) -> bool:
-        if step < 8:
+        if step < HANG_STEP:
             return False
         name = node or _slurm(slurm_cluster, "squeue", "-h", "-o", "%N").split()[0]
         _slurm(slurm_cluster, "scontrol", "update", f"nodename={name}", "state=down", "reason=harness-test")
@@ -193,8 +198,8 @@ def test_a_node_set_down_requeues_the_job_onto_the_other_node(slurm_cluster, tmp
     out = tmp_path / "run"
     downed = []
     try:
-        result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "120",
-                                 on_step=_down_at_step_8(slurm_cluster, downed))
+        result = _run_with_admin(slurm_cluster, out, "--nodes", "1", "--checkpoint-every", "4", "--max-steps", "16",
+                                 "--inject-failure", f"0:{HANG_STEP}:hang", on_step=_down_when_hung(slurm_cluster, downed))
     finally:
         _resume(slurm_cluster, downed)
     job = json.loads((out / "job.json").read_text())
@@ -210,8 +215,9 @@ def test_a_requeued_job_that_no_longer_fits_fails_with_the_reason(slurm_cluster,
     out = tmp_path / "run"
     downed = []
     try:
-        result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--checkpoint-every", "4", "--max-steps", "400",
-                                 on_step=_down_at_step_8(slurm_cluster, downed, node="node2"))
+        result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--checkpoint-every", "4", "--max-steps", "16",
+                                 "--inject-failure", f"0:{HANG_STEP}:hang",
+                                 on_step=_down_when_hung(slurm_cluster, downed, node="node2"))
     finally:
         _resume(slurm_cluster, downed)
     assert downed and result.returncode == 1, result.stdout + result.stderr
@@ -228,7 +234,7 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
     answered: dict[str, bool] = {}
 
     def scrape(step: int) -> bool:
-        if step < 3:
+        if step < HANG_STEP:
             return False
         try:
             groups = json.loads((out / "prometheus-targets.json").read_text())
@@ -241,12 +247,16 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
                 except OSError:
                     continue
                 answered[group["labels"]["node"]] = f'node="{group["labels"]["node"]}"' in body
-        return len(answered) == 2
+        if len(answered) < 2:
+            return False
+        _slurm(slurm_cluster, "scancel", json.loads((out / "job.json").read_text())["job_id"])  # it hangs
+        return True
 
-    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--max-steps", "120", "--metrics-port", "9460",
-                             on_step=scrape)
-    assert result.returncode in (0, 1), result.stdout + result.stderr + slurm_cluster.logs()
-    assert answered == {"node1": True, "node2": True}, answered
+    result = _run_with_admin(slurm_cluster, out, "--nodes", "2", "--max-steps", "16", "--metrics-port", "9460",
+                             "--inject-failure", f"0:{HANG_STEP}:hang", on_step=scrape)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert answered == {"node1": True, "node2": True}, (answered, result.stdout + result.stderr + slurm_cluster.logs())
+    assert json.loads((out / "job.json").read_text())["state"] == "CANCELLED"
 
 
 @pytest.mark.slurm

@@ -58,7 +58,7 @@ class RunOptions:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND]
-    straggler_window: float = 60.0  # seconds of training between straggler checks; 0: none
+    straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     straggler_threshold: float = 0.75
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
@@ -83,7 +83,7 @@ class RunOptions:
         p.add_argument("--keep-checkpoints", type=int, default=2)
         p.add_argument("--async-checkpoint", action="store_true")
         p.add_argument("--inject-failure")
-        p.add_argument("--straggler-window", type=float, default=60.0)
+        p.add_argument("--straggler-window", default="60")
         p.add_argument("--straggler-threshold", type=float, default=0.75)
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
                        help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")

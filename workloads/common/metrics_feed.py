@@ -79,6 +79,10 @@ class MetricsFeed:
             f["state"] = "stopped"
         self._write(now=key in (C.RUN_STOP, C.EVAL_ACCURACY))
 
+    def flush(self) -> None:
+        """Hand over the figures now (before the rank stops stepping for a while)."""
+        self._write(now=True)
+
     def _write(self, now: bool = False) -> None:
         if self.path is None or (not now and time.monotonic() - self._written < WRITE_EVERY_S):
             return

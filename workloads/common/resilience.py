@@ -36,7 +36,7 @@ from workloads.common.distributed import DistContext
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog
 from workloads.common.progress import announce
-from workloads.common.resilience_options import CheckpointEvery, FaultPlan
+from workloads.common.resilience_options import STALL_S, CheckpointEvery, FaultPlan, StragglerWindow
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.save_schedule import SaveSchedule
 from workloads.common.stragglers import StragglerWatch
@@ -104,7 +104,7 @@ class Resilience:
     """Checkpoints, restore, fault injection and the run record of one run (see the module docstring)."""
 
     def __init__(self, workload, out: Path, run_index: int, checkpoint_every: str | None, keep: int,
-                 async_save: bool, inject_failure: str | None, mlog: ResultLog, straggler_window_s: float = 60.0,
+                 async_save: bool, inject_failure: str | None, mlog: ResultLog, straggler_window: str = "60",
                  straggler_threshold: float = 0.75):
         self.workload, self.ctx, self.mlog = workload, workload.ctx, mlog
         ctx: DistContext = self.ctx
@@ -117,8 +117,9 @@ class Resilience:
         self.fault = fault if fault and fault.rank == ctx.rank and self.attempt == 0 else None
         self.record_path = run_record_path(out, run_index)
         self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
-        self.stragglers = StragglerWatch(workload.model, ctx, self.record, straggler_window_s, straggler_threshold) \
-            if straggler_window_s > 0 and ctx.world_size > 1 else None
+        window = StragglerWindow.parse(straggler_window)
+        self.stragglers = StragglerWatch(workload.model, ctx, self.record, window, straggler_threshold) \
+            if not window.off and ctx.world_size > 1 else None
         self._step_started = time.time()
         self.block: Block | None = None  # the open block, set by the training loop and saved with each checkpoint
         self.save_seconds = 0.0  # spent in checkpoint saves so far: throughput leaves it out
@@ -209,6 +210,9 @@ class Resilience:
             inner = getattr(self.workload.model, "module", self.workload.model)
             inner.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FAULT_S) if module.training else None)
             return
+        if kind in ("stall", "hang"):
+            self._hold(step, STALL_S if kind == "stall" else None)
+            return
         if kind == "kill-in-save":
             # A save is a collective, which no rank may start alone: the fault waits for the next agreed save.
             self.checkpointer.fault_hook = self._kill
@@ -218,6 +222,17 @@ class Resilience:
             if committed:
                 _damage(committed[0][1])
         self._kill(step)
+
+    def _hold(self, step: int, seconds: float | None) -> None:
+        """Stop here for `seconds`, or for good (None), neither stepping nor exiting, as a rank on a stalled or
+        hung GPU does; rank 0's record of the steps so far is on disk first, so a watcher sees where it stopped."""
+        self.record.flush()
+        FEED.flush()
+        now = time.time()
+        RunRecord(self.record_path, self.attempt).interval("fault", now, now, (step, step))
+        while seconds is None:
+            time.sleep(3600)
+        time.sleep(seconds)
 
     def _kill(self, step: int) -> None:
         """SIGKILL this worker, first noting the moment in the run record (whichever rank this is)."""

@@ -2,6 +2,8 @@
 
 --checkpoint-every 50 | 90s | 10m | 1h   save every N steps, or every so much wall time
 --inject-failure RANK:STEP[:KIND]        a fault on the first attempt, for tests and demos
+--straggler-window 60 | 90s | 2m | 20steps   seconds of training between straggler checks (the step count
+                                         follows the pace), or a fixed step count; 0 turns them off
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ FAULT_KINDS = {
     "kill-in-save": "SIGKILL the worker while it writes the first checkpoint taken at or after STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
     "slow": "make the worker's forward passes 0.2 s slower from STEP on (a straggler)",
+    "stall": "hold the worker 10 s at STEP, then go on (a GPU or file system that stops for a while)",
+    "hang": "stop the worker at STEP without exiting, as a hung GPU does (its job must be ended from outside)",
 }
+STALL_S = 10.0  # what --inject-failure RANK:STEP:stall holds the worker for
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -33,6 +38,29 @@ class CheckpointEvery:
                              "(e.g. 90s, 10m, 1h), at least 1")
         count, unit = int(found.group(1)), found.group(2)
         return cls(seconds=count * _UNITS[unit]) if unit else cls(steps=count)
+
+
+@dataclass(frozen=True)
+class StragglerWindow:
+    """How long a straggler window is: `seconds` of training (its step count is agreed again at every window,
+    from the last window's step times), or a fixed number of `steps` (what tests use: a count, not a pace)."""
+    seconds: float | None = None
+    steps: int | None = None
+
+    @property
+    def off(self) -> bool:
+        return not self.seconds and not self.steps
+
+    @classmethod
+    def parse(cls, text: str) -> "StragglerWindow":
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|steps?)?\s*", str(text))
+        if not found or (found.group(2) or "").startswith("step") and "." in found.group(1):
+            raise ValueError(f"--straggler-window {text!r}: give seconds of training (e.g. 60, 90s, 2m), a whole "
+                             "number of steps (e.g. 20steps), or 0 to turn the checks off")
+        count, unit = float(found.group(1)), found.group(2) or "s"
+        if unit.startswith("step"):
+            return cls(steps=int(count)) if count else cls()
+        return cls(seconds=count * _UNITS[unit]) if count else cls()
 
 
 @dataclass(frozen=True)

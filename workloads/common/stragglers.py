@@ -7,13 +7,22 @@ model's forward passes (hooks on the inner module, after DDP's own start-of-forw
 sync; CUDA events on GPUs, read only at the end of a window). With FSDP the forward
 also holds parameter all-gathers, which blurs, but does not hide, a slow rank.
 
-Every window (about WINDOW_S of training, as a step count that every rank agrees on:
-fixed once at CALIBRATE_STEP from the slowest rank's step time) the ranks all-gather
-their mean forward time, one float each, and score themselves as NVIDIA's resiliency
-extension does: the fastest rank's time / this rank's (1.0: as fast as the fastest). A
-rank under the threshold (0.75) is a straggler; rank 0 writes every window to the run
-record and names, once, a straggler that stays for PERSIST windows in a row. The
-detector's own time is measured too, so its overhead is a recorded fact.
+Every window (about `--straggler-window` seconds of training, as a step count that every
+rank agrees on) the ranks all-gather their mean forward time and mean step time, two
+floats each, and score themselves as NVIDIA's resiliency extension does: the fastest
+rank's time / this rank's (1.0: as fast as the fastest). A rank under the threshold
+(0.75) is a straggler; rank 0 writes every window to the run record and names, once, a
+straggler that stays for PERSIST windows in a row. The detector's own time is measured
+too, so its overhead is a recorded fact.
+
+The window's step count follows the pace: each is sized from the slowest rank's step
+time in the window before it (at CALIBRATE_STEP, from the steps so far), and every rank
+computes the same count from the same gathered figures, so no rank enters a collective
+alone. A count may at most double from one window to the next, so the windows start
+short and grow to their length: a pace measured on a few fast first steps cannot make a
+window of thousands of slow ones. A GPU that throttles mid-run, or a rank slowed from
+some step on, still closes windows about every `--straggler-window` seconds. A window
+given as a step count (`20steps`) stays that count: tests count windows, not seconds.
 """
 
 from __future__ import annotations
@@ -28,17 +37,17 @@ import torch.distributed as dist
 from workloads.common.distributed import DistContext
 from workloads.common.metrics_feed import FEED
 from workloads.common.progress import announce
+from workloads.common.resilience_options import StragglerWindow
 
-WINDOW_S = 60.0
 THRESHOLD = 0.75
 CALIBRATE_STEP = 5  # steps before the window length is fixed (start-up steps are slow on every rank)
 PERSIST = 3  # windows in a row before a straggler is named
 
 
 class StragglerWatch:
-    def __init__(self, model: torch.nn.Module, ctx: DistContext, record, window_s: float = WINDOW_S,
+    def __init__(self, model: torch.nn.Module, ctx: DistContext, record, window: StragglerWindow,
                  threshold: float = THRESHOLD):
-        self.ctx, self.record, self.window_s, self.threshold = ctx, record, window_s, threshold
+        self.ctx, self.record, self.window, self.threshold = ctx, record, window, threshold
         self.module = getattr(model, "module", model)  # DDP's inner module: after its start-of-forward sync
         self.cuda = ctx.device.type == "cuda"
         self.window_steps: int | None = None
@@ -94,11 +103,11 @@ class StragglerWatch:
             self._close_window(step)
 
     def _calibrate(self) -> None:
-        """Fix the window's step count once, from the slowest rank's mean step time: every rank gets the same."""
+        """Size the first window from the slowest rank's mean step time, and learn every rank's node."""
         clock = time.perf_counter()
         mean = torch.tensor([self._step_time / self._steps], dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-        self.window_steps = max(1, math.ceil(self.window_s / max(mean.item(), 1e-6)))
+        self.window_steps = self._steps_for(mean.item(), grown_from=self._steps)
         names = [None] * self.ctx.world_size
         dist.all_gather_object(names, socket.gethostname())
         self._nodes = [str(n) for n in names]
@@ -112,16 +121,25 @@ class StragglerWatch:
             times = [start.elapsed_time(end) / 1000 for start, end in self._events]
         else:
             times = list(self._events)
-        mean = sum(times) / len(times) if times else float("nan")
-        gathered = [torch.zeros(1, dtype=torch.float64, device=self.ctx.device) for _ in range(self.ctx.world_size)]
-        dist.all_gather(gathered, torch.tensor([mean], dtype=torch.float64, device=self.ctx.device))
-        means = torch.cat(gathered).tolist()  # one copy to the host, not one per rank
+        mine = [sum(times) / len(times) if times else float("nan"), self._step_time / self._steps]
+        gathered = [torch.zeros(2, dtype=torch.float64, device=self.ctx.device) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=self.ctx.device))
+        figures = torch.stack(gathered).tolist()  # one copy to the host, not one per rank
+        means = [forward for forward, _ in figures]
         scores = score(means)
         FEED.straggler_score(scores[self.ctx.rank])
         self.windows_s += time.perf_counter() - clock
         if self.ctx.is_main:
             self._report(step, means, scores)
+        self.window_steps = self._steps_for(max(step_s for _, step_s in figures), grown_from=self.window_steps)
         self._reset()
+
+    def _steps_for(self, step_s: float, grown_from: int) -> int:
+        """The next window's step count: the fixed one, or as many steps of `step_s` (the slowest rank's) as fill
+        the window's seconds, at most twice `grown_from` (the steps the last window, or the calibration, took)."""
+        if self.window.steps:
+            return self.window.steps
+        return max(1, min(math.ceil(self.window.seconds / max(step_s, 1e-6)), 2 * grown_from))
 
     def _report(self, step: int, means: list[float], scores: list[float]) -> None:
         slow = [r for r, s in enumerate(scores) if s < self.threshold]

@@ -1,0 +1,61 @@
+"""Straggler windows are counted in steps that follow the pace, never in what fits in so many seconds here.
+
+StragglerWatch is fed step times directly (the seconds each step took), so these tests decide the pace
+themselves and pass on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workloads.common.resilience_options import StragglerWindow
+from workloads.common.run_record import RunRecord
+from workloads.common.stragglers import CALIBRATE_STEP, StragglerWatch
+
+
+def _windows(one_rank_world, tmp_path, window: str, step_times: list[float]) -> list[dict]:
+    """Run `step_times` through a watch on one rank; the windows it closed, as the run record has them."""
+    record_path = tmp_path / "run_0.jsonl"
+    model = torch.nn.Linear(2, 2)
+    watch = StragglerWatch(model, one_rank_world, RunRecord(record_path, 0), StragglerWindow.parse(window))
+    for step, seconds in enumerate(step_times, start=1):
+        model(torch.ones(1, 2))  # timed by the watch's hooks
+        watch.after_step(step, seconds)
+    watch.close()
+    return [json.loads(line) for line in record_path.read_text().splitlines()] if record_path.exists() else []
+
+
+def test_windows_follow_the_pace_when_it_slows_mid_run(one_rank_world, tmp_path):
+    """Calibrated on fast steps, the first windows are short and grow; a slowdown shrinks the next window to
+    what fills the window's seconds at the new pace, instead of a count sized on the fast steps."""
+    fast, slow = 0.001, 0.1
+    times = [fast] * 25 + [slow] * 50  # slowed from step 26, in the second window
+    windows = _windows(one_rank_world, tmp_path, "1", times)
+    counts = [w["window_steps"] for w in windows]
+    ends = [w["steps"][1] for w in windows]
+    # After CALIBRATE_STEP: 10 steps (at most twice the 5 measured), 20 (doubled; its mean step is half slow),
+    # 20 again (what that mean says fills 1 s), then 10 slow steps, which do fill 1 s.
+    assert counts == [2 * CALIBRATE_STEP, 4 * CALIBRATE_STEP, 20, 10, 10], counts
+    assert ends == [15, 35, 55, 65, 75], ends
+    seconds = [sum(times[a:b]) for a, b in zip(ends, ends[1:])]
+    assert seconds[2:] == [pytest.approx(1.0)] * 2, seconds  # within two windows of the slowdown: 1 s each
+
+
+def test_a_window_of_steps_stays_that_count(one_rank_world, tmp_path):
+    windows = _windows(one_rank_world, tmp_path, "7steps", [0.001] * 10 + [5.0] * 30)
+    assert [w["window_steps"] for w in windows] == [7] * 5
+    assert [w["steps"][1] for w in windows] == [12, 19, 26, 33, 40]
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "1.5steps", "60 minutes"])
+def test_a_bad_window_is_refused_with_the_choices(text):
+    with pytest.raises(ValueError, match="seconds of training .* whole number of steps .* or 0"):
+        StragglerWindow.parse(text)
+
+
+@pytest.mark.parametrize("text", ["0", "0steps", "0s"])
+def test_a_zero_window_turns_the_checks_off(text):
+    assert StragglerWindow.parse(text).off
