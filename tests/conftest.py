@@ -41,6 +41,18 @@ def failed_checks(result: Completed) -> list[str]:
     return [line for line in text.splitlines() if "Failed" in line or ("ERROR" in line and "FAILED" not in line)]
 
 
+# Fixtures that start real end-to-end runs: a test that uses one is in the slow tier too.
+SLOW_FIXTURES = {"tiny_campaign", "slurm_cluster", "scraped_campaign"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier: tests marked slow, every Slurm and container test, and every test of a slow fixture."""
+    for item in items:
+        if (item.get_closest_marker("slurm") or item.get_closest_marker("container")
+                or SLOW_FIXTURES & set(item.fixturenames)):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_data_dir(tmp_path_factory) -> Path:
     """Generate the tiny dataset privately for this session instead of in the user's cache."""

@@ -272,6 +272,7 @@ def test_the_warm_start_trains_on_every_core_while_the_other_ranks_wait(tmp_path
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["varlength", "packed"])
 def test_trains_from_real_format_files(tmp_path, layout):
     data = tmp_path / "bert"
@@ -286,6 +287,7 @@ def test_trains_from_real_format_files(tmp_path, layout):
     assert result.returncode != 0 and "has no train/ folder" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_tiny_bert_survives_a_killed_rank_reaches_its_target_and_passes_the_checker(tmp_path):
     """`harness run bert` on the local default, with rank 1 killed at step 70: one restart from step 60's
     checkpoint, and a log that the 5.0.0 checker passes (open, since the tiny model is not BERT-large)."""
@@ -320,6 +322,7 @@ def test_the_dry_run_shows_the_batch_plan_and_refuses_a_world_no_rcp_fits(tmp_pa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_closed_preset_logs_every_closed_key(tmp_path):
     """The full preset, shortened to 2 steps (with tests/closed_proxy.py's small model in place of BERT-large):
     the 5.0.0 checker's only complaint is the unreached target."""
@@ -339,6 +342,7 @@ def test_closed_preset_logs_every_closed_key(tmp_path):
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.720" in failures[0], checked.stdout
 
 
+@pytest.mark.slow
 def test_an_unreadable_starting_checkpoint_is_named_without_a_traceback(tmp_path):
     (tmp_path / "model.pt").write_text("not a checkpoint")
     result = harness("run", "bert", "--preset", "tiny", "--init-checkpoint", str(tmp_path / "model.pt"),

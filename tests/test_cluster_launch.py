@@ -186,6 +186,7 @@ def test_each_node_writes_its_own_attempts_file_and_the_decider_merges_them(tmp_
 
 # --- the run itself: per-rank output, SIGTERM ---------------------------------------------------
 
+@pytest.mark.slow
 def test_ranks_write_their_own_output_files_when_asked(tmp_path):
     """As on Slurm: rank 1's traceback goes to its own file, not into the one console every rank shares."""
     out = tmp_path / "run"
@@ -199,6 +200,7 @@ def test_ranks_write_their_own_output_files_when_asked(tmp_path):
     assert "rank_1.out" in harness("logs", str(out)).stdout
 
 
+@pytest.mark.slow
 def test_sigterm_cancels_the_local_job_as_ctrl_c_does(tmp_path):
     out = tmp_path / "run"
     # Rank 0 hangs at step 3, so the job is still running when the signal comes, however fast it trains.

@@ -14,6 +14,8 @@ from workloads.common.campaign import RunOptions, seed_everything
 from workloads.gpt3.train import GPT3Workload
 from workloads.resnet.train import ResNetWorkload
 
+pytestmark = pytest.mark.slow  # real multi-process or compiled training steps
+
 WORKLOADS = {"resnet": ResNetWorkload, "bert": BertWorkload, "gpt3": GPT3Workload}
 STEPS = 3
 

@@ -115,6 +115,7 @@ def test_loader_workers_yield_the_batches_of_the_training_thread_and_keep_the_sk
     assert passes(2) == alone
 
 
+@pytest.mark.slow
 def test_trains_from_real_format_files(tmp_path):
     data = tmp_path / "c4"
     data.mkdir()
@@ -129,6 +130,7 @@ def test_trains_from_real_format_files(tmp_path):
     assert result.returncode != 0 and "lacks c4_en_6_c4_spm_text_document.idx/.bin" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_tiny_gpt3_survives_a_killed_rank_reaches_its_target_and_passes_the_checker(tmp_path):
     """`harness run gpt3` on the local default, with rank 1 killed at step 6: one restart from step 4's
     checkpoint (FSDP2's sharded state), and a log that the 4.1.0 checker passes."""
@@ -186,6 +188,7 @@ def test_memory_estimate_shrinks_with_more_gpus():
     assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8)).activations
 
 
+@pytest.mark.slow
 def test_synthetic_throughput_runs_start_from_random_weights(tmp_path):
     result = harness("run", "gpt3", "--preset", "tiny", "--synthetic", "--max-steps", "2", "--out", str(tmp_path / "r"))
     log = (tmp_path / "r" / "result_0.txt").read_text()
@@ -256,6 +259,7 @@ def test_converts_the_reference_checkpoint_layout(tmp_path):
     assert main([str(tmp_path / "ours"), str(tmp_path / "again")]) == 2  # not the reference layout: one line
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the starting checkpoint is saved in one process
 def test_closed_preset_logs_every_closed_key(tmp_path):
     """The full preset, shortened to 1 step of 1536 sequences (with tests/closed_proxy.py's small model in place

@@ -25,6 +25,7 @@ import gpu_throughput  # noqa: E402  (bench/ is not a package)
 import wheelhouse  # noqa: E402
 
 
+@pytest.mark.slow
 def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "gpt3,bert",
                            "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",

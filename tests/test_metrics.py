@@ -134,6 +134,7 @@ def test_a_clean_run_names_no_straggler(scraped_campaign):
     assert all(not run["stragglers"] for group in report for run in group["runs"])
 
 
+@pytest.mark.slow
 def test_a_slow_rank_is_named_while_the_job_runs_and_in_the_report(tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW,

@@ -202,6 +202,7 @@ def _restored_step(out: Path, attempt: int = 1) -> int | None:
                  if r["attempt"] == attempt and r["kind"] == "restore"), None)
 
 
+@pytest.mark.slow
 def test_inject_failure_restarts_and_reports_goodput(tmp_path):
     """The issue's done-when: a killed rank, a restart, a compliant log, restarts >= 1, 0 < goodput < 1."""
     out = tmp_path / "run"
@@ -218,6 +219,7 @@ def test_inject_failure_restarts_and_reports_goodput(tmp_path):
     assert not (out / "checkpoints" / "run_0").exists()  # a stopped run's checkpoints are gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", range(3))
 def test_a_rank_killed_at_a_random_step_loses_at_most_one_interval(tmp_path, trial):
     rng = random.Random(1000 + trial)
@@ -233,6 +235,7 @@ def test_a_rank_killed_at_a_random_step_loses_at_most_one_interval(tmp_path, tri
     assert [r["ok"] for r in attempts] == [False, True] and attempts[0]["step"] == step
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     """Armed at step 7, between saves: rank 1 dies writing step 10's checkpoint, which every rank takes (a rank
     starting a save alone would hang the others)."""
@@ -243,6 +246,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     assert _restored_step(out) == 5  # step 10's checkpoint was never committed
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_detected_and_the_one_before_used(tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--inject-failure", "0:12:corrupt", "--checkpoint-every", "5",
@@ -252,6 +256,7 @@ def test_a_corrupt_checkpoint_is_detected_and_the_one_before_used(tmp_path):
     assert _restored_step(out) == 5
 
 
+@pytest.mark.slow
 def test_a_workload_exception_is_not_retried(tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--inject-failure", "1:5:exception", "--out", str(out))
@@ -262,6 +267,7 @@ def test_a_workload_exception_is_not_retried(tmp_path):
     assert len(ends) == 1 and ends[0]["kind"] == WORKLOAD
 
 
+@pytest.mark.slow
 def test_no_restarts_left_stops_with_its_own_exit_code(tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--inject-failure", "0:3", "--max-restarts", "0", "--out", str(out))

@@ -107,6 +107,7 @@ def test_report_reads_the_campaign_in_every_format(tiny_campaign):
     assert "no score (2 of 5 required runs)" in few
 
 
+@pytest.mark.slow
 def test_closed_preset_logs_every_closed_key(tmp_path):
     """ResNet-50, synthetic input, 3 steps: the checker's only complaint is the unreached target."""
     out = tmp_path / "closed"
@@ -170,6 +171,7 @@ def test_optimizer_is_refused_for_other_benchmarks(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
     """ResNet-50, synthetic input, one step with LARS forced: the checker's only complaint is the unreached target."""
     out = tmp_path / "closed"
@@ -184,6 +186,7 @@ def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.7590" in failures[0], failures
 
 
+@pytest.mark.slow
 def test_the_tiny_resnet_reaches_its_target_with_lars(tmp_path):
     result = worker_run(tmp_path / "lars", "--optimizer", "lars", "--seed", "3", procs=2)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -237,6 +240,7 @@ def _list_on_a_rank(ctx, folder):
     return {"scans": len(scans), "images": images}
 
 
+@pytest.mark.slow
 def test_the_file_list_is_scanned_once_and_shared(tmp_path):
     """Rank 0 lists the folder (the class folder and each class), rank 1 lists nothing, and both get
     ImageFolder's list and order; a folder rank 0 cannot list fails on both ranks with its message."""
@@ -254,6 +258,7 @@ def test_the_file_list_is_scanned_once_and_shared(tmp_path):
         run_ranks(_list_on_a_rank, 2, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_folder_without_images_is_named_on_every_rank(tmp_path):
     _write_images(tmp_path / "data")
     shutil.rmtree(tmp_path / "data" / "val")
