@@ -257,6 +257,20 @@ def test_the_node_of_a_persistent_straggler_is_kept_out_of_the_next_attempt(tmp_
     assert "straggler: rank 1 computed at 0.40 of the fastest rank's speed for 3 windows" in record["excluded"]["b"][0]
 
 
+@pytest.mark.parametrize("slow_windows, blamed", [(1, []), (2, []), (3, ["b"])])
+def test_a_straggler_is_blamed_only_after_three_slow_windows_in_a_row(tmp_path, slow_windows, blamed):
+    """An attempt that closed one or two windows, every one slow, blames nobody: one slow window is no verdict."""
+    import json
+
+    from harness import preflight
+
+    _failed_attempt(tmp_path, "SIGTERM")
+    window = {"attempt": 0, "kind": "stragglers", "start": 1.0, "end": 1.0, "steps": [10, 10],
+              "stragglers": [{"rank": 1, "node": "b", "score": 0.4}]}
+    (tmp_path / "run_0.jsonl").write_text("".join(json.dumps(window) + "\n" for _ in range(slow_windows)))
+    assert list(preflight.decide(tmp_path, ["a", "b"], 1, blame_failures=True)["excluded"]) == blamed
+
+
 def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_avoids_the_bad_one(tmp_path,
                                                                                                monkeypatch):
     from harness import preflight, profiles

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.common.run_record import read_attempts, read_json_lines, run_record_path
+from workloads.common.resilience_options import STRAGGLER_PERSIST
 
 BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other", "preflight")
 
@@ -120,11 +121,11 @@ def attempt_stragglers(record: Path, attempt: int) -> list[dict]:
     return named_stragglers([r for r in _intervals(record) if r["attempt"] == attempt])
 
 
-def named_stragglers(intervals: list[dict], persist: int = 3) -> list[dict]:
-    """Ranks below the threshold in `persist` straggler windows in a row (in every window, when a run had
-    fewer), with their median score over the windows where they were slow (workloads.common.stragglers)."""
+def named_stragglers(intervals: list[dict], persist: int = STRAGGLER_PERSIST) -> list[dict]:
+    """Ranks below the threshold in `persist` straggler windows in a row, with their median score over the
+    windows where they were slow (workloads.common.stragglers). An attempt with fewer windows names none:
+    one slow window is no verdict, and the next attempt's preflight must not keep a node out for it."""
     windows = [r for r in intervals if r["kind"] == "stragglers" and isinstance(r.get("stragglers"), list)]
-    needed = min(persist, len(windows))
     streak: dict[int, int] = {}
     found: dict[int, dict] = {}
     for window in windows:
@@ -138,6 +139,6 @@ def named_stragglers(intervals: list[dict], persist: int = 3) -> list[dict]:
     result = []
     for rank, named in sorted(found.items()):
         scores = sorted(s for s in named.pop("scores") if isinstance(s, (int, float)))
-        if needed and named["windows"] >= needed and scores:
+        if named["windows"] >= persist and scores:
             result.append({**named, "score": scores[len(scores) // 2]})
     return result

@@ -23,6 +23,9 @@ FAULT_KINDS = {
 }
 STALL_S = 10.0  # what --inject-failure RANK:STEP:stall holds the worker for
 _UNITS = {"s": 1, "m": 60, "h": 3600}
+# Straggler windows in a row below the threshold before a rank is named (and its node blamed): one slow
+# window is noise (a checkpoint flush, a page-cache miss), never a verdict, however short the attempt.
+STRAGGLER_PERSIST = 3
 
 
 @dataclass(frozen=True)

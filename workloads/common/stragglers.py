@@ -12,7 +12,7 @@ rank agrees on) the ranks all-gather their mean forward time and mean step time,
 floats each, and score themselves as NVIDIA's resiliency extension does: the fastest
 rank's time / this rank's (1.0: as fast as the fastest). A rank under the threshold
 (0.75) is a straggler; rank 0 writes every window to the run record and names, once, a
-straggler that stays for PERSIST windows in a row. The detector's own time is measured
+straggler that stays for STRAGGLER_PERSIST windows in a row. The detector's own time is measured
 too, so its overhead is a recorded fact.
 
 The window's step count follows the pace: each is sized from the slowest rank's step
@@ -37,11 +37,10 @@ import torch.distributed as dist
 from workloads.common.distributed import DistContext
 from workloads.common.metrics_feed import FEED
 from workloads.common.progress import announce
-from workloads.common.resilience_options import StragglerWindow
+from workloads.common.resilience_options import STRAGGLER_PERSIST, StragglerWindow
 
 THRESHOLD = 0.75
 CALIBRATE_STEP = 5  # steps before the window length is fixed (start-up steps are slow on every rank)
-PERSIST = 3  # windows in a row before a straggler is named
 
 
 class StragglerWatch:
@@ -152,7 +151,7 @@ class StragglerWatch:
             "threshold": self.threshold, "window_steps": self.window_steps,
             "overhead_s": {"hooks": round(self.hooks_s, 6), "windows": round(self.windows_s, 6)}})
         for rank, streak in self._streak.items():
-            if streak >= PERSIST and rank not in self._named:
+            if streak >= STRAGGLER_PERSIST and rank not in self._named:
                 self._named.add(rank)
                 announce(f"straggler: rank {rank} on {self._nodes[rank]} computes at {scores[rank]:.2f} of the "
                          f"fastest rank's speed, {streak} windows in a row (threshold {self.threshold})")
