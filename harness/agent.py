@@ -67,7 +67,11 @@ INFRASTRUCTURE, WORKLOAD = "infrastructure", "workload"
 # Exception text that means the machine, the network or a peer failed, not the training code.
 _INFRASTRUCTURE_ERRORS = re.compile(
     r"OutOfMemoryError|out of memory|DistBackendError|DistNetworkError|DistStoreError|NCCL|[Gg]loo|"
-    r"Connection (reset|closed|refused)|Broken pipe|[Tt]imed? ?out|ECC error|Socket Timeout")
+    r"Connection (reset|closed|refused)|Broken pipe|[Tt]imed? ?out|ECC error|Socket Timeout|"
+    # A GPU that failed under the program: a launch that died with the device (Xid 13/31/43/79 leave these),
+    # a device off the bus, or one the driver no longer hands out. Retried like any other hardware fault.
+    r"unspecified launch failure|CUDA error: unknown error|fallen off the bus|\bXid\b|"
+    r"CUDA-capable device\(s\) is/are busy or unavailable")
 
 
 @dataclass(frozen=True)

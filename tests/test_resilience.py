@@ -28,6 +28,11 @@ def test_failures_are_classified_by_what_failed():
     assert classify(0, 1, None, "RuntimeError: [gloo] Connection closed by peer", True).kind == INFRASTRUCTURE
     assert classify(0, 1, None, "torch.distributed.DistBackendError: NCCL watchdog timeout", True).kind \
         == INFRASTRUCTURE
+    for gpu_fault in ("RuntimeError: CUDA error: unspecified launch failure",
+                      "torch.AcceleratorError: CUDA error: unknown error",
+                      "RuntimeError: GPU has fallen off the bus (Xid 79)",
+                      "RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable"):
+        assert classify(0, 1, None, gpu_fault, True).kind == INFRASTRUCTURE, gpu_fault  # retried, not stopped
     assert classify(0, 1, None, "ValueError: bad shape", True).kind == WORKLOAD
     assert classify(0, 1, None, "TrainingDiverged: the training loss is nan at step 7", True).kind == WORKLOAD
     assert classify(0, 2, None, "", False).kind == WORKLOAD  # an exit the program chose
