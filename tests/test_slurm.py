@@ -71,6 +71,23 @@ def test_values_reach_the_shell_quoted(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.parametrize("usable, verdict", [("4\n", None), ("1\n2\n", None), ("2\n", "has 2 usable"),
+                                            ("", "has 0 usable")])
+def test_a_requeued_job_pending_on_busy_nodes_waits_and_one_without_enough_nodes_is_given_up(monkeypatch, usable,
+                                                                                            verdict):
+    """ReqNodeNotAvail is routine on a busy partition: only fewer usable nodes than the job needs end it."""
+    import harness.launchers.slurm as slurm
+
+    answers = {"scontrol": "JobId=7 Restarts=1 Reason=ReqNodeNotAvail,_UnavailableNodes:node3 NumNodes=3-3 "
+                           "Partition=gpu", "sinfo": usable}
+    monkeypatch.setattr(slurm, "_run", lambda argv: subprocess.CompletedProcess(argv, 0, answers[argv[0]], ""))
+    unfit = get_launcher("slurm")._cannot_fit("7")
+    if verdict is None:
+        assert unfit is None
+    else:
+        assert verdict in unfit and "needs 3 node(s)" in unfit and "ReqNodeNotAvail" in unfit
+
+
 @pytest.mark.slurm
 def test_tiny_resnet_across_two_slurm_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "run"

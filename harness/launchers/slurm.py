@@ -288,17 +288,23 @@ class SlurmLauncher(Launcher):
         return state
 
     def _cannot_fit(self, job_id: str) -> str | None:
-        """Why a requeued job can no longer start (its nodes are down or drained), or None."""
+        """Why a requeued job can no longer start, or None. Slurm's reason alone is no verdict: a job pending
+        on ReqNodeNotAvail on a busy partition starts once nodes free up, so it is given up only when the
+        partition's usable nodes (up, not drained: idle, mixed or allocated) are fewer than it needs."""
         shown = _run(["scontrol", "show", "job", "-o", job_id]).stdout
         fields = dict(re.findall(r"\b(Restarts|Reason|NumNodes|Partition)=(\S+)", shown))
         if int(fields.get("Restarts", "0")) == 0 or not UNFIT_REASON.search(fields.get("Reason", "")):
             return None
-        usable = _run(["sinfo", "-h", "-p", fields.get("Partition", ""), "-t", "idle,mixed,allocated",
+        listed = _run(["sinfo", "-h", "-p", fields.get("Partition", ""), "-t", "idle,mixed,allocated",
                        "-o", "%D"]).stdout.split()
+        usable = sum(int(n) for n in listed if n.isdigit())
+        needed = re.match(r"\d+", fields.get("NumNodes", ""))
+        if needed is None or usable >= int(needed.group()):
+            return None
         return (f"Slurm job {job_id} was requeued after a failure but cannot start again: it needs "
-                f"{fields.get('NumNodes', '?')} node(s) and partition {fields.get('Partition', '?')} has "
-                f"{sum(map(int, usable)) if usable else 0} usable (Slurm's reason: {fields['Reason']}); the job "
-                "was cancelled: run it again with fewer --nodes, or once the nodes are back")
+                f"{needed.group()} node(s) and partition {fields.get('Partition', '?')} has {usable} usable "
+                f"(Slurm's reason: {fields['Reason']}); the job was cancelled: run it again with fewer --nodes, "
+                "or once the nodes are back")
 
     def _exit_code(self, job_id: str) -> int | None:
         """The batch script's exit code (scontrol's ExitCode=<code>:<signal>), while Slurm remembers the job."""
