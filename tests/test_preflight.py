@@ -386,3 +386,23 @@ def test_a_node_whose_between_node_checks_never_ran_does_not_pass(tmp_path):
     assert verdicts["a"]["ok"] and not verdicts["b"]["ok"]
     (failed,) = [c for c in verdicts["b"]["checks"] if c.verdict == "fail"]
     assert failed.name == "pair_busbw" and failed.note == "the between-node checks did not finish"
+
+
+def test_a_between_node_phase_that_timed_out_everywhere_fails_every_node(tmp_path):
+    """A NIC that breaks NCCL's set-up times the between-node phase out on every node: each report holds only
+    what the node wrote before it (no "pairs" at all), and no node passes the link check untested."""
+    import json
+
+    from harness import preflight
+    from harness.health import NODES_DIR
+
+    for node in ("a", "b", "c"):
+        _report(tmp_path, node, 470)
+        path = tmp_path / NODES_DIR / f"{node}.json"
+        record = json.loads(path.read_text())
+        del record["pairs"]  # as written before the all-reduces, and never again
+        path.write_text(json.dumps(record))
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c"])
+    for node in ("a", "b", "c"):
+        (failed,) = [c for c in verdicts[node]["checks"] if c.verdict == "fail"]
+        assert failed.name == "pair_busbw" and "did not finish" in failed.note and not verdicts[node]["ok"]
