@@ -75,6 +75,17 @@ def test_a_healthy_h100_node_passes_every_nvml_check():
             "pcie_link"} == {c.name for c in checks}
 
 
+@pytest.mark.parametrize("name, matmul", [("NVIDIA H100 80GB HBM3", 600.0), ("NVIDIA H200", 600.0),
+                                          ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None),
+                                          ("NVIDIA H200 NVL", None), ("NVIDIA B200", None)])
+def test_thresholds_follow_the_exact_model_never_a_substring(name, matmul):
+    """An H100 PCIe or NVL has "H100" in its name but not the SXM's speed: it gets no SXM row (its checks are
+    skipped and say so) rather than thresholds that fail every such node."""
+    th = resolve({}, name)
+    assert th["min_matmul_tflops"] == matmul
+    assert (th["min_allreduce_busbw_gbps"] is None) == (matmul is None)
+
+
 def test_a_missing_gpu_fails_the_count_with_what_was_seen():
     [count] = [c for c in nvml_checks(FakeNVML(count=7), 8, H100) if c.name == "gpu_count"]
     assert (count.verdict, count.measured, count.threshold) == (FAIL, 7, "== 8")

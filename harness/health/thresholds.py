@@ -17,8 +17,13 @@ Where each default comes from:
   - min_free_gib 100: room for a few full checkpoints of the largest benchmark (GPT-3's shards per run).
 - CPU nodes (the `local-cpu` profile, laptops, CI): gloo over TCP; only what applies, with thresholds
   that catch a broken setup (a rank that cannot reach its peer, a full disk) rather than a slow one.
-A model with no row here gets no default: its checks say `skipped: no threshold ...` until the profile
-sets them.
+- H200 SXM: the same HGX board as the H100 SXM (NVLink 4 through NVSwitch, 8x ConnectX-7 NDR, PCIe Gen5
+  x16) and the same 989 dense bf16 TFLOPS (NVIDIA's H200 datasheet; workloads/common/gpu_peaks.py), so the
+  same row.
+Rows are matched by the exact name NVML reports, never a substring: an H100 PCIe (756 TFLOPS, no NVSwitch)
+or NVL has "H100" in its name too, and the SXM's thresholds would fail every such node. A model with no row
+here (those among them) gets no default: its checks say `skipped: no threshold ...` until the profile sets
+them.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import dataclasses
 
 from harness.profiles import PreflightSettings
 
-GPU_DEFAULTS: dict[str, dict] = {
-    "H100": dict(min_matmul_tflops=600.0, min_allreduce_busbw_gbps=460.0, allreduce_mib=16384,
+_HGX_H100 = dict(min_matmul_tflops=600.0, min_allreduce_busbw_gbps=460.0, allreduce_mib=16384,
                  min_pair_busbw_gbps=40.0, pair_mib=1024, max_temperature_c=85, min_pcie_gen=5, min_pcie_width=16,
-                 ib_rate_gbps=400, max_ib_link_errors=6, min_free_gib=100.0),
+                 ib_rate_gbps=400, max_ib_link_errors=6, min_free_gib=100.0)
+GPU_DEFAULTS: dict[str, dict] = {  # by the exact name NVML reports
+    "NVIDIA H100 80GB HBM3": _HGX_H100,  # H100 SXM5
+    "NVIDIA H200": _HGX_H100,  # H200 SXM
 }
 CPU_DEFAULTS = dict(min_allreduce_busbw_gbps=0.005, allreduce_mib=4, min_pair_busbw_gbps=0.005, pair_mib=4,
                     ib_rate_gbps=0, max_ib_link_errors=6, min_free_gib=1.0)
@@ -46,7 +53,7 @@ def resolve(settings: PreflightSettings | dict, gpu_name: str | None) -> dict:
     if gpu_name is None:
         defaults = CPU_DEFAULTS
     else:
-        defaults = next((row for model, row in GPU_DEFAULTS.items() if model.lower() in gpu_name.lower()), {})
+        defaults = GPU_DEFAULTS.get(gpu_name.strip(), {})
     merged = {key: value if value is not None else defaults.get(key) for key, value in values.items()}
     for key, size in FALLBACK_SIZES.items():
         merged[key] = merged.get(key) or size
