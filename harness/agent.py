@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.blame import GPU_HARDWARE, PEER_LOSS
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
 from workloads.common.requirements_check import exit_if_unfit
@@ -65,13 +66,8 @@ CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose result
 REPEATS_TO_STOP = 3
 INFRASTRUCTURE, WORKLOAD = "infrastructure", "workload"
 # Exception text that means the machine, the network or a peer failed, not the training code.
-_INFRASTRUCTURE_ERRORS = re.compile(
-    r"OutOfMemoryError|out of memory|DistBackendError|DistNetworkError|DistStoreError|NCCL|[Gg]loo|"
-    r"Connection (reset|closed|refused)|Broken pipe|[Tt]imed? ?out|ECC error|Socket Timeout|"
-    # A GPU that failed under the program: a launch that died with the device (Xid 13/31/43/79 leave these),
-    # a device off the bus, or one the driver no longer hands out. Retried like any other hardware fault.
-    r"unspecified launch failure|CUDA error: unknown error|fallen off the bus|\bXid\b|"
-    r"CUDA-capable device\(s\) is/are busy or unavailable")
+# Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
+_INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}")
 
 
 @dataclass(frozen=True)

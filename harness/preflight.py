@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from harness.health import FAIL, NODES_DIR, PASS, SKIPPED, Check
+from harness.blame import culprits
 from harness.results.goodput import attempt_stragglers
 from workloads.common.run_record import read_attempts
 
@@ -72,10 +73,10 @@ def settled(records: list[dict]) -> bool:
 
 
 def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
-    """Machines a failed training attempt points at, with the cause: a rank killed by a signal other than
-    the SIGTERM its peers get when one fails, a node that started the attempt and never ended it, or the
-    node of a rank the straggler checks named (slow over several windows in a row). Where the agents ran in
-    pods, a record's `host` (the Kubernetes node under the pod) is what is blamed.
+    """Machines a failed training attempt points at, with the cause: its culprits by the failure policy
+    (harness.blame: a lost node, a GPU hardware error, the first failure with a cause of its own, never the
+    peers NCCL aborted after it), and the node of a rank the straggler checks named (slow over several windows
+    in a row). Where the agents ran in pods, a record's `host` (the Kubernetes node under the pod) is blamed.
 
     `attempt` is the one judged: by default the newest, which a requeued Slurm job's preflight judges even
     when no agent lived to record its end; the Kubernetes watcher names the newest that ended everywhere
@@ -90,12 +91,7 @@ def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
             r.get("event") == "end" and not r.get("ok") for r in mine):
         return {}
     host = {r["node"]: r.get("host", r["node"]) for r in mine if r.get("event") == "start"}
-    blamed = {host.get(r["node"], r["node"]): r.get("cause", "failed") for r in mine if r.get("event") == "end"
-              and not r.get("ok") and r.get("kind") == "infrastructure" and r.get("signal") not in (None, "SIGTERM")}
-    ended = {r["node"] for r in mine if r.get("event") == "end"}
-    if ended:  # an attempt that no node ended (a whole job killed) loses none in particular
-        blamed.update({host[r["node"]]: "the node was lost: its agent never recorded the attempt's end"
-                       for r in mine if r.get("event") == "start" and r["node"] not in ended})
+    blamed = culprits(mine)
     for record in sorted(Path(out).glob("run_*.jsonl")):
         for slow in attempt_stragglers(record, attempt):
             node = str(slow["node"])

@@ -1,0 +1,63 @@
+"""The failure policy: which node failed first with a cause of its own, and which only went down with it.
+
+At 448 nodes one part fails and the rest follow. NCCL's watchdog aborts every rank that waits on a lost peer
+(SIGABRT, or an NCCL or gloo error: a timeout, a closed connection), and each node agent SIGTERMs its own
+ranks once one of them fails. Blaming every node that ended badly would keep the healthy peers out of the
+next attempt (which then has too few nodes) and drain or taint them. So, for one attempt's records (each
+node agent's start and end, harness.agent):
+
+- a node that started the attempt and never recorded its end was lost: a culprit;
+- a GPU that failed under the program (GPU_HARDWARE: an Xid, a device off the bus, a dead launch) blames its
+  node wherever it came in the order;
+- otherwise the failure with a cause of its own (a SIGKILL from the OOM killer, a segfault) that ended first
+  is the culprit, and only when no node was lost;
+- a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), is a victim, never blamed; when
+  only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
+- a workload error is the program's: it blames no node.
+
+Nodes are ordered by when their agent recorded the end: the culprit's agent ends as soon as its rank dies,
+its peers' only after NCCL gave up on it. Stragglers are judged apart (harness.results.goodput).
+"""
+
+from __future__ import annotations
+
+import re
+
+# Errors a rank raises when a peer went away or the network failed between them: a victim's, not a cause.
+PEER_LOSS = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|NCCL|[Gg]loo|Connection (reset|closed|"
+                       r"refused)|Broken pipe|[Tt]imed? ?out|Socket Timeout")
+# A GPU that failed under the program (Xid 13/31/43/48/79 and ECC faults leave these): its node is at fault.
+GPU_HARDWARE = re.compile(r"ECC error|unspecified launch failure|CUDA error: unknown error|fallen off the bus|"
+                          r"\bXid\b|CUDA-capable device\(s\) is/are busy or unavailable")
+VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
+WORKLOAD = "workload"  # harness.agent's kind for the program's own errors
+
+
+def culprits(records: list[dict]) -> dict[str, str]:
+    """{node: why} for the nodes one attempt's failure is pinned on (see the module docstring). `records` are
+    that attempt's start and end records; a record's `host` (the Kubernetes node under a pod) is what is named."""
+    host = {r["node"]: r.get("host", r["node"]) for r in records if r.get("event") == "start"}
+    ends = [r for r in records if r.get("event") == "end"]
+    if not ends or (any(r.get("ok") for r in ends) and all(r.get("ok") for r in ends)):
+        return {}  # a whole job killed at once (no node ended it) loses none in particular; a success, none
+    blamed: dict[str, str] = {}
+    ended = {r["node"] for r in ends}
+    for node in host:
+        if node not in ended:
+            blamed[host[node]] = "the node was lost: its agent never recorded the attempt's end"
+    failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") != WORKLOAD),
+                    key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else float("inf"))
+    for record in failed:
+        if GPU_HARDWARE.search(record.get("cause") or ""):
+            blamed[host.get(record["node"], record["node"])] = record["cause"]
+    own = [r for r in failed if not _victim(r)]
+    if own and not blamed:
+        first = own[0]
+        blamed[host.get(first["node"], first["node"])] = first.get("cause") or "failed"
+    return blamed
+
+
+def _victim(record: dict) -> bool:
+    """Whether a failed node's end reads as going down with a peer rather than failing by itself."""
+    cause = record.get("cause") or ""
+    return record.get("signal") in VICTIM_SIGNALS or (bool(PEER_LOSS.search(cause)) and not GPU_HARDWARE.search(cause))

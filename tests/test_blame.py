@@ -1,0 +1,68 @@
+"""The failure policy: the culprit is blamed, never the peers NCCL aborted after it (harness.blame)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import preflight
+from harness.agent import INFRASTRUCTURE, classify
+
+NODES = ("node-a", "node-b", "node-c", "node-d")
+ABORTED = {"kind": INFRASTRUCTURE, "signal": "SIGABRT", "cause": "rank 9 killed by SIGABRT"}
+NCCL_TIMEOUT = {"kind": INFRASTRUCTURE, "signal": None,
+                "cause": "rank 13: torch.distributed.DistBackendError: [Rank 13] Watchdog caught collective "
+                         "operation timeout: WorkNCCL(SeqNum=4107, OpType=ALLREDUCE) ran for 600000 milliseconds"}
+
+
+def _attempt(out: Path, ends: dict[str, dict | None], pods: bool = False) -> None:
+    """Attempt 0 of a 4-node job: every node started it; `ends` maps a node to its end (None: it never ended),
+    each a second after the one before, in the order given. With `pods`, each agent ran in a pod on the node."""
+    records = []
+    for node in NODES:
+        host = {"node": f"pod-{node}", "host": node} if pods else {"node": node}
+        records.append({"event": "start", "attempt": 0, **host, "time": 100.0})
+    for seconds, (node, end) in enumerate(ends.items()):
+        if end is not None:
+            host = {"node": f"pod-{node}", "host": node} if pods else {"node": node}
+            records.append({"event": "end", "attempt": 0, **host, "time": 200.0 + seconds, "ok": False, **end})
+    (out / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("pods", [False, True], ids=["slurm", "kubernetes"])
+def test_a_lost_node_is_blamed_and_the_peers_nccl_aborted_are_not(tmp_path, pods):
+    _attempt(tmp_path, {"node-a": None, "node-b": ABORTED, "node-c": ABORTED, "node-d": NCCL_TIMEOUT}, pods)
+    blamed = preflight.blamed_nodes(tmp_path)
+    assert list(blamed) == ["node-a"] and "lost" in blamed["node-a"]
+
+
+def test_the_first_failure_with_its_own_cause_is_the_culprit(tmp_path):
+    """node-c's rank was OOM-killed first; the others aborted after it, one of them SIGKILLed by its own agent
+    after the SIGTERM grace period: only node-c is blamed."""
+    killed = {"kind": INFRASTRUCTURE, "signal": "SIGKILL", "cause": "rank 8 killed by SIGKILL"}
+    _attempt(tmp_path, {"node-c": killed, "node-a": ABORTED, "node-b": NCCL_TIMEOUT,
+                        "node-d": {**killed, "cause": "rank 12 killed by SIGKILL"}})
+    assert list(preflight.blamed_nodes(tmp_path)) == ["node-c"]
+
+
+def test_a_gpu_hardware_error_is_retried_and_blames_its_node(tmp_path):
+    message = "RuntimeError: CUDA error: unspecified launch failure\nCompile with TORCH_USE_CUDA_DSA"
+    failure = classify(5, 1, None, message, has_error_file=True)
+    assert failure.kind == INFRASTRUCTURE  # retried within the budget, not stopped as the program's error
+    gpu = {"kind": failure.kind, "signal": None, "cause": failure.cause}
+    _attempt(tmp_path, {"node-a": ABORTED, "node-b": gpu, "node-c": NCCL_TIMEOUT, "node-d": ABORTED})
+    assert preflight.blamed_nodes(tmp_path) == {"node-b": "rank 5: RuntimeError: CUDA error: unspecified launch "
+                                                          "failure"}
+
+
+def test_when_every_rank_only_waited_on_a_peer_no_node_is_named(tmp_path):
+    _attempt(tmp_path, {"node-a": NCCL_TIMEOUT, "node-b": ABORTED, "node-c": NCCL_TIMEOUT, "node-d": ABORTED})
+    assert preflight.blamed_nodes(tmp_path) == {}
+
+
+def test_a_workload_error_blames_no_node(tmp_path):
+    error = {"kind": "workload", "signal": None, "cause": "rank 2: ValueError: bad shape"}
+    _attempt(tmp_path, {"node-a": error, "node-b": ABORTED, "node-c": ABORTED, "node-d": ABORTED})
+    assert preflight.blamed_nodes(tmp_path) == {}
