@@ -9,7 +9,7 @@ import pytest
 from harness.health import FAIL, PASS, SKIPPED
 from harness.health.allreduce import pair_rounds
 from harness.health.gpu import nvml_checks
-from harness.health.ib import ib_checks
+from harness.health.ib import ib_checks, nccl_selects
 from harness.health.thresholds import resolve
 
 
@@ -106,13 +106,44 @@ def test_no_gpu_is_skipped_where_none_is_promised_and_failed_where_one_is():
     assert (count.name, count.verdict, count.measured) == ("gpu_count", FAIL, 0)
 
 
-def _port(root: Path, hca: str, state="4: ACTIVE", rate="400 Gb/sec (4X NDR)", link_downed=0):
-    port = root / hca / "ports" / "1"
+def _port(root: Path, hca: str, state="4: ACTIVE", rate="400 Gb/sec (4X NDR)", link_downed=0, number=1):
+    port = root / hca / "ports" / str(number)
     (port / "counters").mkdir(parents=True)
     (port / "state").write_text(state + "\n")
     (port / "rate").write_text(rate + "\n")
     (port / "counters" / "link_downed").write_text(f"{link_downed}\n")
     (port / "counters" / "link_error_recovery").write_text("0\n")
+
+
+EIGHT_NICS = ",".join(f"mlx5_{i}" for i in range(8))
+
+
+@pytest.mark.parametrize("selection", [EIGHT_NICS, "=" + EIGHT_NICS, "^mlx5_8"])
+def test_only_the_hcas_nccl_uses_are_judged(tmp_path, selection):
+    """8 NDR ports that NCCL trains on and a 200 Gb/s front-end NIC beside them: no failure."""
+    for i in range(8):
+        _port(tmp_path, f"mlx5_{i}")
+    _port(tmp_path, "mlx5_8", rate="200 Gb/sec (4X HDR)", state="1: DOWN")  # the front-end (or storage) NIC
+    checks = ib_checks(H100, 8, tmp_path, selection)
+    assert not [c for c in checks if c.verdict == FAIL], [c for c in checks if c.verdict == FAIL]
+    assert {c.where for c in checks if c.name == "ib_port_state"} == {f"mlx5_{i}/1" for i in range(8)}
+    unselected = {c.name for c in ib_checks(H100, 8, tmp_path, None) if c.where == "mlx5_8/1" and c.verdict == FAIL}
+    assert unselected == {"ib_port_state", "ib_port_rate"}  # what every node failed before
+
+
+def test_a_selection_by_port_leaves_an_uncabled_second_port_alone(tmp_path):
+    for i in range(8):
+        _port(tmp_path, f"mlx5_{i}")
+    _port(tmp_path, "mlx5_0", state="1: DOWN", rate="10 Gb/sec (4X SDR)", number=2)  # never cabled
+    checks = ib_checks(H100, 8, tmp_path, ",".join(f"mlx5_{i}:1" for i in range(8)))
+    assert not [c for c in checks if c.verdict == FAIL] and "mlx5_0/2" not in {c.where for c in checks}
+
+
+def test_nccl_reads_hca_names_as_prefixes_unless_exact():
+    assert nccl_selects("mlx5", "mlx5_3", "1") and nccl_selects("ibp", "ibp0", "1")
+    assert not nccl_selects("=mlx5", "mlx5_3", "1") and nccl_selects("=mlx5_3", "mlx5_3", "1")
+    assert not nccl_selects("mlx5_0:1", "mlx5_0", "2") and not nccl_selects("^mlx5_8", "mlx5_8", "1")
+    assert nccl_selects(None, "anything", "1") and nccl_selects("", "anything", "1")
 
 
 def test_infiniband_ports_from_a_fake_sysfs(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.health import NODES_DIR, at_least, fault_scale, skipped
 from harness.health.allreduce import between_nodes, intra_node
 from harness.health.gpu import NO_GPU, XidWatch, gpu_name, load_nvml, matmul_tflops, nvml_checks
-from harness.health.ib import SYSFS_ROOT, ib_checks
+from harness.health.ib import HCA_ENV, SYSFS_ROOT, ib_checks
 from harness.health.storage import storage_checks
 from harness.health.thresholds import resolve
 
@@ -53,7 +53,7 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvm
         checks.append(skipped("allreduce_busbw", f"{ranks} usable GPU(s): nothing to all-reduce inside the node"))
     checks += nvml_checks(nvml, gpus, th)  # after the load: PCIe links leave their idle state under work
     checks.append(watch.check() if watch else skipped("xid_events", NO_GPU))
-    checks += ib_checks(th, rdma, sysfs)
+    checks += ib_checks(th, rdma, sysfs, os.environ.get(HCA_ENV))  # the HCAs NCCL uses, not every port
     checks += storage_checks(out / "preflight", node, th["min_free_gib"])
     return checks, th
 
