@@ -89,6 +89,10 @@ class PreflightSettings:
     ib_rate_gbps: int | None = None  # every active InfiniBand port's rate; 0: any rate
     max_ib_link_errors: int | None = None  # link_downed + link_error_recovery per port
     min_free_gib: float | None = None  # free space in the shared results folder
+    # The whole health phase's deadline on every backend (Slurm's step --time, Kubernetes' activeDeadlineSeconds):
+    # a node whose check hangs (NVML and CUDA calls can, on a GPU after Xid 79) is then judged without the
+    # report it never wrote, and the other nodes are not held until the job's wall-time limit.
+    deadline_s: int = 1200
 
 
 @dataclass

@@ -380,6 +380,20 @@ def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apar
     assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
 
 
+def test_the_slurm_health_step_has_a_deadline_from_the_profile():
+    """srun's --time ends the health step of a node whose check hangs; the judge step then runs."""
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["preflight.deadline_s=300"])
+    spec = JobSpec("gpt3", nodes=4, preflight=True, profile=profile, out_dir=Path("/mnt/results/x")).resolved()
+    script = get_launcher("slurm").render(spec).text
+    (health,) = [line for line in script.splitlines() if "-m harness.health" in line]
+    assert "srun --ntasks-per-node=1 --time=5 " in health and health.rstrip().endswith("|| true  # a node "
+                                                                                       "without a report is judged failed below")
+
+
 def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
     from harness import profiles
     from harness.launchers import get_launcher
@@ -391,6 +405,8 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
     body = request.payload["body"]
     assert body["kind"] == "PyTorchJob" and body["metadata"]["name"] == "resnet-tiny-preflight"
     assert body["spec"]["nprocPerNode"] == "1" and body["spec"]["runPolicy"]["backoffLimit"] == 0
+    # A hung check cannot hold every node: the operator fails the job at the profile's deadline.
+    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s == 1200
     replicas = body["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 3  # spares are checked too
     for replica in replicas.values():

@@ -49,6 +49,9 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
     job["metadata"]["name"] = preflight_name(spec)
     job["spec"]["nprocPerNode"] = "1"  # WORLD_SIZE = pods, RANK = the pod's index: one rank per node
     job["spec"]["runPolicy"]["backoffLimit"] = 0
+    # A hung check (a GPU after Xid 79) must not hold every node: the operator fails the job at the deadline,
+    # and a node without a report is judged failed.
+    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = spec.profile.preflight.deadline_s
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         # One pod per node: no two pods of this job on one host (the operator labels pods with the job's name).
         anti = {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {

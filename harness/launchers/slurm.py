@@ -17,6 +17,7 @@ and shell lines, where every value is quoted with shlex.quote.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import shutil
@@ -95,7 +96,9 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
     """Preflight inside the allocation: every node runs its checks, then one step judges them and prints the
     nodes training uses into ${training_nodes} (the healthiest --nodes; too few stops the job)."""
     # No --kill-on-bad-exit: one node's crash must not stop the others' checks (it is judged failed below).
-    health = shlex.join(["srun", "--ntasks-per-node=1", *container, *health_command(inside, python)])
+    deadline_min = max(1, math.ceil(spec.profile.preflight.deadline_s / 60))  # srun's --time is in minutes
+    health = shlex.join(["srun", "--ntasks-per-node=1", f"--time={deadline_min}", *container,
+                         *health_command(inside, python)])
     # The judge runs on the batch host, which runs this script: never on a node it may keep out.
     judge = ["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.preflight", "--out",
              str(inside.out_dir), "--nodes", str(spec.nodes), "--allocated"]
