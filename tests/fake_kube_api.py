@@ -33,7 +33,7 @@ pod.go, pkg/core, the PyTorchJob reconciler), as far as restarts go:
   pod deleted through the API is created again at the next pass.
 
 Where `nodes` holds Nodes, a fake scheduler binds each new job pod (spec.nodeName) to
-the first Node that its required node affinity (kubernetes.io/hostname In / NotIn)
+the first Node that its required node affinity (metadata.name or kubernetes.io/hostname In / NotIn)
 admits, whose NoSchedule and NoExecute taints it tolerates, and that holds no other pod
 of the same job (one training pod fills a node's GPUs); with none left it stays Pending.
 """
@@ -177,10 +177,13 @@ class FakeKubeAPI:
         taken = {p["spec"].get("nodeName") for p in self.job_pods(pod["metadata"]["namespace"], job).values()}
 
         def admits(term: dict, node: str) -> bool:
-            for expression in term.get("matchExpressions", []):
-                assert expression["key"] == "kubernetes.io/hostname", expression
-                if (node in expression["values"]) != (expression["operator"] == "In"):
-                    return False
+            # Every node here has kubernetes.io/hostname equal to its name; matchFields reads the name itself.
+            for key, expressions in (("kubernetes.io/hostname", term.get("matchExpressions", [])),
+                                     ("metadata.name", term.get("matchFields", []))):
+                for expression in expressions:
+                    assert expression["key"] == key, expression
+                    if (node in expression["values"]) != (expression["operator"] == "In"):
+                        return False
             return True
 
         def tolerated(taint: dict) -> bool:

@@ -259,8 +259,7 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
     for replica in operator.jobs[(NS, JOB)]["spec"]["pytorchReplicaSpecs"].values():
         [term] = replica["template"]["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn",
-                                             "values": ["gpu-b"]}]
+        assert term == {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-b"]}]}
     why = "training_failure rank 1 killed by SIGKILL, expected no failure in the last attempt"
     condition = {c["type"]: c for c in operator.nodes["gpu-b"]["status"]["conditions"]}[CONDITION]
     assert (condition["status"], condition["message"]) == ("True", f"harness preflight: {why}")

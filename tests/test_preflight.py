@@ -363,7 +363,7 @@ def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_a
     body = launcher.render(without_excluded(spec, record)).payload["body"]
     [term] = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-b"]}]
+    assert term == {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-b"]}]}
 
 
 def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apart_from_the_job_role():
@@ -417,7 +417,7 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
         [anti] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert anti["topologyKey"] == "kubernetes.io/hostname"
         assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-            "nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-x"]
+            "nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["gpu-x"]
     assert "&id" not in request.text  # no YAML anchors: every pod spec is its own
 
 

@@ -9,7 +9,7 @@ While `harness run` watches, at every poll it lists the job's pods; a pod the op
 under a known name) means an attempt failed. The harness then reads the attempt records from the results
 volume (a results pod, as `collect` does), waits until every node is done with that attempt, and for each
 machine the failure points at:
-- patches every replica's pod template with the node affinity `kubernetes.io/hostname NotIn [...]`;
+- patches every replica's pod template with the node affinity `metadata.name NotIn [...]`;
 - conditions the Node (MLPerfPreflight=True), taints it with --taint-bad-nodes, and records Events on the Node
   and on the job, as preflight does (kubernetes_nodes.remediate);
 - deletes the job's pods already bound to it: the operator creates them again from the patched template, on

@@ -9,7 +9,9 @@ the excluded nodes.
   when preflight found a problem (reason PreflightFailed, the failed checks as the message), "False" when it
   found none (reason PreflightPassed). With --taint-bad-nodes a failed Node also gets a NoSchedule taint
   (mlperf-harness/preflight=failed). An Event goes on each failed Node and on the health job.
-- The training pods get a required node affinity `kubernetes.io/hostname NotIn [excluded nodes]`.
+- The training pods get a required node affinity `metadata.name NotIn [excluded nodes]` (matchFields: the
+  Node's name exactly, which is what preflight and the attempt records name; the kubernetes.io/hostname label
+  need not equal it, on some clouds it does not).
 The ClusterRole this needs (nodes get/patch, nodes/status patch, events create) is manifests/rbac/.
 """
 
@@ -24,7 +26,8 @@ from harness.errors import HarnessError
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
-HOSTNAME = "kubernetes.io/hostname"
+HOSTNAME = "kubernetes.io/hostname"  # the topology key of one health pod per host
+NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's matchFields)
 ROLE_LABEL = "mlperf-harness/role"
 MESSAGE_LIMIT = 1000  # a condition message and an Event message stay readable in `kubectl describe`
 
@@ -35,8 +38,8 @@ def exclusion_affinity(nodes: list[str]) -> k8s.V1Affinity | None:
         return None
     return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
         required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
-            k8s.V1NodeSelectorTerm(match_expressions=[
-                k8s.V1NodeSelectorRequirement(key=HOSTNAME, operator="NotIn", values=sorted(nodes))])])))
+            k8s.V1NodeSelectorTerm(match_fields=[
+                k8s.V1NodeSelectorRequirement(key=NODE_NAME_FIELD, operator="NotIn", values=sorted(nodes))])])))
 
 
 def preflight_name(spec) -> str:
