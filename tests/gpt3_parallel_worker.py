@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 
 import torch
@@ -75,7 +76,7 @@ def parity(layout: Layout) -> None:
     # its reduction can move the weight by a small fraction of lr.
     for name, param in reference.named_parameters():
         assert_close(full(params[name]).detach(), param.detach(), rtol=1e-4, atol=1e-4, msg=lambda text, name=name: f"{name}: {text}")
-    print(f"rank {dist.get_rank()}: parity ok", flush=True)
+    say(f"rank {dist.get_rank()}: parity ok")
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -112,10 +113,16 @@ def memory(layout: Layout) -> None:
                      end_lr_ratio=0, warmup_steps=1, decay_steps=1, lr_batch=1, eval_interval=1, eval_sequences=1,
                      target=0, init_checkpoint_step=0)
     estimate = estimate_memory(cfg, layout, on_gpu=False)
-    print(json.dumps({"rank": dist.get_rank(), "gradients": held, "weights": sum(map(local_bytes, model.parameters())),
-                      "optimizer": moments, "estimate": {term: getattr(estimate, term)
-                                                         for term in ("gradients", "weights", "optimizer")}}),
-          flush=True)
+    say(json.dumps({"rank": dist.get_rank(), "gradients": held, "weights": sum(map(local_bytes, model.parameters())),
+                    "optimizer": moments, "estimate": {term: getattr(estimate, term)
+                                                       for term in ("gradients", "weights", "optimizer")}}))
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share stdout, and print's separate writes of the text and its newline
+    interleave with another rank's on a busy machine (seen under tests/under_load.sh: two JSON lines as one)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 if __name__ == "__main__":
