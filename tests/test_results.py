@@ -301,15 +301,17 @@ def test_two_metric_evals_meet_their_own_targets():
     assert not target.met_by([(80.0, {"metric": "FID", "samples_count": 512}),
                               (0.16, {"metric": "CLIP", "samples_count": 1024})])  # never both at one step
     assert not target.met_by(passing[:1])  # CLIP never logged
-    assert aggregate_metrics(passing) == [{"samples_count": 512, "FID": 80.0, "CLIP": 0.16}]
+    assert aggregate_metrics(passing, "samples_count") == [{"samples_count": 512, "FID": 80.0, "CLIP": 0.16}]
 
 
 def test_aggregate_metrics_mirrors_the_rule_files_begin_block():
-    """The BEGIN block of mlperf-logging's stable diffusion rules, run on the same records, builds the same values."""
+    """Every ruleset's BEGIN block of mlperf-logging's stable diffusion rules, run on the same records, builds the
+    same values as aggregate_metrics with that ruleset's eval_step_key (3.1.0 pairs FID and CLIP by step_num,
+    later rulesets by samples_count; the records below pair differently by the two)."""
     from dataclasses import dataclass
 
     import yaml
-    from harness.results.rules import aggregate_metrics, rules_root
+    from harness.results.rules import aggregate_metrics, eval_step_key, rules_root, rulesets
 
     @dataclass
     class LogLine:  # the fields mlp_parser's LogLine has
@@ -319,18 +321,24 @@ def test_aggregate_metrics_mirrors_the_rule_files_begin_block():
         value: dict
         lineno: int
 
-    records = [(85.0, {"metric": "FID", "samples_count": 1}), (0.1, {"metric": "CLIP", "samples_count": 1}),
-               (0.2, {"metric": "CLIP", "samples_count": 2}), (0.9, {"epoch_num": 3}),
-               (70.0, {"metric": "FID", "samples_count": 2})]
-    loglines = [LogLine("", float(i), "eval_accuracy", {"value": v, "metadata": m}, i)
-                for i, (v, m) in enumerate(records)]
-    for ruleset in ("4.0.0", "5.0.0"):
-        rules = yaml.safe_load((rules_root() / f"training_{ruleset}" / "closed_stable_diffusion.yaml").read_text())
-        code = next(r["BEGIN"]["CODE"] for r in rules if "BEGIN" in r)
-        scope = {"loglines": list(loglines)}
+    records = [(85.0, {"metric": "FID", "samples_count": 1, "step_num": 10}),
+               (0.1, {"metric": "CLIP", "samples_count": 1, "step_num": 20}),
+               (0.2, {"metric": "CLIP", "samples_count": 2, "step_num": 10}), (0.9, {"epoch_num": 3}),
+               (70.0, {"metric": "FID", "samples_count": 2, "step_num": 20})]
+    checked = []
+    for ruleset in rulesets():
+        rule_file = rules_root() / f"training_{ruleset}" / "closed_stable_diffusion.yaml"
+        if not rule_file.is_file():
+            continue
+        loglines = [LogLine("", float(i), "eval_accuracy", {"value": v, "metadata": m}, i)
+                    for i, (v, m) in enumerate(records)]
+        code = next(r["BEGIN"]["CODE"] for r in yaml.safe_load(rule_file.read_text()) if "BEGIN" in r)
+        scope = {"loglines": loglines}
         exec(code, scope)  # noqa: S102 - mlperf-logging's own rule text
         theirs = [line.value["value"] for line in scope["loglines"] if line.key == "aggregated_eval_accuracy"]
-        assert theirs == aggregate_metrics(records)
+        assert theirs == aggregate_metrics(records, eval_step_key(ruleset)), ruleset
+        checked.append(ruleset)
+    assert {"3.1.0", "4.0.0", "5.0.0"} <= set(checked)
 
 
 def test_the_t_test_equals_scipys():
