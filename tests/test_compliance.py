@@ -121,6 +121,17 @@ def test_verdicts_are_cached_by_content_ruleset_and_checker_version(tmp_path, pr
     assert checked == [str(paths[0])]
 
 
+def test_copies_of_one_log_are_checked_once(tmp_path, monkeypatch):
+    copies = [tmp_path / name / "result_0.txt" for name in ("a", "b", "c")]
+    for copy in copies:
+        copy.parent.mkdir()
+        copy.write_bytes((BASELINE / "result_0.txt").read_bytes())
+    checked = []
+    monkeypatch.setattr(compliance, "check_file", lambda path, ruleset: checked.append(path) or Verdict(True))
+    assert verdicts(copies, "4.0.0") == {copy: Verdict(True) for copy in copies}
+    assert len(checked) == 1
+
+
 def test_files_are_checked_in_worker_processes_with_the_same_verdicts(tmp_path, monkeypatch):
     logs = broken_copy(tmp_path / "logs", drop="init_stop", files=2)
     paths = sorted(logs.glob("result_*.txt"))

@@ -139,9 +139,11 @@ def _cores() -> int:
 
 
 def verdicts(paths: list[Path], ruleset: str) -> dict[Path, Verdict]:
-    """The checker's verdict on each file: from the cache, else checked (in parallel) and cached."""
+    """The checker's verdict on each file: from the cache, else checked (in parallel) and cached. Files of the
+    same content (copies of one log) are checked once."""
     found: dict[Path, Verdict] = {}
-    todo: dict[Path, tuple[str, int]] = {}
+    digests: dict[Path, str] = {}
+    todo: dict[str, tuple[Path, int]] = {}  # digest -> (a file of that content, its size)
     for path in paths:
         digest = _digest(path)
         if digest is None:
@@ -149,16 +151,18 @@ def verdicts(paths: list[Path], ruleset: str) -> dict[Path, Verdict]:
         elif (verdict := _cached(digest[0], ruleset)) is not None:
             found[path] = verdict
         else:
-            todo[path] = digest
+            digests[path] = digest[0]
+            todo.setdefault(digest[0], (path, digest[1]))
     # Largest first, so that no worker is left with a big file at the end.
-    order = sorted(todo, key=lambda p: todo[p][1], reverse=True)
+    order = sorted(todo, key=lambda d: todo[d][1], reverse=True)
+    files = [str(todo[d][0]) for d in order]
     workers = min(len(order), _cores())
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            checked = list(pool.map(check_file, map(str, order), [ruleset] * len(order)))
+            checked = dict(zip(order, pool.map(check_file, files, [ruleset] * len(files))))
     else:  # one file, or one core: a worker would cost more than it saves
-        checked = [check_file(str(path), ruleset) for path in order]
-    for path, verdict in zip(order, checked):
-        _store(todo[path][0], ruleset, verdict)
-        found[path] = verdict
+        checked = {digest: check_file(file, ruleset) for digest, file in zip(order, files)}
+    for digest, verdict in checked.items():
+        _store(digest, ruleset, verdict)
+    found.update((path, checked[digest]) for path, digest in digests.items())
     return found
