@@ -91,6 +91,21 @@ def test_the_checker_in_process_prints_nothing_and_leaves_logging_as_it_was(tmp_
     assert root.handlers == handlers and root.manager.disable == disabled
 
 
+def test_the_checker_parses_each_rule_file_once_per_process_and_its_yaml_is_given_back(monkeypatch):
+    import yaml
+    from mlperf_logging.compliance_checker import mlp_compliance
+
+    parsed = []
+    real = yaml.load
+    monkeypatch.setattr(yaml, "load", lambda stream, Loader: parsed.append(Path(stream.name).name) or
+                        real(stream, Loader=Loader))
+    monkeypatch.setattr(compliance, "_RULE_FILES", compliance._RuleFiles())
+    for log in sorted(BASELINE.glob("result_*.txt")):
+        assert check_file(str(log), "4.0.0") == Verdict(True)
+    assert sorted(parsed) == ["common.yaml", "open_common.yaml", "open_resnet.yaml"]  # once each, for five logs
+    assert mlp_compliance.yaml is yaml
+
+
 def test_verdicts_are_cached_by_content_ruleset_and_checker_version(tmp_path, private_cache, monkeypatch):
     logs = broken_copy(tmp_path / "logs", files=1)
     paths = sorted(logs.glob("result_*.txt"))
