@@ -146,7 +146,7 @@ def test_scaling_json_is_applied_and_never_written(tmp_path):
 @needs_shared
 @pytest.mark.parametrize("folder, ruleset", sorted(OFFICIAL))
 def test_every_official_score_under_the_official_name_with_its_rcp_verdict(folder, ruleset):
-    """All 28 scores of official-scores.json, each submission folder reported as a user would, with its ruleset."""
+    """All 30 scores of official-scores.json, each submission folder reported as a user would, with its ruleset."""
     result = harness("report", str(SHARED_RESULTS / folder), "--ruleset", ruleset, "--format", "json")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     groups = {(g["system"], g["benchmark"]): g for g in json.loads(result.stdout)}
