@@ -8,9 +8,11 @@ of the converged runs. Run-to-run noise is the baseline's own relative spread,
     candidate > baseline * (1 + max_slowdown + noise)
 
 or when any candidate run failed to converge while every baseline run did.
-Runs of different systems are never pooled: a benchmark that each side ran on one system is
-compared across the two (so differently named systems still meet); where a side ran it on
-several, each system is compared with the same system (folder) on the other side.
+Runs of two groups are never pooled; groups are report's (one per system folder in a submission
+tree, one per campaign folder outside one). Where the baseline holds one group of a benchmark,
+every candidate group of it is compared with that one (so differently named systems still meet,
+and a parent folder of candidate campaigns gets one verdict per campaign); where it holds
+several, each candidate group is compared with the baseline's group of the same system.
 Exit codes: 0 pass, 1 regression, 2 unusable input.
 """
 
@@ -21,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from harness.errors import HarnessError
-from harness.results import Group, ResultSet
+from harness.results import Group, ResultSet, labels
 
 PASS, REGRESSION = 0, 1  # unusable input raises HarnessError (exit 2)
 
@@ -36,6 +38,7 @@ class Verdict:
     limit_min: float
     unconverged: int  # candidate runs that did not converge
     regressed: bool
+    left_out: int = 0  # of those, runs whose files failed the compliance checker
 
     def line(self) -> str:
         change = self.candidate_min / self.baseline_min - 1
@@ -45,6 +48,8 @@ class Verdict:
                 f"(max slowdown + baseline noise {self.noise:.1%})")
         if self.unconverged:
             text += f"; {self.unconverged} candidate run(s) did not converge"
+        if self.left_out:
+            text += f" ({self.left_out} left out by the compliance checker)"
         return text
 
 
@@ -60,7 +65,11 @@ def _by_benchmark(results: ResultSet) -> dict[str, list[Group]]:
 
 
 def _pairs(baseline: ResultSet, candidate: ResultSet) -> list[tuple[str, Group, Group]]:
-    """(label, baseline group, candidate group) for each comparison; two systems' runs never share a group."""
+    """(label, baseline group, candidate group) for each comparison, on the groups `load` makes (harness.results.
+    group_key: a system folder in a submission tree, a campaign folder outside one), so two groups' runs are
+    never pooled. Where the baseline holds one group of a benchmark, every candidate group of it is compared
+    with that one (differently named systems still meet); where it holds several, each candidate group with
+    the baseline's group of the same system, which must be only one."""
     base, cand = _by_benchmark(baseline), _by_benchmark(candidate)
     common = sorted(base.keys() & cand.keys())
     if not common:
@@ -68,12 +77,22 @@ def _pairs(baseline: ResultSet, candidate: ResultSet) -> list[tuple[str, Group, 
                            f"candidate has {', '.join(sorted(cand)) or 'none'}")
     pairs = []
     for name in common:
-        if len(base[name]) == 1 and len(cand[name]) == 1:
-            pairs.append((name, base[name][0], cand[name][0]))
+        named = list(zip(cand[name], labels(cand[name])))
+        if len(base[name]) == 1:
+            several = len(named) > 1
+            pairs.extend((f"{name} on {label}" if several else name, base[name][0], c) for c, label in named)
             continue
-        by_system = {g.system_id: g for g in base[name]}
-        matched = [(f"{name} on {c.system_id}", by_system[c.system_id], c) for c in cand[name]
-                   if c.system_id in by_system]
+        by_system: dict[str | None, list[Group]] = defaultdict(list)
+        for group in base[name]:
+            by_system[group.system_id].append(group)
+        matched = []
+        for c, label in named:
+            same = by_system.get(c.system_id, [])
+            if len(same) > 1:
+                raise HarnessError(f"{name}: the baseline holds {len(same)} campaigns on {c.system_id} "
+                                   f"({', '.join(str(g.folder) for g in same)}); give the one to compare with")
+            if same:
+                matched.append((f"{name} on {label}", same[0], c))
         if not matched:
             raise HarnessError(f"{name}: several systems ran it and none is on both sides (baseline: "
                                f"{', '.join(sorted(str(g.system_id) for g in base[name]))}; candidate: "
@@ -99,5 +118,6 @@ def compare(baseline: ResultSet, candidate: ResultSet, max_slowdown: float) -> l
         limit = b_value * (1 + max_slowdown + noise)
         unconverged = sum(not r.converged for r in c.runs)
         regressed = c_value > limit or (unconverged > 0 and len(b_times) == len(b.runs))
-        verdicts.append(Verdict(name, metric, b_value, c_value, noise, limit, unconverged, regressed))
+        verdicts.append(Verdict(name, metric, b_value, c_value, noise, limit, unconverged, regressed,
+                                len(c.left_out)))
     return verdicts

@@ -1,12 +1,16 @@
 """Render a ResultSet as a table, JSON, CSV, Markdown or HTML: the time-to-train report.
 
-JSON is a list of groups, one per (system, benchmark):
-  {"submitter", "system", "system_id", "benchmark", "division", "score_min", "required_runs",
-   "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
-   "runs": [{"file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
-             "mfu", "seed", "restarts", "goodput", "badput", "stragglers"}]}
+JSON is a list of groups, one per (system, benchmark, campaign) (harness.results.group_key):
+  {"submitter", "system", "system_id", "campaign", "benchmark", "division", "score_min", "required_runs",
+   "left_out", "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
+   "runs": [{"file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
+             "samples_per_s", "tokens_per_s", "mfu", "seed", "restarts", "goodput", "badput", "stragglers"}]}
 `system` is the official system_name of a submission's systems/<folder>.json (else the logged
-platform) and `system_id` the folder. `score_min` is the MLPerf score when the group has the runs the
+platform) and `system_id` the folder. `campaign` is the folder of the logs outside a submission tree
+(each campaign is its own group), null inside one. `compliant` is mlperf-logging's compliance
+checker's verdict on the file and `compliance_error` its first error; a file that fails is left out
+of the score as the summarizer leaves it out (counted as a failed run), and `left_out` counts those
+files of the group. `score_min` is the MLPerf score when the group has the runs the
 rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
 the RCP verdict the official summarizer gives closed results (Pass, Fail, Interp. Fail, Missing, No
 RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`); `scaling_factor`
@@ -32,11 +36,11 @@ import io
 import json
 from pathlib import Path
 
-from harness.results import Group, ResultSet, Run
+from harness.results import Group, ResultSet, Run, labels
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
-RUN_FIELDS = ("file", "status", "converged", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
-              "seed", "restarts", "goodput", "badput", "stragglers")
+RUN_FIELDS = ("file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
+              "samples_per_s", "tokens_per_s", "mfu", "seed", "restarts", "goodput", "badput", "stragglers")
 
 
 def run_record(run: Run) -> dict:
@@ -58,8 +62,9 @@ def kept_out(runs: list[Run]) -> list[dict]:
 
 def group_record(group: Group) -> dict:
     return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
-            "benchmark": group.benchmark, "division": group.division, "score_min": group.score_min,
-            "required_runs": group.required_runs, "scaling_factor": group.scaling_factor, "rcp": group.rcp,
+            "campaign": group.campaign, "benchmark": group.benchmark, "division": group.division,
+            "score_min": group.score_min, "required_runs": group.required_runs, "left_out": len(group.left_out),
+            "scaling_factor": group.scaling_factor, "rcp": group.rcp,
             "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy,
             "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs],
             "kept_out": kept_out(group.runs)}
@@ -81,12 +86,6 @@ def _stragglers(named: list[dict] | None) -> str:
     return ", ".join(f"rank {s['rank']} ({s['node']}) {s['score']:.2f}" for s in named or []) or "-"
 
 
-def _system(group: Group) -> str:
-    """The official name, and the folder where it differs."""
-    name = group.system or "?"
-    return name if group.system_id in (None, group.system) else f"{name} ({group.system_id})"
-
-
 def _verdict(group: Group) -> str:
     score = group.score_min
     if group.unscorable:
@@ -101,6 +100,8 @@ def _verdict(group: Group) -> str:
         text = f"no score ({len(group.runs)} of {group.required_runs or '?'} required runs)"
     else:
         text = f"no score ({sum(not r.converged for r in group.runs)} failed runs, too many)"
+    if group.left_out:
+        text += f"; {len(group.left_out)} of {len(group.runs)} runs left out by the compliance checker"
     if group.rcp is not None:
         text += f"; RCP {group.rcp}"
     return text
@@ -108,8 +109,8 @@ def _verdict(group: Group) -> str:
 
 def _table(results: ResultSet) -> str:
     lines = []
-    for group in results.groups:
-        lines.append(f"{group.submitter or '?'} / {_system(group)} / {group.benchmark or '?'}: {_verdict(group)}")
+    for group, label in zip(results.groups, labels(results.groups)):
+        lines.append(f"{group.submitter or '?'} / {label} / {group.benchmark or '?'}: {_verdict(group)}")
         # Token rate and MFU only for groups that log them (language models).
         tokens = any(run.tokens_per_s is not None for run in group.runs)
         slow = any(run.stragglers for run in group.runs)  # the column only where a straggler was named
@@ -118,6 +119,8 @@ def _table(results: ResultSet) -> str:
                  *(("stragglers",) if slow else ()), "file")]
         for i, run in enumerate(group.runs):
             status = "unfinished" if run.unfinished else run.status or "?"
+            if not run.compliant:
+                status += ", non-compliant"
             rows.append((str(i), status, _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
                          *((_number(run.tokens_per_s, 0), _number(run.mfu, 3)) if tokens else ()),
@@ -126,40 +129,52 @@ def _table(results: ResultSet) -> str:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
         for row in rows:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+        lines.extend(f"  left out by the compliance checker: {run.file}: {run.compliance_error}"
+                     for run in group.left_out)
     return "\n".join(lines) if lines else "no result files found"
 
 
 def _csv(results: ResultSet) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(("submitter", "system", "system_id", "benchmark", "score_min", "rcp") + RUN_FIELDS + ("kept_out",))
+    writer.writerow(("submitter", "system", "system_id", "campaign", "benchmark", "score_min", "rcp") + RUN_FIELDS +
+                    ("kept_out",))
     for group in results.groups:
         for run in group.runs:
             record = {**run_record(run), "kept_out": kept_out([run])}
-            writer.writerow((group.submitter, group.system, group.system_id, group.benchmark, group.score_min,
+            writer.writerow((group.submitter, group.system, group.system_id, group.campaign, group.benchmark,
+                             group.score_min,
                              group.rcp, *(json.dumps(v) if isinstance(v, (dict, list)) else v
                                           for v in map(record.get, RUN_FIELDS + ("kept_out",)))))
     return out.getvalue().rstrip("\n")
 
 
 def _documents(results: ResultSet, fmt: str) -> str:
-    """Scores side by side (one row per system and benchmark, with GPUs and spread), then every run."""
+    """Scores side by side (one row per group, with GPUs and spread), then every run, then the files the
+    compliance checker left out and the nodes preflight kept out, where there are any."""
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
-    runs = results.runs[["system", "system_id", "benchmark", "status", "converged", "seed", "time_to_train_min",
-                         "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput", "file"]]
+    runs = results.runs[["system", "system_id", "campaign", "benchmark", "status", "compliant", "converged", "seed",
+                         "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput",
+                         "file"]]
     import pandas as pd
 
     title = f"MLPerf Training results (ruleset {results.ruleset})"
+    left_out = pd.DataFrame([(run.file, run.compliance_error) for group in results.groups for run in group.left_out],
+                            columns=["file", "compliance_error"])
     nodes = pd.DataFrame([row for group in results.groups for row in kept_out(group.runs)],
                          columns=["folder", "node", "check", "measured", "unit", "threshold", "reason"])
     if fmt == "markdown":
         text = (f"# {title}\n\n## Scores\n\n{scores.to_markdown(index=False, floatfmt='.4f')}\n\n"
                 f"## Runs\n\n{runs.to_markdown(index=False, floatfmt='.4f')}")
+        if len(left_out):
+            text += f"\n\n## Left out by the compliance checker\n\n{left_out.to_markdown(index=False)}"
         return text + (f"\n\n## Nodes kept out\n\n{nodes.to_markdown(index=False)}" if len(nodes) else "")
     number = '{:.4f}'.format
     text = (f"<h1>{title}</h1>\n<h2>Scores</h2>\n{scores.to_html(index=False, na_rep='-', float_format=number)}"
             f"\n<h2>Runs</h2>\n{runs.to_html(index=False, na_rep='-', float_format=number)}")
+    if len(left_out):
+        text += f"\n<h2>Left out by the compliance checker</h2>\n{left_out.to_html(index=False, na_rep='-')}"
     return text + (f"\n<h2>Nodes kept out</h2>\n{nodes.to_html(index=False, na_rep='-')}" if len(nodes) else "")
 
 

@@ -98,3 +98,24 @@ def test_two_systems_are_compared_each_with_itself_never_pooled(tmp_path):
     other = campaign(tmp_path / "other", {"tiny": 4.0, "huge": 1.0})  # no system in common with base
     result = harness("compare", str(base), str(other))
     assert result.returncode == 2 and "none is on both sides" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_parent_folder_of_campaigns_gets_one_verdict_per_campaign(tmp_path):
+    """Grouped as report groups: two campaigns on one platform are never pooled into one score."""
+    import shutil
+
+    for name in ("a", "b"):
+        shutil.copytree(BASELINE, tmp_path / "runs" / name)
+    retimed_copy(BASELINE, tmp_path / "runs" / "slow", 0.65)
+    result = harness("compare", str(BASELINE), str(tmp_path / "runs"), "--max-slowdown", "10")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("resnet on cpu_n1x2 (a): pass: score 0.2875 min vs baseline 0.2875 min (+0.0%)")
+    assert lines[1].startswith("resnet on cpu_n1x2 (b): pass: score 0.2875 min")
+    assert lines[2].startswith("resnet on cpu_n1x2 (slow): REGRESSION: score 0.6500 min")
+    result = harness("compare", str(tmp_path / "runs"), str(BASELINE))  # which of three baselines?
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"harness: error: resnet: the baseline holds 3 campaigns on cpu_n1x2 ({tmp_path / 'runs' / 'a'}, "
+        f"{tmp_path / 'runs' / 'b'}, {tmp_path / 'runs' / 'slow'}); give the one to compare with"]

@@ -36,13 +36,27 @@ def mllog(key, value=None, t=0, **metadata) -> str:
                                      "value": value, "metadata": metadata})
 
 
+# Every key mlperf-logging's 4.0.0 compliance checker requires of a resnet run (closed: with its SGD keys), so a
+# written run passes the checker as a real one does and only what a test changes decides its score.
+RESNET_SGD = {"gradient_accumulation_steps": 1, "opt_name": "sgd", "sgd_opt_base_learning_rate": 0.2,
+              "sgd_opt_end_learning_rate": 0.0001, "sgd_opt_learning_rate_decay_poly_power": 2,
+              "sgd_opt_learning_rate_decay_steps": 100, "sgd_opt_weight_decay": 0.0001, "sgd_opt_momentum": 0.9,
+              "model_bn_span": 32, "opt_learning_rate_warmup_epochs": 0, "train_samples": 5000, "eval_samples": 1000}
+
+
 def write_run(path: Path, minutes: float, status: str = "success", prefix: str = "", division: str = "closed",
               accuracy: float = 0.8, benchmark: str = "resnet", platform: str = "box", batch_size: int = 3264,
               epochs: float = 2) -> Path:
-    lines = [mllog("submission_benchmark", benchmark), mllog("submission_division", division),
-             mllog("submission_org", "ACME"), mllog("global_batch_size", batch_size),
-             mllog("submission_platform", platform), "plain noise from a worker",
-             mllog("run_start", t=1000), mllog("eval_accuracy", 0.5, t=2000, epoch_num=1),
+    """A resnet run that mlperf-logging's compliance checker passes (ruleset 4.0.0), with noise among its lines."""
+    lines = [mllog("cache_clear", True), mllog("init_start"), mllog("submission_benchmark", benchmark),
+             mllog("submission_division", division), mllog("submission_org", "ACME"),
+             mllog("submission_status", "onprem"), mllog("global_batch_size", batch_size),
+             *(mllog(key, value) for key, value in RESNET_SGD.items()),
+             mllog("submission_platform", platform), "plain noise from a worker", mllog("init_stop", t=500),
+             mllog("run_start", t=1000), mllog("block_start", t=1000, first_epoch_num=1, epoch_count=1),
+             mllog("epoch_start", t=1000, epoch_num=1), mllog("epoch_stop", t=2000, epoch_num=1),
+             mllog("eval_start", t=2000, epoch_num=1), mllog("eval_accuracy", 0.5, t=2000, epoch_num=1),
+             mllog("eval_stop", t=2000, epoch_num=1), mllog("block_stop", t=2000, first_epoch_num=1),
              mllog("tracked_stats", {"throughput": 100.0}, t=2000, step=1),
              mllog("eval_accuracy", accuracy, t=3000, epoch_num=epochs),
              mllog("run_stop", t=1000 + minutes * 60000, status=status)]
@@ -132,7 +146,7 @@ def test_scaling_json_is_applied_and_never_written(tmp_path):
 @needs_shared
 @pytest.mark.parametrize("folder, ruleset", sorted(OFFICIAL))
 def test_every_official_score_under_the_official_name_with_its_rcp_verdict(folder, ruleset):
-    """All 28 scores of official-scores.json, each submission folder reported as a user would, with its ruleset."""
+    """All 30 scores of official-scores.json, each submission folder reported as a user would, with its ruleset."""
     result = harness("report", str(SHARED_RESULTS / folder), "--ruleset", ruleset, "--format", "json")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     groups = {(g["system"], g["benchmark"]): g for g in json.loads(result.stdout)}
@@ -301,15 +315,17 @@ def test_two_metric_evals_meet_their_own_targets():
     assert not target.met_by([(80.0, {"metric": "FID", "samples_count": 512}),
                               (0.16, {"metric": "CLIP", "samples_count": 1024})])  # never both at one step
     assert not target.met_by(passing[:1])  # CLIP never logged
-    assert aggregate_metrics(passing) == [{"samples_count": 512, "FID": 80.0, "CLIP": 0.16}]
+    assert aggregate_metrics(passing, "samples_count") == [{"samples_count": 512, "FID": 80.0, "CLIP": 0.16}]
 
 
 def test_aggregate_metrics_mirrors_the_rule_files_begin_block():
-    """The BEGIN block of mlperf-logging's stable diffusion rules, run on the same records, builds the same values."""
+    """Every ruleset's BEGIN block of mlperf-logging's stable diffusion rules, run on the same records, builds the
+    same values as aggregate_metrics with that ruleset's eval_step_key (3.1.0 pairs FID and CLIP by step_num,
+    later rulesets by samples_count; the records below pair differently by the two)."""
     from dataclasses import dataclass
 
     import yaml
-    from harness.results.rules import aggregate_metrics, rules_root
+    from harness.results.rules import aggregate_metrics, eval_step_key, rules_root, rulesets
 
     @dataclass
     class LogLine:  # the fields mlp_parser's LogLine has
@@ -319,18 +335,24 @@ def test_aggregate_metrics_mirrors_the_rule_files_begin_block():
         value: dict
         lineno: int
 
-    records = [(85.0, {"metric": "FID", "samples_count": 1}), (0.1, {"metric": "CLIP", "samples_count": 1}),
-               (0.2, {"metric": "CLIP", "samples_count": 2}), (0.9, {"epoch_num": 3}),
-               (70.0, {"metric": "FID", "samples_count": 2})]
-    loglines = [LogLine("", float(i), "eval_accuracy", {"value": v, "metadata": m}, i)
-                for i, (v, m) in enumerate(records)]
-    for ruleset in ("4.0.0", "5.0.0"):
-        rules = yaml.safe_load((rules_root() / f"training_{ruleset}" / "closed_stable_diffusion.yaml").read_text())
-        code = next(r["BEGIN"]["CODE"] for r in rules if "BEGIN" in r)
-        scope = {"loglines": list(loglines)}
+    records = [(85.0, {"metric": "FID", "samples_count": 1, "step_num": 10}),
+               (0.1, {"metric": "CLIP", "samples_count": 1, "step_num": 20}),
+               (0.2, {"metric": "CLIP", "samples_count": 2, "step_num": 10}), (0.9, {"epoch_num": 3}),
+               (70.0, {"metric": "FID", "samples_count": 2, "step_num": 20})]
+    checked = []
+    for ruleset in rulesets():
+        rule_file = rules_root() / f"training_{ruleset}" / "closed_stable_diffusion.yaml"
+        if not rule_file.is_file():
+            continue
+        loglines = [LogLine("", float(i), "eval_accuracy", {"value": v, "metadata": m}, i)
+                    for i, (v, m) in enumerate(records)]
+        code = next(r["BEGIN"]["CODE"] for r in yaml.safe_load(rule_file.read_text()) if "BEGIN" in r)
+        scope = {"loglines": loglines}
         exec(code, scope)  # noqa: S102 - mlperf-logging's own rule text
         theirs = [line.value["value"] for line in scope["loglines"] if line.key == "aggregated_eval_accuracy"]
-        assert theirs == aggregate_metrics(records)
+        assert theirs == aggregate_metrics(records, eval_step_key(ruleset)), ruleset
+        checked.append(ruleset)
+    assert {"3.1.0", "4.0.0", "5.0.0"} <= set(checked)
 
 
 def test_the_t_test_equals_scipys():
@@ -422,3 +444,78 @@ def test_energy_of_power_results_as_the_summarizer_computes_it(tmp_path):
     [group] = load([tmp_path], ruleset="4.0.0").groups
     assert group.energy == pytest.approx(1000 * (2 + 3 + 4) * 60 / 3)  # the olympic mean of the runs' joules
     assert "energy 180000.0 J" in harness("report", str(tmp_path), "--ruleset", "4.0.0").stdout
+
+
+def test_two_campaigns_on_one_platform_are_two_groups_each_scored_as_the_summarizer_scores_it(tmp_path):
+    """The issue's case: two copies of the committed 5-run baseline in one folder, both logged as cpu_n1x2."""
+    baseline = Path(__file__).resolve().parents[1] / "results" / "baselines" / "resnet-tiny"
+    for name in ("a", "b"):
+        shutil.copytree(baseline, tmp_path / "runs" / name)
+    groups = json.loads(harness("report", str(tmp_path / "runs"), "--format", "json").stdout)
+    assert [(g["system"], g["campaign"], len(g["runs"])) for g in groups] == \
+        [("cpu_n1x2", str(tmp_path / "runs" / name), 5) for name in ("a", "b")]
+    alone = summarizer()._compute_strong_score_standalone("resnet", "cpu_n1x2", False, str(baseline), "training",
+                                                          "4.0.0")[0]
+    assert [g["score_min"] for g in groups] == [pytest.approx(alone, rel=1e-12)] * 2
+    assert round(alone, 4) == 0.2875
+    table = harness("report", str(tmp_path / "runs")).stdout
+    assert "harness / cpu_n1x2 (a) / resnet: score 0.2875 min" in table
+    assert "harness / cpu_n1x2 (b) / resnet: score 0.2875 min" in table
+
+
+@needs_shared
+def test_a_system_without_a_description_is_left_out_of_a_tree_as_the_summarizer_leaves_it(tmp_path):
+    tree = tmp_path / "NVIDIA_CoreWeave"
+    shutil.copytree(COREWEAVE, tree)
+    (tree / "systems" / "coreweave_hgxh100_n96_ngc23.04_pytorch.json").unlink()
+    result = harness("report", str(tree), "--ruleset", "3.0.0", "--format", "json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    skipped = [line for line in result.stderr.splitlines() if "coreweave_hgxh100_n96_ngc23.04_pytorch" in line]
+    assert len(skipped) == 3 and all("left out, as the summarizer leaves out a system" in line for line in skipped)
+    scores = {g["system"]: g["score_min"] for g in json.loads(result.stdout)}
+    assert "coreweave_hgxh100_n96_ngc23.04_pytorch" not in scores
+    for row in OFFICIAL[("training_v3.0/NVIDIA_CoreWeave", "3.0.0")]:
+        if row["system"] != "coreweave_hgxh100_n96_ngc23.04_pytorch":
+            assert scores[row["system"]] == pytest.approx(row["score_min"], rel=1e-9)
+
+
+def step_num_logs(dst: Path) -> Path:
+    """Real stable diffusion logs (GigaComputing, v4.0) in 3.1's form: every samples_count in metadata becomes the
+    step_num that 3.1 logged in its place (samples / global batch size). No real v3.1 log is in ../shared."""
+    src = SHARED_RESULTS / "training_v4.0" / "GigaComputing" / "results" / "G593-SD1_pytorch" / "stable_diffusion"
+    dst.mkdir(parents=True)
+    marker = ":::MLLOG "
+    for log in sorted(src.glob("result_*.txt")):
+        lines, batch = [], None
+        for line in log.read_text().splitlines():
+            at = line.find(marker)
+            if at >= 0:
+                event = json.loads(line[at + len(marker):])
+                batch = event["value"] if event["key"] == "global_batch_size" else batch
+                metadata = event.get("metadata") or {}
+                if "samples_count" in metadata:
+                    metadata["step_num"] = metadata.pop("samples_count") // batch
+                line = line[:at] + marker + json.dumps(event)
+            lines.append(line)
+        (dst / log.name).write_text("\n".join(lines) + "\n")
+    return dst
+
+
+@needs_shared
+def test_3_1_stable_diffusion_converges_by_step_num_as_the_summarizer_scores_it(tmp_path):
+    """3.1.0 pairs FID and CLIP by step_num: the runs converge, and score what the summarizer and its RCP checker say."""
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    logs = step_num_logs(tmp_path / "stable_diffusion")
+    [group] = load([logs], ruleset="3.1.0").groups
+    assert not group.left_out and all(r.converged for r in group.runs)
+    expected = summarizer()._compute_strong_score_standalone("stable_diffusion", "sys", False, str(logs),
+                                                             "training", "3.1.0")[0]
+    official_v4 = next(r["score_min"] for r in OFFICIAL[("training_v4.0/GigaComputing", "4.0.0")]
+                       if r["benchmark"] == "stable_diffusion")
+    assert group.score_min == pytest.approx(expected, rel=1e-12) == pytest.approx(official_v4, rel=1e-9)
+    passed, message, _ = rcp_checker.check_directory(str(logs), "training", "3.1.0", False, False,
+                                                     rcp_pass="pruned_rcps", set_scaling=False)
+    assert (group.rcp == "Pass", group.rcp_message) == (passed, message)
+    [by_samples] = load([logs], ruleset="4.0.0").groups  # 4.0.0 pairs by samples_count, which these logs lack
+    assert by_samples.score_min is None

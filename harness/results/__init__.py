@@ -4,11 +4,19 @@
     rs = load(["results/runs"], ruleset="4.0.0")
     rs.runs     # pandas: one row per run
     rs.events   # pandas: every MLLOG event of every run
-    rs.scores   # pandas: one row per (submitter, system, benchmark)
+    rs.scores   # pandas: one row per group (submitter, system, benchmark, campaign)
 
 Systems go by the official `system_name` of a submission's systems/<folder>.json
-(`system`), with the folder as `system_id`; groups are kept apart by the folder, as
-the official summarizer keeps them, since several folders can share one name.
+(`system`), with the folder as `system_id`. Which runs form a group is decided in one
+place, `group_key`, which report, compare, the frames and the plots all read through
+`ResultSet.groups`: in a submission tree, by system folder, as the official summarizer
+keeps them apart (several folders can share one name); outside a tree, by the campaign
+folder that holds the logs, so that two campaigns on one platform are two groups, each
+scored on its own, never one average of both.
+
+Every file is checked by mlperf-logging's compliance checker (harness.results.compliance),
+as the summarizer checks it: a file that fails counts as a failed run, named with the
+checker's first error.
 """
 
 from __future__ import annotations
@@ -20,19 +28,19 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
-from harness.results import rcp
+from harness.results import compliance, rcp
 from harness.results.parse import ErrorSink, LogError, Run, iter_events, load_runs, parse_file
 from harness.results.power import energy, has_power
 from harness.results.rules import DEFAULT_RULESET, RuleError, check_ruleset, converged, target_check
 from harness.results.score import benchmark_score, required_runs
 
 # Columns of ResultSet.runs, each an attribute of Run.
-RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "seed",
-               "accelerators", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu",
-               "global_batch_size", "restarts", "goodput", "file"]
-SCORE_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "accelerators", "runs", "required_runs",
-                 "converged", "score_min", "scaling_factor", "rcp", "rcp_scaling", "energy", "min_min", "max_min",
-                 "unscorable"]
+RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "compliant",
+               "campaign", "seed", "accelerators", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
+               "mfu", "global_batch_size", "restarts", "goodput", "compliance_error", "file"]
+SCORE_COLUMNS = ["submitter", "system", "system_id", "campaign", "benchmark", "division", "accelerators", "runs",
+                 "required_runs", "converged", "left_out", "score_min", "scaling_factor", "rcp", "rcp_scaling",
+                 "energy", "min_min", "max_min", "unscorable"]
 
 
 @dataclass
@@ -51,6 +59,17 @@ class Group:
     # The factor the RCP check computes, which the summarizer writes to scaling.json for its next run.
     rcp_scaling: float | None = None
     energy: float | None = None  # the summarizer's power score, where the group has power results
+    campaign: str | None = None  # outside a submission tree, the folder of the group's logs
+
+    @property
+    def folder(self) -> str | None:
+        """Where the group's runs live: the system folder in a submission tree, else the campaign folder."""
+        return self.system_id if self.campaign is None else self.campaign
+
+    @property
+    def left_out(self) -> list[Run]:
+        """The runs whose files failed the compliance checker: counted as failed runs, their times unscored."""
+        return [r for r in self.runs if not r.compliant]
 
     @property
     def division(self) -> str | None:
@@ -67,6 +86,25 @@ class Group:
     @property
     def required_runs(self) -> int | None:
         return required_runs(self.benchmark or "")
+
+
+def labels(groups: list[Group]) -> list[str]:
+    """A label per group for tables and pictures: the system's name, and where another of `groups` has the
+    same name but another folder, the folder too (a submission's system folders often share one official
+    name; campaigns on one platform always do). A campaign goes by its folder's name, or by its whole path
+    where two campaign folders share a name."""
+    def folder(group: Group) -> str:
+        if group.campaign is None:
+            return str(group.system_id)
+        short = Path(group.campaign).name or group.campaign
+        clash = any(g.campaign not in (None, group.campaign) and Path(g.campaign).name == short for g in groups)
+        return group.campaign if clash else short
+
+    folders: dict[str, set] = {}
+    for g in groups:
+        folders.setdefault(g.system or "?", set()).add(g.folder)
+    return [f"{g.system or '?'} ({folder(g)})" if len(folders[g.system or "?"]) > 1 else g.system or "?"
+            for g in groups]
 
 
 @dataclass
@@ -99,7 +137,7 @@ class ResultSet:
 
     @cached_property
     def scores(self):
-        """One row per (submitter, system, benchmark): the score and the spread of its runs."""
+        """One row per group (submitter, system, benchmark, campaign): the score and the spread of its runs."""
         import pandas as pd
 
         rows = []
@@ -107,10 +145,11 @@ class ResultSet:
             minutes = [r.time_to_train_min for r in g.runs if r.time_to_train_min is not None]
             accelerators = {r.accelerators for r in g.runs} - {None}
             rows.append({"submitter": g.submitter, "system": g.system, "system_id": g.system_id,
-                         "benchmark": g.benchmark, "division": g.division,
+                         "campaign": g.campaign, "benchmark": g.benchmark, "division": g.division,
                          "accelerators": accelerators.pop() if len(accelerators) == 1 else None,
                          "runs": len(g.runs), "required_runs": g.required_runs,
-                         "converged": sum(r.converged for r in g.runs), "score_min": g.score_min,
+                         "converged": sum(r.converged for r in g.runs), "left_out": len(g.left_out),
+                         "score_min": g.score_min,
                          "scaling_factor": g.scaling_factor, "rcp": g.rcp, "rcp_scaling": g.rcp_scaling,
                          "energy": g.energy,
                          "min_min": min(minutes, default=None), "max_min": max(minutes, default=None),
@@ -155,11 +194,12 @@ def _report_to_stderr(path: Path, reason: str) -> None:
 
 
 def _judge(group: Group, ruleset: str) -> None:
-    """Convergence of each run by the ruleset's target; a rule that cannot be applied makes the group unscorable."""
+    """Convergence of each run by the ruleset's target, of compliant runs only (the summarizer counts a file
+    that fails the checker as a failed run); a rule that cannot be applied makes the group unscorable."""
     try:
         for run in group.runs:
-            run.converged = converged(run.status, run.eval_records,
-                                      target_check(ruleset, run.division, run.benchmark))
+            run.converged = run.compliant and converged(run.status, run.eval_records,
+                                                        target_check(ruleset, run.division, run.benchmark))
     except RuleError as exc:
         group.unscorable = str(exc)
         for run in group.runs:
@@ -178,22 +218,32 @@ def _check_rcp(group: Group, ruleset: str) -> None:
     group.rcp, group.rcp_message, group.rcp_scaling = result.verdict, result.message, result.scaling
 
 
+def group_key(run: Run) -> tuple:
+    """Which group a run belongs to. In a submission tree: its system folder (system_id), not its name, as the
+    official summarizer keeps them apart. Outside a tree: also its campaign folder, since a platform name
+    (submission_platform) says nothing of which campaign a log came from."""
+    return run.submitter, run.system_id, run.benchmark, run.campaign
+
+
 def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
          on_error: ErrorSink = _report_to_stderr) -> ResultSet:
-    """Parse every result_*.txt under `paths`, judge convergence by `ruleset`'s targets, check RCPs.
+    """Parse every result_*.txt under `paths`, check each with mlperf-logging's compliance checker, judge
+    convergence by `ruleset`'s targets, check RCPs.
 
     Files that are no MLPerf log go to `on_error` and are left out; a run that never finished is
-    kept as a failed run. Nothing under `paths` is written.
+    kept as a failed run, and so is a file that fails the compliance checker. Nothing under `paths`
+    is written (verdicts are cached under the harness's cache folder).
     """
     check_ruleset(ruleset)
     runs = load_runs([Path(p) for p in paths], on_error)
+    checked = compliance.verdicts([Path(r.file) for r in runs], ruleset)
     grouped: dict[tuple, Group] = {}
     for run in runs:
-        # Keyed by system folder (system_id), not by name, as the official summarizer keeps them apart.
-        key = (run.submitter, run.system_id, run.benchmark)
+        run.compliance_error = checked[Path(run.file)].error
+        key = group_key(run)
         if key not in grouped:
             grouped[key] = Group(run.submitter, run.system, run.benchmark, runs=[], system_id=run.system_id,
-                                 scaling_factor=_scaling_factor(Path(run.file).parent))
+                                 campaign=run.campaign, scaling_factor=_scaling_factor(Path(run.file).parent))
         grouped[key].runs.append(run)
     for group in grouped.values():
         _judge(group, ruleset)
@@ -205,4 +255,4 @@ def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
     return ResultSet(records=runs, groups=list(grouped.values()), ruleset=ruleset)
 
 
-__all__ = ["Group", "LogError", "ResultSet", "Run", "load", "parse_file"]
+__all__ = ["Group", "LogError", "ResultSet", "Run", "group_key", "labels", "load", "parse_file"]

@@ -7,6 +7,8 @@ MLPerf log (empty, no MLLOG record, a damaged record, no run_start) is reported
 through `on_error(path, reason)` and left out; it never stops the others. A log
 that started but never logged run_stop is a run that did not finish: it is kept,
 as a failed run (`Run.unfinished`), since the official summarizer counts it so.
+In a submission tree, a system folder without a readable systems/<folder>.json is left out
+(each of its files reported), as the summarizer leaves it out.
 This module must not import torch: reports run anywhere.
 """
 
@@ -61,6 +63,14 @@ class Run:
     # Language models' tracked_stats also carry tokens/s and, on GPUs with a known peak, MFU (None where not logged).
     tokens_per_s: float | None = None
     mfu: float | None = None
+    # Outside a submission tree, the folder that holds the log: a campaign, its own group. None in a tree.
+    campaign: str | None = None
+    # mlperf-logging's compliance checker's first error (set by harness.results.load); None: the file passed.
+    compliance_error: str | None = None
+
+    @property
+    def compliant(self) -> bool:
+        return self.compliance_error is None
 
     @property
     def unfinished(self) -> bool:
@@ -154,18 +164,28 @@ def result_files(paths: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
-def system_description(path: Path) -> tuple[str, dict] | None:
-    """(folder, description) for a file at <org>/results/<folder>/<benchmark>/result_*.txt beside
-    <org>/systems/<folder>.json; None elsewhere, so the log's own keys count."""
+def submission_system(path: Path) -> tuple[str, Path] | None:
+    """(system folder, its description file) for a file at <org>/results/<folder>/<benchmark>/result_*.txt
+    where <org> also holds systems/: a submission tree, as the summarizer reads one. None elsewhere (such as
+    a harness run folder, results/runs/<run>/result_*.txt), so the log's own keys count."""
     parts = path.absolute().parts
     if len(parts) < 5 or parts[-4] != "results":
         return None
-    system = parts[-3]
+    org = Path(*parts[:-4])
+    return (parts[-3], org / "systems" / f"{parts[-3]}.json") if (org / "systems").is_dir() else None
+
+
+def _description(file: Path) -> dict:
+    """A system description; LogError where the summarizer cannot load it (it then leaves the system out)."""
     try:
-        description = json.loads((Path(*parts[:-4]) / "systems" / f"{system}.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (system, description) if isinstance(description, dict) else None
+        description = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LogError(f"left out, as the summarizer leaves out a system it has no description of: "
+                       f"{file}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(description, dict):
+        raise LogError(f"left out, as the summarizer leaves out a system it has no description of: "
+                       f"{file} holds no JSON object")
+    return description
 
 
 def _accelerators(description: dict) -> int | None:
@@ -178,15 +198,16 @@ def _accelerators(description: dict) -> int | None:
 def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
     runs = []
     for path in result_files(paths):
-        found = system_description(path)
-        folder, description = found if found else (None, {})
-        name = description.get("system_name")  # what the official results table calls the system
+        tree = submission_system(path)
         try:
+            folder, description = (tree[0], _description(tree[1])) if tree else (None, {})
+            name = description.get("system_name")  # what the official results table calls the system
             run = parse_file(path, name if isinstance(name, str) and name else folder, description.get("submitter"),
                              folder)
         except LogError as exc:
             on_error(path, str(exc))
             continue
+        run.campaign = None if tree else str(path.parent)
         run.accelerators = _accelerators(description)
         if run.division is None and isinstance(description.get("division"), str):
             run.division = description["division"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import mlperf_logging
 
 from harness.results.parse import Run
+from harness.results.rules import eval_step_key
 
 RCP_ROOT = Path(mlperf_logging.__file__).parent / "rcp_checker"
 
@@ -198,7 +199,7 @@ def submission_epochs(run: Run, ruleset: str) -> float:
         return NOT_CONVERGED_EPOCHS
     records = run.eval_records[:evals_before]
     if run.benchmark == "stable_diffusion":
-        step = "step_num" if ruleset == "3.1.0" else "samples_count"
+        step = eval_step_key(ruleset)
         steps = {}
         for value, metadata in records:  # the per-step FID and CLIP, keyed as the checker keys them
             steps.setdefault(metadata[step], {})[metadata["metric"]] = value

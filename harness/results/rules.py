@@ -4,7 +4,8 @@ Each `compliance_checker/training_<ruleset>/<division>_<benchmark>.yaml` states
 the target as an `ATLEAST_ONE_CHECK`, for example on `eval_accuracy`
 (`v['value'] >= 0.7590 and v['value'] < 1.0`), or, for a two-metric eval such as
 stable diffusion's FID and CLIP, on the virtual key `aggregated_eval_accuracy`
-that the rule file's BEGIN block builds. We evaluate exactly that expression, as
+that the rule file's BEGIN block builds (pairing FID and CLIP by `eval_step_key`, which
+differs between rulesets). We evaluate exactly that expression, as
 the checker does (stripped, with `v` = {'value', 'metadata'}), instead of running
 the whole, slow checker. A rule that cannot be read or evaluated raises RuleError:
 the caller makes that one (system, benchmark) group unscorable and goes on.
@@ -63,20 +64,31 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def aggregate_metrics(records: list[tuple[object, dict]]) -> list[dict]:
-    """eval_accuracy records told apart by metadata['metric'] -> one value per samples_count, e.g.
-    {'samples_count': 512000, 'FID': 80.1, 'CLIP': 0.16}.
+def eval_step_key(ruleset: str) -> str:
+    """The metadata field that pairs the metrics of one two-metric eval (stable diffusion's FID and CLIP).
+
+    The one place this is decided, for the target (aggregate_metrics) and for the RCP check (rcp.py):
+    3.1.0's closed_stable_diffusion.yaml merges by `step_num` (so does rcp_checker's read_submission_file,
+    switched on the same ruleset), every later rule file by `samples_count`; stable diffusion has no
+    rule file before 3.1.0. tests/test_results.py runs every ruleset's BEGIN block against this.
+    """
+    return "step_num" if ruleset == "3.1.0" else "samples_count"
+
+
+def aggregate_metrics(records: list[tuple[object, dict]], step: str) -> list[dict]:
+    """eval_accuracy records told apart by metadata['metric'] -> one value per eval step (metadata[step]),
+    e.g. {'samples_count': 512000, 'FID': 80.1, 'CLIP': 0.16}.
 
     Mirrors the BEGIN block of mlperf-logging's closed_stable_diffusion.yaml (which builds
     `aggregated_eval_accuracy`); tests/test_results.py runs that block on the same records.
     """
     merged: dict[object, dict] = {}
     for value, metadata in records:
-        if "metric" not in metadata or "samples_count" not in metadata:
+        if "metric" not in metadata or step not in metadata:
             continue
-        samples = metadata["samples_count"]
+        samples = metadata[step]
         try:
-            entry = merged.setdefault(samples, {"samples_count": samples})
+            entry = merged.setdefault(samples, {step: samples})
         except TypeError:  # an unhashable samples_count: no eval step to file it under
             continue
         try:
@@ -94,6 +106,7 @@ class Target:
     key: str  # eval_accuracy, or AGGREGATED for two-metric evals
     expression: str
     code: CodeType
+    step: str  # the metadata field that pairs a two-metric eval's metrics (eval_step_key)
 
     def _holds(self, value, metadata: dict) -> bool:
         try:
@@ -110,7 +123,7 @@ class Target:
     def met_by(self, records: list[tuple[object, dict]]) -> bool:
         """Whether any logged eval meets the target. Raises RuleError when the rule cannot be evaluated."""
         if self.key == AGGREGATED:
-            return any(self._holds(value, {}) for value in aggregate_metrics(records))
+            return any(self._holds(value, {}) for value in aggregate_metrics(records, self.step))
         return any(self._holds(value, metadata) for value, metadata in records)
 
 
@@ -141,7 +154,7 @@ def _target(root: Path, ruleset: str, division: str, benchmark: str) -> Target |
             code = compile(expression.strip(), str(rule_file), "eval")
     except (SyntaxError, ValueError) as exc:
         raise RuleError(f"{rule_file}: the rule {expression!r} is not a valid expression: {exc}") from None
-    return Target(str(rule_file), found["NAME"], expression, code)
+    return Target(str(rule_file), found["NAME"], expression, code, eval_step_key(ruleset))
 
 
 def target_check(ruleset: str, division: str | None, benchmark: str | None) -> Target | None:
