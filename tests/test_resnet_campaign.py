@@ -98,7 +98,9 @@ def test_report_reads_the_campaign_in_every_format(tiny_campaign):
     middle = sorted(r["time_to_train_min"] for r in group["runs"])[1:-1]  # olympic: drop fastest and slowest
     assert abs(group["score_min"] - sum(middle) / len(middle)) < 1e-12
     csv = harness("report", str(out), "--format", "csv").stdout.splitlines()
-    assert csv[0].startswith("submitter,system,system_id,benchmark,score_min,rcp,file,status,converged,time_to_train_min")
+    assert csv[0].startswith("submitter,system,system_id,campaign,benchmark,score_min,rcp,file,status,compliant,"
+                             "compliance_error,converged,time_to_train_min")
+    assert all(row.split(",")[9] == "True" for row in csv[1:])  # every run passed the compliance checker
     assert csv[0].endswith(",restarts,goodput,badput,stragglers,kept_out")
     assert len(csv) == 1 + TINY_RUNS
     table = harness("report", str(out)).stdout
