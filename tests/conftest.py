@@ -54,6 +54,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def this_checkout_first():
+    """Every process a test starts imports this checkout's code, not whichever checkout pip installed in
+    editable mode (a git worktree, or a clone beside it): torch.distributed.run puts only the script's folder
+    on sys.path."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def tiny_data_dir(tmp_path_factory) -> Path:
     """Generate the tiny dataset privately for this session instead of in the user's cache."""
     path = tmp_path_factory.mktemp("data")
