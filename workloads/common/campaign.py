@@ -166,6 +166,14 @@ class Workload(ABC):
     def load_position(self, position: dict[str, Any]) -> None:
         """Take back what position() returned when the checkpoint was saved."""
 
+    def close(self) -> None:
+        """End the data loaders' worker processes now, by dropping the last reference to the loaders.
+
+        Left to the garbage collector (a workload sits in reference cycles: its LR schedule holds a bound
+        method), the loaders' multiprocessing queues are closed before the loaders' finalizer tells their
+        workers to stop, and each persistent worker waits out a 5 s join timeout and is then killed."""
+        vars(self).pop("loaders", None)
+
 
 def default_platform(ctx: DistContext) -> str:
     """A system name such as `cpu_n1x2` or `nvidia_h100_80gb_hbm3_n448x8`."""
@@ -243,8 +251,9 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         FEED.state("stopped")
         support.finish()  # after run_stop: a failure in between must not make the run start over
         announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
-        # A workload sits in reference cycles (its LR schedule holds a bound method): collected now, its data
-        # loaders' worker processes end with its run instead of piling up over the campaign.
+        # The loaders' workers end with the run; the rest of the workload (in reference cycles) is collected
+        # now instead of piling up over the campaign.
+        workload.close()
         del workload, support
         gc.collect()
         dist.barrier()
