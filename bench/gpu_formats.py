@@ -69,7 +69,8 @@ def write_megatron_corpus(root: Path, vocab_size: int, seq_len: int, train_sampl
                           seed: int) -> Path:
     """MLPerf's C4 layout: its two training shards (each holding train_samples windows of seq_len + 1 tokens,
     so the 0.5/0.5 blend never wraps) and the validation subset, as documents of random tokens ending in EOD."""
-    from workloads.gpt3.data import C4_EVAL, C4_TRAIN, EOD, write_indexed_dataset
+    from workloads.common.megatron_data import write_indexed_dataset
+    from workloads.gpt3.data import C4_EVAL, C4_TRAIN, EOD
 
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)

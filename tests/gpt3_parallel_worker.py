@@ -19,9 +19,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
+from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups
 from workloads.gpt3.config import GPT3Config, GPTConfig, Layout, estimate_memory
-from workloads.gpt3.model import GPT, optimizer_groups
-from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize
+from workloads.gpt3.model import GPT
+from workloads.gpt3.parallel import build_mesh, parallelize
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 MICRO_BATCH = 2

@@ -59,7 +59,8 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
 def test_written_files_are_what_the_workloads_loaders_read(tmp_path):
     from gpu_formats import IMAGE_CLASSES, write_image_folder, write_megatron_corpus
     from torchvision import datasets
-    from workloads.gpt3.data import C4_TRAIN, IndexedDataset, c4_loaders
+    from workloads.common.megatron_data import IndexedDataset
+    from workloads.gpt3.data import C4_TRAIN, c4_loaders
 
     root = write_image_folder(tmp_path / "imagenet", 25, (40, 30), seed=1)
     train, val = datasets.ImageFolder(str(root / "train")), datasets.ImageFolder(str(root / "val"))

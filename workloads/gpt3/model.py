@@ -98,12 +98,3 @@ class GPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
                 else block(x)
         return self.lm_head(self.ln_f(x))
-
-
-def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups as Megatron (MLPerf's reference) builds them: no weight decay on biases and
-    LayerNorm parameters (every one-dimensional parameter), decay on the weight matrices and embeddings."""
-    decayed, exempt = [], []
-    for param in model.parameters():
-        (decayed if param.ndim > 1 else exempt).append(param)
-    return [{"params": decayed, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]

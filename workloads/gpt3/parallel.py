@@ -21,21 +21,15 @@ micro batch (accumulate_gradients), so a rank never holds more than its shard of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import nullcontext
-
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
-    SequenceParallel, loss_parallel, parallelize_module
+    SequenceParallel, parallelize_module
 
 from workloads.gpt3.config import Layout
 from workloads.gpt3.model import GPT
-
-IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
@@ -86,56 +80,3 @@ def _tensor_parallel(model: GPT, tp: DeviceMesh) -> None:
             "mlp.fc": ColwiseParallel(),
             "mlp.fc2": RowwiseParallel(output_layouts=sequence_sharded),
         })
-
-
-def _loss_context(logits: torch.Tensor):
-    """Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward."""
-    return loss_parallel() if isinstance(logits, DTensor) else nullcontext()
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.Tensor], count: int) -> torch.Tensor:
-    """Forward and backward over `count` micro batches of (batch, sequence + 1) tokens; returns the mean loss.
-
-    FSDP2 reduce-scatters each micro batch's gradients into the sharded ones as backward ends.
-    Turning that sync off between micro batches (set_requires_gradient_sync(False)) would
-    save communication but keep every unsharded fp32 gradient on every rank until the last
-    micro batch: 4 bytes x 175B / tensor parallel, about 90 GB per GPU.
-    """
-    total = torch.zeros((), device=next(model.parameters()).device)
-    for tokens in micro_batches:
-        logits = model(tokens[:, :-1])
-        with _loss_context(logits):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) / count
-            loss.backward()
-        total += _local(loss.detach())
-    return total
-
-
-@torch.no_grad()
-def scored_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The summed next-token loss over the sequences of `tokens` whose `counted` flag is set, and how many
-    tokens that sums. Uncounted sequences (an eval shard's padding) still run, so that every data rank
-    makes the same collective calls."""
-    targets = tokens[:, 1:].masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
-    logits = model(tokens[:, :-1])
-    with _loss_context(logits):
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                               ignore_index=IGNORED)
-    return _local(loss).double(), int((targets != IGNORED).sum())
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
-
-    Every gradient is a DTensor on the one (data, tensor) mesh, so their norm is one partial DTensor
-    that full_tensor() reduces over the whole mesh; replicated pieces (the norms) count once."""
-    parameters = list(parameters)
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
-    total = _local(total)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return total

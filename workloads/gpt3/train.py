@@ -28,14 +28,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.gpu_peaks import mfu
+from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups, \
+    scored_loss_sum
 from workloads.common.loop import Target
 from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
-from workloads.gpt3.model import GPT, optimizer_groups
+from workloads.gpt3.model import GPT
+from workloads.gpt3.parallel import build_mesh, parallelize
 from workloads.gpt3.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
-from workloads.gpt3.parallel import accumulate_gradients, build_mesh, clip_grad_norm_, parallelize, \
-    scored_loss_sum
 
 # Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
 # preset's checkpoint is saved from one process: both by design, so torch's warnings about them are noise.

@@ -1,0 +1,94 @@
+"""The steps every language model here shares: the next-token loss accumulated over micro batches, the
+scored loss of an eval batch, and gradient clipping, for whole models and for DTensor-parallel ones alike.
+
+AdamW's parameter groups are Megatron's for both references. A `split` turns a batch of (batch, sequence + 1) tokens into the model's inputs and the targets this rank
+scores: the whole shifted sequence (the default), or a context-parallel rank's chunks of it with their
+positions (workloads.llama.parallelize).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
+
+Split = Callable[[torch.Tensor], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+
+
+def next_token_split(tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The model reads tokens 0..n-1 and predicts 1..n."""
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def _loss_context(logits: torch.Tensor):
+    """Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward."""
+    return loss_parallel() if isinstance(logits, DTensor) else nullcontext()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.Tensor], count: int,
+                         split: Split = next_token_split) -> torch.Tensor:
+    """Forward and backward over `count` micro batches of (batch, sequence + 1) tokens; returns the mean loss
+    (of this rank's targets).
+
+    FSDP2 reduce-scatters each micro batch's gradients into the sharded ones as backward ends.
+    Turning that sync off between micro batches (set_requires_gradient_sync(False)) would
+    save communication but keep every unsharded fp32 gradient on every rank until the last
+    micro batch: 4 bytes x 175B / tensor parallel, about 90 GB per GPU for GPT-3.
+    """
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for tokens in micro_batches:
+        inputs, targets = split(tokens)
+        logits = model(*inputs)
+        with _loss_context(logits):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / count
+            loss.backward()
+        total += _local(loss.detach())
+    return total
+
+
+@torch.no_grad()
+def scored_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, counted: torch.Tensor,
+                    split: Split = next_token_split) -> tuple[torch.Tensor, int]:
+    """The summed next-token loss over this rank's targets in the sequences of `tokens` whose `counted` flag is
+    set, and how many tokens that sums. Uncounted sequences (an eval shard's padding) still run, so that every
+    data rank makes the same collective calls."""
+    inputs, targets = split(tokens)
+    targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
+    logits = model(*inputs)
+    with _loss_context(logits):
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                               ignore_index=IGNORED)
+    return _local(loss).double(), int((targets != IGNORED).sum())
+
+
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups as Megatron (the GPT-3 and Llama references) builds them: no weight decay on
+    biases and norm parameters (every one-dimensional parameter), decay on the weight matrices and embeddings."""
+    decayed, exempt = [], []
+    for param in model.parameters():
+        (decayed if param.ndim > 1 else exempt).append(param)
+    return [{"params": decayed, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
+
+    Every gradient is a DTensor on one mesh, so their norm is one partial DTensor that full_tensor()
+    reduces over the whole mesh; replicated pieces (the norms) count once."""
+    parameters = list(parameters)
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
+    total = _local(total)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
