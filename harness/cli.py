@@ -16,9 +16,10 @@ from pathlib import Path
 from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import BENCHMARKS, JobSpec, check_writable, parse_env, validate
+from harness.spec import JobSpec, check_writable, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
+from workloads.registry import BENCHMARKS
 
 
 
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
+    run.add_argument("--global-batch", type=int,
+                     help="llama31_8b: sequences per optimizer step, one of the batches MLPerf's RCPs were measured "
+                          "at (16, 32, 64, 96, 128), which also sets the peak LR and warmup (default: the preset's)")
+    run.add_argument("--force-batch", action="store_true",
+                     help="llama31_8b: accept a --global-batch with no RCP (its runs cannot pass the RCP check)")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")
     run.add_argument("--system", help="system name logged as submission_platform (default: e.g. cpu_n1x2)")
     run.add_argument("--name", help="job name on the cluster (default: <benchmark>-<preset>); lowercase "
@@ -243,7 +249,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    optimizer=args.optimizer, compile=args.compile,
                    data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
-                   batch_size=args.batch_size, submitter=args.submitter, system=args.system, name=args.name,
+                   batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
+                   submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,
                    preflight=args.preflight if args.preflight is not None else (args.nodes > 1 and preset == "full"),
@@ -328,7 +335,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     record = handle.record()
     if record.get("failure"):
         print(f"harness: {record['failure']}", file=sys.stderr)
-    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, exit_code=record.get("exit_code"))
+    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, ruleset=BENCHMARKS[spec.benchmark].ruleset,
+                      exit_code=record.get("exit_code"))
 
 
 def _preflight_failed(record: dict) -> int:
@@ -375,15 +383,16 @@ def _collect(launcher, handle) -> None:
         print(f"harness: fetched {len(fetched)} file(s) from the cluster into {handle.out_dir}", flush=True)
 
 
-def _summarize(out_dir: Path, job_ok: bool, runs: int, exit_code: int | None = None) -> int:
-    """Print the time-to-train report of a finished job; 0 only if every run reached its target (with a log
-    that mlperf-logging's compliance checker passes: the summarizer would count it as a failed run otherwise).
+def _summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: int | None = None) -> int:
+    """Print the time-to-train report of a finished job, by its benchmark's ruleset; 0 only if every run
+    reached its target (with a log that mlperf-logging's compliance checker passes: the summarizer would count
+    it as a failed run otherwise).
     A failed job exits with the node agent's code where it has one (workload error, budget spent, ...)."""
     from harness.agent import EXIT_CODES, EXIT_RETRY
     from harness.report import render
     from harness.results import load
 
-    results = load([out_dir])
+    results = load([out_dir], ruleset=ruleset)
     print(render(results, "table"))
     from harness.report import preflight_notes
 

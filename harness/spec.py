@@ -19,20 +19,10 @@ from harness.errors import HarnessError
 from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
+from workloads.registry import BENCHMARKS  # torch-free
 
-# Benchmark name -> presets. The first preset is the default when no dataset is given.
-BENCHMARKS: dict[str, tuple[str, ...]] = {
-    "resnet": ("tiny", "full"),
-    "bert": ("tiny", "full"),
-    "gpt3": ("tiny", "full"),
-}
-# Benchmarks whose workload ships in this version; any others are named so that
-# users see the roadmap, and refused with a clear message.
-AVAILABLE = ("resnet", "bert", "gpt3")
 # Presets that read a real dataset unless --synthetic is given.
 DATASET_PRESETS = ("full",)
-# Benchmarks whose full preset starts from MLPerf's reference checkpoint (--init-checkpoint), and its form.
-STARTS_FROM_CHECKPOINT = {"bert": "FILE (a PyTorch state dict)", "gpt3": "DIR (a torch.distributed.checkpoint folder)"}
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
@@ -76,6 +66,8 @@ class JobSpec:
     synthetic: bool = False
     max_steps: int | None = None  # stop early (smoke tests, throughput runs)
     batch_size: int | None = None  # per-process batch; None: the preset's
+    global_batch: int | None = None  # llama31_8b: sequences per optimizer step; None: the preset's
+    force_batch: bool = False  # llama31_8b: accept a global batch that has no RCP
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
@@ -95,7 +87,8 @@ class JobSpec:
         `runs_root`: where run folders go without --out (the backend's shared file system)."""
         spec = dataclasses.replace(self)
         if spec.name is None:
-            spec.name = f"{spec.benchmark}-{spec.preset}"
+            # MLPerf's names hold underscores (llama31_8b), which Kubernetes object names may not.
+            spec.name = f"{spec.benchmark}-{spec.preset}".replace("_", "-")
         if spec.checkpoint_every is None:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
@@ -138,6 +131,10 @@ class JobSpec:
             args += ["--max-steps", str(self.max_steps)]
         if self.batch_size is not None:
             args += ["--batch-size", str(self.batch_size)]
+        if self.global_batch is not None:
+            args += ["--global-batch", str(self.global_batch)]
+        if self.force_batch:
+            args.append("--force-batch")
         if self.checkpoint_every is not None:
             args += ["--checkpoint-every", self.checkpoint_every]
         args += ["--keep-checkpoints", str(self.keep_checkpoints)]
@@ -162,7 +159,8 @@ class JobSpec:
                             ("--seed", self.seed),
                             ("--out", self.out_dir), ("--data", self.data),
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
-                            ("--batch-size", self.batch_size), ("--system", self.system), ("--name", self.name),
+                            ("--batch-size", self.batch_size), ("--global-batch", self.global_batch),
+                            ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
                             ("--straggler-window", self.straggler_window), ("--optimizer", self.optimizer),
@@ -176,6 +174,8 @@ class JobSpec:
             args += ["--set", pair]
         if self.synthetic:
             args.append("--synthetic")
+        if self.force_batch:
+            args.append("--force-batch")
         if self.async_checkpoint:
             args.append("--async-checkpoint")
         args.append("--preflight" if self.preflight else "--no-preflight")  # its default depends on nodes and preset
@@ -225,16 +225,16 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     """
     if spec.benchmark not in BENCHMARKS:
         raise HarnessError(f"unknown benchmark {spec.benchmark!r}; choose one of: {', '.join(BENCHMARKS)}")
-    if spec.benchmark not in AVAILABLE:
-        raise HarnessError(f"the {spec.benchmark} workload is not in this version yet; "
-                           f"available now: {', '.join(AVAILABLE)}")
-    presets = BENCHMARKS[spec.benchmark]
+    presets = BENCHMARKS[spec.benchmark].presets
     if spec.preset not in presets:
         raise HarnessError(f"unknown preset {spec.preset!r} for {spec.benchmark}; choose one of: {', '.join(presets)}")
     for name in ("nodes", "runs"):
         if getattr(spec, name) < 1:
             raise HarnessError(f"--{name} must be at least 1, got {getattr(spec, name)}")
-    for name in ("procs_per_node", "max_steps", "batch_size"):
+    if (spec.global_batch is not None or spec.force_batch) and spec.benchmark != "llama31_8b":
+        raise HarnessError(f"--global-batch and --force-batch apply to llama31_8b only, not {spec.benchmark} (its "
+                           "global batch follows --batch-size and the process count)")
+    for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -298,10 +298,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
         missing.append(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
                        "or --synthetic to measure throughput on generated input")
-    if spec.benchmark in STARTS_FROM_CHECKPOINT and spec.preset == "full" and spec.init_checkpoint is None \
-            and not spec.synthetic:
+    starts_from = BENCHMARKS[spec.benchmark].init_checkpoint
+    if starts_from and spec.preset == "full" and spec.init_checkpoint is None and not spec.synthetic:
         missing.append(f"{spec.benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint "
-                       f"{STARTS_FROM_CHECKPOINT[spec.benchmark]}")
+                       f"{starts_from}")
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]

@@ -17,22 +17,14 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 from workloads.common.campaign import RunOptions, run_campaign  # noqa: E402
 from workloads.common.error_file import error_handler  # noqa: E402
 from workloads.common.rank_output import redirect_rank_output  # noqa: E402
+from workloads.registry import BENCHMARKS  # noqa: E402
 
 
 def workload_class(benchmark: str):
-    if benchmark == "resnet":
-        from workloads.resnet.train import ResNetWorkload
-
-        return ResNetWorkload
-    if benchmark == "bert":
-        from workloads.bert.train import BertWorkload
-
-        return BertWorkload
-    if benchmark == "gpt3":
-        from workloads.gpt3.train import GPT3Workload
-
-        return GPT3Workload
-    raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: resnet, bert, gpt3)")
+    if benchmark not in BENCHMARKS:
+        raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: "
+                         f"{', '.join(BENCHMARKS)})")
+    return BENCHMARKS[benchmark].workload_class()
 
 
 @partial(record, error_handler=error_handler)  # the exception goes to torchelastic's error file: the agent's cause

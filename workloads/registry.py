@@ -1,0 +1,33 @@
+"""Every benchmark the harness trains, in one table: `harness run`'s choices, the spec's validation, the
+workers' dispatch and the docs read it from here. No torch: the CLI imports this to answer instantly.
+
+Runs per result are MLPerf's own (mlperf-logging's get_result_file_counts, see harness.results.score).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    workload: str  # "module:Class", imported by the worker only
+    presets: tuple[str, ...]  # the first is the default
+    ruleset: str  # the newest MLPerf Training ruleset that has this benchmark: what its logs are checked against
+    init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
+
+    def workload_class(self):
+        module, name = self.workload.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
+    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0"),
+    Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
+              init_checkpoint="FILE (a PyTorch state dict)"),
+    Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
+              init_checkpoint="DIR (a torch.distributed.checkpoint folder)"),
+    Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0"),
+)}
