@@ -62,6 +62,8 @@ class RunOptions:
     straggler_threshold: float = 0.75
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
+    global_batch: int | None = None  # llama31_8b: sequences per optimizer step (default: the preset's)
+    force_batch: bool = False  # llama31_8b: accept a global batch with no RCP
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -88,6 +90,8 @@ class RunOptions:
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
                        help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
+        p.add_argument("--global-batch", type=int)
+        p.add_argument("--force-batch", action="store_true")
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
@@ -114,6 +118,7 @@ class Workload(ABC):
     target: Target
     rate_shown: tuple[str, str] = ("samples/s", "throughput")
     logs_trained_samples = False  # log train_samples (the epoch_num trained) when the run stops
+    eval_count_key = C.EPOCH_NUM  # the eval events' metadata key for epoch_num(step) (newer rules: samples_count)
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         self.opts, self.ctx, self.seed = opts, ctx, seed

@@ -130,11 +130,12 @@ def _evaluate(workload, mlog: K.ResultLog, step: int, support: Resilience, progr
     """Evaluate after `step`, log it, and say whether the target is reached."""
     epoch_num = workload.epoch_num(step)
     target = workload.target
+    at = {workload.eval_count_key: epoch_num}
     with support.phase("eval", step):
-        mlog.start(C.EVAL_START, metadata={C.EPOCH_NUM: epoch_num})
+        mlog.start(C.EVAL_START, metadata=at)
         quality = workload.evaluate()
-        mlog.event(C.EVAL_ACCURACY, quality, metadata={C.EPOCH_NUM: epoch_num})
-        mlog.end(C.EVAL_STOP, metadata={C.EPOCH_NUM: epoch_num})
+        mlog.event(C.EVAL_ACCURACY, quality, metadata=at)
+        mlog.end(C.EVAL_STOP, metadata=at)
     label, key = workload.rate_shown
     rate = {label: stats[key]} if stats else {}
     progress.set(**{target.short: quality}, **rate)

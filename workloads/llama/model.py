@@ -1,0 +1,149 @@
+"""Llama 3.1: a decoder-only transformer, from the tiny preset up to 8B. Reads top to bottom.
+
+Pre-norm blocks (RMSNorm) of grouped-query causal self-attention with rotary positions (RoPE, with
+Llama 3.1's frequency scaling) and a SwiGLU MLP; no biases, no dropout; the input embedding and the
+output layer are separate matrices. Every layer reads its head counts from the shapes it gets, so the
+same code runs whole or split by tensor parallelism (see parallelize.py), and the attention's core is a
+module of its own that context parallelism replaces with one that gathers keys and values across ranks.
+Positions are an input: a context-parallel rank holds two chunks of the sequence, not a prefix of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from workloads.llama.config import LlamaConfig, RopeScaling
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """The rotary frequency of each pair of head dimensions: theta^(-2i/d), then Llama 3.1's scaling (Meta's
+    `apply_scaling`): wavelengths longer than original_context / low_freq_factor are slowed by `factor`,
+    those shorter than original_context / high_freq_factor are kept, and those between are blended."""
+    dim = cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling: RopeScaling | None = cfg.rope_scaling
+    if scaling is None:
+        return freqs.float()
+    wavelength = 2 * math.pi / freqs
+    low_wavelength = scaling.original_context / scaling.low_freq_factor  # longer than this: slowed
+    high_wavelength = scaling.original_context / scaling.high_freq_factor  # shorter than this: kept
+    smooth = (scaling.original_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelength > low_wavelength, freqs / scaling.factor,
+                         torch.where(wavelength < high_wavelength, freqs, blended))
+    return scaled.float()
+
+
+def rope_tables(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles: (positions, head_dim / 2)."""
+    angles = positions.float()[:, None] * freqs.to(positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[2i], x[2i+1]) of every head by its position's angle; x is (batch, seq, heads, dim),
+    pairs interleaved as in Meta's reference (view_as_complex)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over (batch, heads, seq, dim), each position seeing itself and earlier ones.
+
+    Grouped-query: k and v have fewer heads, each shared by n_head / n_kv_head query heads (scaled dot-product
+    attention's enable_gqa repeats them without copying). Positions are given but unused here: the sequence is
+    whole and in order. parallelize.py swaps in ContextParallelAttention, which needs them."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
+                ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # (batch, seq, heads * dim) -> (batch, seq, heads, dim); heads are this rank's share under TP.
+        q, k, v = (linear(x).view(batch, seq, -1, self.head_dim) for linear in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig, activation_checkpointing: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from tok_embeddings
+        self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for every matrix, ones for the norms (the reference's init_method_std 0.02);
+        called again after a model built on the meta device gets real storage."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        self.rope_freqs.copy_(rope_frequencies(self.cfg))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
+        tokens' places in the whole sequence (default 0..seq-1)."""
+        if positions is None:
+            positions = torch.arange(tokens.size(1), device=tokens.device)
+        rope = rope_tables(self.rope_freqs, positions)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            # Checkpointing keeps only each block's input and recomputes the rest in backward.
+            x = checkpoint(layer, x, rope, positions, use_reentrant=False) \
+                if self.activation_checkpointing and self.training else layer(x, rope, positions)
+        return self.output(self.norm(x))

@@ -1,0 +1,156 @@
+"""Llama's parallelism, the torchtitan way, on a (replicate, shard, context, tensor) mesh.
+
+- tensor: Megatron's column/row split of attention (by query and key/value heads) and SwiGLU, with sequence
+  parallelism between them (the norms and the residual stream hold 1/tensor of the positions); the input
+  embedding split by vocabulary rows and the output layer by vocabulary columns, its logits consumed where
+  they lie (loss_parallel). Kept inside a node: it talks twice per block and pass.
+- context: each rank holds two chunks of every sequence, chunk r and chunk 2C-1-r of 2C (load-balanced: a
+  causal rank early in the sequence also holds one late in it), and attends its queries over keys and values
+  all-gathered from the context group. This is the context parallelism Llama 3 was trained with, and it
+  runs on gloo as on NCCL (torch's context_parallel dispatches only CUDA attention kernels).
+- shard x context: FSDP2 shards parameters, gradients and AdamW's moments over them (context ranks hold the
+  same weights), within a node or group of nodes, gathering one block at a time.
+- replicate: HSDP's groups hold whole copies of the shards; only the gradient all-reduce crosses between
+  them, once per micro batch, so FSDP's gathers stay on the fast links.
+
+Every parameter ends up a DTensor on one mesh, so gradient clipping reduces one norm over all of it
+(workloads.common.language_model.clip_grad_norm_).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
+    SequenceParallel, parallelize_module
+
+from workloads.llama.config import Layout
+from workloads.llama.model import Llama
+
+MESH_DIMS = ("replicate", "shard", "context", "tensor")
+# torchtitan's way of naming flattened dimensions (sliced from the root mesh) warns of a deprecation in a
+# torch later than the one the harness pins; its replacement is not in 2.14.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
+
+
+def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The 4-D mesh, with shard x context flattened for FSDP ("fsdp") and replicate x shard for the data
+    ranks ("data")."""
+    mesh = init_device_mesh(device.type, (layout.replicate, layout.shard, layout.context, layout.tensor),
+                            mesh_dim_names=MESH_DIMS)
+    mesh["shard", "context"]._flatten("fsdp")
+    mesh["replicate", "shard"]._flatten("data")
+    return mesh
+
+
+def parallelize(model: Llama, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> Llama:
+    """Tensor parallel, context parallel, torch.compile per block, then FSDP2 (HSDP), in place."""
+    if mesh["tensor"].size() > 1:
+        _tensor_parallel(model, mesh["tensor"])
+    if mesh["context"].size() > 1:
+        for layer in model.layers:
+            layer.attention.core = ContextParallelAttention(mesh["context"])
+    if compiled:
+        # Block by block, as torchtitan compiles: every block has the same graph, so it compiles once.
+        for layer in model.layers:
+            layer.compile(fullgraph=mesh["context"].size() == 1)
+    # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    fsdp_mesh = mesh["replicate", "fsdp"]  # 2-D: HSDP (replicate across, shard within)
+    for layer in model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+    return model
+
+
+def _tensor_parallel(model: Llama, tp: DeviceMesh) -> None:
+    sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.layers:
+        parallelize_module(layer, tp, {
+            "attention_norm": SequenceParallel(),
+            # (x, rope tables, positions): x is gathered over the sequence; the tables are plain tensors.
+            "attention": PrepareModuleInput(input_layouts=(sequence_sharded, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=sequence_sharded),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(sequence_sharded,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=sequence_sharded),
+        })
+
+
+# --- context parallelism -------------------------------------------------------------------------------
+
+
+def context_chunks(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """This context rank's two chunks of `x` along `dim` (chunk rank and chunk 2 size - 1 - rank of 2 size),
+    side by side."""
+    chunks = x.chunk(2 * size, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=dim)
+
+
+class ContextSplit:
+    """A `split` (workloads.common.language_model) for a context-parallel rank: its chunks of the inputs and
+    targets, and the inputs' positions in the whole sequence."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def __call__(self, tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.size(1), device=tokens.device)
+        return ((context_chunks(inputs, self.rank, self.size), context_chunks(positions, self.rank, self.size, 0)),
+                context_chunks(targets, self.rank, self.size))
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention for a rank holding two chunks of the sequence: keys and values are all-gathered over
+    the context group (through autograd: their gradients are reduce-scattered back in backward), put back in
+    sequence order, and each local chunk of queries attends to the keys up to and including its own chunk,
+    with the causal diagonal offset by where the chunk starts. Keys and values are gathered before the
+    grouped-query expansion: n_kv_head heads, a quarter of the query heads' bytes for Llama 3.1 8B."""
+
+    def __init__(self, group: DeviceMesh):
+        super().__init__()
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        size, rank = self.group.size(), self.group.get_local_rank()
+        chunk = q.size(2) // 2
+        keys, values = (self._in_sequence_order(self._gather(t), size) for t in (k, v))
+        outputs = []
+        for local, index in enumerate((rank, 2 * size - 1 - rank)):
+            queries = q[:, :, local * chunk:(local + 1) * chunk]
+            end = (index + 1) * chunk  # keys of every chunk up to this one
+            query_at = positions[local * chunk:(local + 1) * chunk]
+            visible = torch.arange(end, device=q.device)[None, :] <= query_at[:, None]
+            outputs.append(F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end],
+                                                          attn_mask=visible, enable_gqa=True))
+        return torch.cat(outputs, dim=2)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, 2 chunks, dim) from every context rank, stacked along the sequence in rank order."""
+        return funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=self.group)
+
+    @staticmethod
+    def _in_sequence_order(gathered: torch.Tensor, size: int) -> torch.Tensor:
+        """Rank r's pair is (chunk r, chunk 2 size - 1 - r): undo that interleaving."""
+        pieces = gathered.chunk(2 * size, dim=2)  # rank 0's two chunks, rank 1's two, ...
+        order = [None] * (2 * size)
+        for rank in range(size):
+            order[rank], order[2 * size - 1 - rank] = pieces[2 * rank], pieces[2 * rank + 1]
+        return torch.cat(order, dim=2)
