@@ -1,9 +1,11 @@
-"""One rank of a closed (full-preset) campaign with a small model in place of BERT-large or GPT-3 175B,
+"""One rank of a closed (full-preset) campaign with a small model in place of BERT-large, GPT-3 175B or Llama 3.1 8B,
 which no CPU trains even for one step. Used only by tests, through torchrun.
 
 Only the model's size changes. Everything the closed rules look at stays the full preset's: the
 hyperparameters (for bert, those of an MLPerf reference point), the schedule, the sequence length,
-the eval cadence and the logging. GPT-3 also keeps its global batch of 1536 sequences.
+the eval cadence and the logging. GPT-3 also keeps its global batch of 1536 sequences, llama31_8b its 64
+and its 1,024 eval sequences of 8,192 tokens (its proxy is the narrowest Llama: attention over 8,192
+positions costs in proportion to its heads: one per tensor rank).
 """
 
 import dataclasses
@@ -11,13 +13,17 @@ import sys
 
 from workloads.bert import config as bert
 from workloads.gpt3 import config as gpt3
+from workloads.llama import config as llama
 
 BERT_MODEL = bert.BertConfig(vocab_size=128, max_seq_len=512, n_layer=1, n_head=2, d_model=32, d_ff=64)
 GPT3_MODEL = gpt3.GPTConfig(vocab_size=128, seq_len=2048, n_layer=1, n_head=2, d_model=32)
+LLAMA_MODEL = llama.LlamaConfig(vocab_size=128, seq_len=8192, n_layer=1, n_head=2, n_kv_head=2, d_model=4,
+                                ffn_hidden=8)
 
 if __name__ == "__main__":
     bert.PRESETS["full"] = dataclasses.replace(bert.PRESETS["full"], model=BERT_MODEL)
     gpt3.PRESETS["full"] = dataclasses.replace(gpt3.PRESETS["full"], model=GPT3_MODEL)
+    llama.PRESETS["full"] = dataclasses.replace(llama.PRESETS["full"], model=LLAMA_MODEL)
     from workloads.__main__ import main
 
     sys.exit(main())

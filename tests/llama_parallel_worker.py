@@ -1,0 +1,98 @@
+"""One rank of tests/test_llama_parallel.py, started by torchrun: a small Llama on a (replicate, shard, context,
+tensor) mesh against the whole model in this process, for each layout named on the command line:
+
+    llama_parallel_worker.py R,S,C,T [R,S,C,T ...]
+
+For each layout: the loss over 2 accumulated micro batches, every gradient, the clipped gradients (one norm
+over the whole mesh) and the eval's scored loss sum must match the whole model's. Prints "parity ok R,S,C,T"
+per layout and rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, \
+    scored_loss_sum
+from workloads.llama.config import Layout, LlamaConfig, RopeScaling
+from workloads.llama.model import Llama
+from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
+
+CONFIG = LlamaConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
+                     rope_scaling=RopeScaling(original_context=8))
+MICRO_BATCH = 2
+ACCUMULATE = 2
+CPU = torch.device("cpu")
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def parity(layout: Layout) -> None:
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    mesh = build_mesh(layout, CPU)
+    parallelize(model, mesh, CPU)
+    model.to_empty(device=CPU)
+    model.rope_freqs.copy_(reference.rope_freqs)
+    set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+    split = ContextSplit(mesh["context"].get_local_rank(), layout.context) if layout.context > 1 else next_token_split
+
+    tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
+    data_rank = mesh["data"].get_local_rank()
+    mine = [tokens[(step * layout.data + data_rank) * MICRO_BATCH:][:MICRO_BATCH] for step in range(ACCUMULATE)]
+    expected = accumulate_gradients(reference, tokens.split(MICRO_BATCH), layout.global_batch // MICRO_BATCH)
+    loss = accumulate_gradients(model, mine, ACCUMULATE, split)
+    dist.all_reduce(loss)  # every rank's mean over its own targets: their mean is the whole batch's
+    assert_close(loss / layout.world, expected)
+
+    params = dict(model.named_parameters())
+    assert len({p.device_mesh for p in params.values()}) == 1  # one mesh: one norm over all of it
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    assert expected_norm > 0.05 and not isinstance(norm, DTensor)  # the clip really scales
+    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}")
+
+    # The eval: each data rank scores its sequences (the first one uncounted, as an eval shard's padding is).
+    scored = tokens[:layout.data * MICRO_BATCH]
+    counted = torch.ones(len(scored), dtype=torch.bool)
+    counted[0] = False
+    reference.eval(), model.eval()
+    want_sum, want_count = scored_loss_sum(reference, scored, counted)
+    rows = slice(data_rank * MICRO_BATCH, (data_rank + 1) * MICRO_BATCH)
+    got_sum, got_count = scored_loss_sum(model, scored[rows], counted[rows], split)
+    sums = torch.tensor([got_sum.item(), float(got_count)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    # Every tensor rank holds the same sums: the whole world counts each scored token `tensor` times.
+    assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64))
+    say(f"rank {dist.get_rank()}: parity ok {layout.replicate},{layout.shard},{layout.context},{layout.tensor}")
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share stdout."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    for spec in sys.argv[1:]:
+        replicate, shard, context, tensor = map(int, spec.split(","))
+        parity(Layout(world=dist.get_world_size(), procs_per_node=dist.get_world_size(), replicate=replicate,
+                      shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE))
+    dist.destroy_process_group()

@@ -1,0 +1,28 @@
+"""Llama's parallel layouts on CPU (gloo), each against the whole model in one process
+(tests/llama_parallel_worker.py): tensor parallel 2, context parallel 2 (the all-gather path the GPUs take
+too), HSDP (replicate 2 x shard 2), and context x tensor together."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # real multi-process training steps
+
+# (replicate, shard, context, tensor) over 4 processes
+LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2")
+
+
+def test_every_layout_matches_the_whole_model():
+    """Loss over 2 accumulated micro batches, every gradient, one clipping norm over the whole mesh, and the
+    eval's scored loss, for each layout in turn in one 4-process job."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(REPO / "tests" / "llama_parallel_worker.py"), *LAYOUTS], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    for layout in LAYOUTS:
+        assert proc.stdout.count(f"parity ok {layout}") == 4, proc.stdout
