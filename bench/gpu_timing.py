@@ -9,9 +9,11 @@ graphs, fused optimizers, loader workers) is what gets measured. Per data kind:
   device, as the loop leaves it);
 - then steps with a synchronisation after each: the step-time spread.
 
-The run on files starts from the synthetic run's weights, saved the way the workload reads its
-starting checkpoint (BERT: a state dict; GPT-3: a DCP folder), since both refuse to train a
-non-tiny preset from nothing.
+The workloads are the harness's own (workloads/registry.py). A benchmark whose full preset starts
+from MLPerf's reference checkpoint (the registry's `init_checkpoint`: BERT, a state dict; GPT-3, a
+DCP folder) refuses to train a non-tiny preset from nothing, so its run on files starts from the
+synthetic run's weights, saved in that form; ResNet-50 and llama31_8b train from scratch, so theirs
+needs none.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-WORKLOAD_CLASSES = {"resnet": ("workloads.resnet.train", "ResNetWorkload"),
-                    "bert": ("workloads.bert.train", "BertWorkload"),
-                    "gpt3": ("workloads.gpt3.train", "GPT3Workload")}
+from workloads.registry import BENCHMARKS
+
+
+def config_module(workload: str):
+    """The workload's config module (workloads/<package>/config.py, beside its registered class), whose
+    PRESETS the workload reads its preset from."""
+    package = BENCHMARKS[workload].workload.split(":")[0].rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.config")
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,8 @@ class Job:
     result: Path  # rank 0 writes the figures here (JSON)
     profiles: Path | None = None  # and, when steps are profiled, a table per data kind here (<stem>-<data>.txt)
     seed: int = 0
-    # A preset the workload's config does not have (GPT-3's single-GPU model): registered in each rank.
+    # A preset the workload's config does not have (GPT-3's and llama31_8b's single-GPU models): registered in
+    # each rank.
     extra_preset: object | None = None
 
 
@@ -73,9 +81,8 @@ def run_rank(local_rank: int, world: int, port: int, job: Job) -> None:
 
     ctx = init_distributed()
     if job.extra_preset is not None:
-        importlib.import_module(f"workloads.{job.workload}.config").PRESETS[job.preset] = job.extra_preset
-    module, name = WORKLOAD_CLASSES[job.workload]
-    workload_cls = getattr(importlib.import_module(module), name)
+        config_module(job.workload).PRESETS[job.preset] = job.extra_preset
+    workload_cls = BENCHMARKS[job.workload].workload_class()
     figures = {}
     start_weights = None
     for data in ("synthetic", "files"):
@@ -103,8 +110,9 @@ def _measure_kind(workload_cls, job: Job, ctx, data: str, start_weights: Path | 
         table = _profile_steps(workload, batches, job.steps.profiled, ctx)
         if ctx.is_main:
             Path(f"{job.profiles}-{data}.txt").write_text(table)
-    if synthetic and job.workload in ("bert", "gpt3"):
-        start_weights = _save_start_weights(job.workload, workload.model, job.scratch / "start", ctx)
+    starts_from = BENCHMARKS[job.workload].init_checkpoint  # None: trains from scratch, needs no weights
+    if synthetic and starts_from:
+        start_weights = _save_start_weights(starts_from, workload.model, job.scratch / "start", ctx)
     del workload, batches
     gc.collect()
     if ctx.device.type == "cuda":
@@ -156,14 +164,15 @@ def _profile_steps(workload, batches, steps: int, ctx) -> str:
                                      row_limit=30)
 
 
-def _save_start_weights(workload: str, model: torch.nn.Module, path: Path, ctx) -> Path:
-    """The model's weights where the workload's --init-checkpoint reads them. get_model_state_dict names
-    them as the bare model does, whatever wraps it (DDP, FSDP, torch.compile)."""
+def _save_start_weights(form: str, model: torch.nn.Module, path: Path, ctx) -> Path:
+    """The model's weights where the workload's --init-checkpoint reads them, in the registry's form: "DIR (...)"
+    a DCP folder, "FILE (...)" a state dict. get_model_state_dict names them as the bare model does, whatever
+    wraps it (DDP, FSDP, torch.compile)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model)
-    if workload == "gpt3":
+    if form.startswith("DIR"):
         dcp.save({"model": state}, checkpoint_id=str(path))
     else:
         path = path.with_suffix(".pt")
