@@ -1,10 +1,11 @@
-"""The three benchmarks' real on-disk input, written small for bench/gpu_throughput.py.
+"""The four benchmarks' real on-disk input, written small for bench/gpu_throughput.py.
 
 A throughput run on synthetic batches measures the model; one on files measures the input
 pipeline too, so these are the formats the workloads read from MLPerf's data: ImageNet as a JPEG
-ImageFolder, BERT's HDF5 shards, GPT-3's Megatron `.idx`/`.bin` pairs. Each writer makes just
-enough for the steps a run times, so that no epoch restarts inside the measurement. The BERT and
-GPT-3 writers are the workloads' own (`write_shard`, `write_indexed_dataset`).
+ImageFolder, BERT's HDF5 shards, GPT-3's Megatron `.idx`/`.bin` pairs (uint16) and llama31_8b's
+(int32, under the names MLCommons gives its C4 for Llama 3.1). Each writer makes just enough for
+the steps a run times, so that no epoch restarts inside the measurement. The BERT and Megatron
+writers are the workloads' own (`write_shard`, `write_indexed_dataset`).
 """
 
 from __future__ import annotations
@@ -67,16 +68,35 @@ def write_bert_shards(root: Path, preset, train_rows: int, eval_rows: int, shard
 
 def write_megatron_corpus(root: Path, vocab_size: int, seq_len: int, train_samples: int, eval_samples: int,
                           seed: int) -> Path:
-    """MLPerf's C4 layout: its two training shards (each holding train_samples windows of seq_len + 1 tokens,
-    so the 0.5/0.5 blend never wraps) and the validation subset, as documents of random tokens ending in EOD."""
-    from workloads.common.megatron_data import write_indexed_dataset
+    """MLPerf's C4 layout for GPT-3: its two training shards (each holding train_samples windows of seq_len + 1
+    tokens, so the 0.5/0.5 blend never wraps) and the validation subset, in uint16."""
     from workloads.gpt3.data import C4_EVAL, C4_TRAIN, EOD
+
+    return _random_corpus(root, [(C4_TRAIN[0], train_samples), (C4_TRAIN[1], train_samples), (C4_EVAL, eval_samples)],
+                          vocab_size, seq_len, EOD, np.uint16, seed)
+
+
+def write_llama_corpus(root: Path, vocab_size: int, seq_len: int, train_samples: int, eval_samples: int,
+                       seed: int) -> Path:
+    """MLCommons' C4 for Llama 3.1: the training file (train_samples windows of seq_len + 1 tokens, so that the
+    run never cycles it) and the validation file (eval_samples windows: the eval reads its first ones), in int32
+    (token ids reach 128,255)."""
+    from workloads.llama.data import EOD, TRAIN, VALIDATION
+
+    return _random_corpus(root, [(TRAIN, train_samples), (VALIDATION, eval_samples)], vocab_size, seq_len, EOD,
+                          np.int32, seed)
+
+
+def _random_corpus(root: Path, files: list[tuple[str, int]], vocab_size: int, seq_len: int, eod: int, dtype,
+                   seed: int) -> Path:
+    """Each (prefix, samples) as samples * seq_len + 1 tokens: documents of seq_len random tokens ending in EOD."""
+    from workloads.common.megatron_data import write_indexed_dataset
 
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
-    for prefix, samples in ((C4_TRAIN[0], train_samples), (C4_TRAIN[1], train_samples), (C4_EVAL, eval_samples)):
+    for prefix, samples in files:
         tokens = samples * seq_len + 1
-        documents = [np.append(rng.integers(EOD + 1, vocab_size, min(seq_len, tokens - start) - 1), EOD)
+        documents = [np.append(rng.integers(eod + 1, vocab_size, min(seq_len, tokens - start) - 1), eod)
                      for start in range(0, tokens, seq_len)]
-        write_indexed_dataset(root / prefix, [d.astype(np.uint16) for d in documents if len(d)])
+        write_indexed_dataset(root / prefix, [d.astype(dtype) for d in documents if len(d)], dtype)
     return root

@@ -2,8 +2,10 @@
 gets, the skip when torchvision cannot run, and the offline install's choices.
 
 Kept fast: the bench runs BERT and GPT-3 (the two that start the run on files from saved weights, one as a
-state dict, one as a DCP folder) for 1 + 2 + 2 steps; ResNet's files are checked through its loader alone.
-The CPU run that results/bench/gpu-cpu.json comes from runs all three with more steps."""
+state dict, one as a DCP folder) and llama31_8b (from scratch, on int32 files) for 1 + 2 + 2 steps; ResNet's
+files are checked through its loader alone. results/bench/gpu-cpu.json comes from a CPU run with more steps
+(made before llama31_8b joined the bench). llama31_8b's goal is derived again from NVIDIA's v5.1 log when
+../shared holds it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +30,7 @@ import wheelhouse  # noqa: E402
 
 @pytest.mark.slow
 def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "gpt3,bert",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "gpt3,bert,llama31_8b",
                            "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",
                            "--spread-steps", "2", "--profile-steps", "1"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -39,12 +42,15 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     assert report["skipped"] == {} and report["failed"] == {}
     rows = report["results"]
     assert [(r["workload"], r["data"]) for r in rows] == [("bert", "synthetic"), ("bert", "files"),
-                                                         ("gpt3", "synthetic"), ("gpt3", "files")]
-    # a step trains 32 sequences (tiny BERT's global batch) or 1 of 2,048 tokens (the bench's tiny GPT)
-    per_step = {"bert": 32, "gpt3": 1}
+                                                         ("gpt3", "synthetic"), ("gpt3", "files"),
+                                                         ("llama31_8b", "synthetic"), ("llama31_8b", "files")]
+    # a step trains 32 sequences (tiny BERT's global batch) or 1 (the bench's tiny decoders: global batch = world)
+    per_step = {"bert": 32, "gpt3": 1, "llama31_8b": 1}
     for r in rows:
         assert r["samples_in_window"] == 2 * per_step[r["workload"]]
-        assert r["samples_per_s_per_device"] == pytest.approx(r["samples_in_window"] / r["window_s"], rel=0.01)
+        # window_s is rounded to the millisecond: tiny llama's windows last about 20 ms
+        assert r["samples_per_s_per_device"] == pytest.approx(r["samples_in_window"] / r["window_s"],
+                                                              rel=0.01 + 0.0005 / r["window_s"])
         assert r["ratio"] is None and r["goal"] is None and r["mfu"] is None and r["peak_memory_gib"] is None
         spread = r["step_time_s"]
         assert 0 < spread["min"] <= spread["p10"] <= spread["median"] <= spread["p90"] <= spread["max"]
@@ -53,7 +59,10 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
         assert "Self CPU" in (tmp_path / r["profile"]).read_text()
     assert rows[0]["measured"].startswith("BERT (2 layers") and rows[2]["tokens_per_s_per_device"] == pytest.approx(
         rows[2]["samples_per_s_per_device"] * 2048, rel=0.01)
-    assert "rate per device" in proc.stdout and "gpt3      files" in proc.stdout
+    assert rows[4]["measured"].startswith("Llama-3.1-shaped decoder (2 layers") and rows[4]["preset"] == "bench-cpu"
+    assert rows[5]["tokens_per_s_per_device"] == pytest.approx(rows[5]["samples_per_s_per_device"] * 256, rel=0.01)
+    assert "rate per device" in proc.stdout and "gpt3        files" in proc.stdout
+    assert "llama31_8b  files" in proc.stdout
 
 
 def test_written_files_are_what_the_workloads_loaders_read(tmp_path):
@@ -75,12 +84,62 @@ def test_written_files_are_what_the_workloads_loaders_read(tmp_path):
     assert all(len(IndexedDataset(root / prefix).tokens) == 6 * 16 + 1 for prefix in C4_TRAIN)
 
 
+def test_llama_files_are_what_llama31_8bs_loaders_read(tmp_path):
+    """Int32 under MLCommons' names, token ids past uint16's range, a window per sample the run reads and exactly
+    the validation windows the eval scores."""
+    from gpu_formats import write_llama_corpus
+    from workloads.common.megatron_data import IndexedDataset, SequenceSamples
+    from workloads.llama.data import TRAIN, VALIDATION, c4_loaders
+
+    vocab = 128_256
+    root = write_llama_corpus(tmp_path / "c4", vocab_size=vocab, seq_len=16, train_samples=6, eval_samples=3, seed=1)
+    train, validation = IndexedDataset(root / TRAIN), IndexedDataset(root / VALIDATION)
+    assert train.dtype == validation.dtype == np.int32 and int(train.tokens.max()) > 65_535
+    assert len(SequenceSamples(train, 16, seed=0)) == 6 and len(SequenceSamples(validation, 16, seed=None)) == 3
+    loaders = c4_loaders(root, seq_len=16, micro_batch=2, train_samples=6, eval_sequences=3, seed=0, data_rank=0,
+                         data_world=1)
+    batches = list(loaders.train)
+    assert len(batches) == 3 and batches[0].shape == (2, 17) and int(max(b.max() for b in batches)) < vocab
+    assert loaders.eval_sequences == 3 and sum(int(counted.sum()) for _, counted in loaders.eval) == 3
+    with pytest.raises(ValueError, match="holds 3 sequences"):
+        c4_loaders(root, 16, 2, 6, eval_sequences=4, seed=0, data_rank=0, data_world=1)
+
+
+NVIDIA_V51 = REPO.parent / "shared" / "mlperf-results" / "training_v5.1" / "NVIDIA"
+LLAMA_RESULT = NVIDIA_V51 / "results" / "theia_ngpu512_ngc25.09_nemo" / "llama31_8b" / "result_0.txt"
+LLAMA_SYSTEM = NVIDIA_V51 / "systems" / "theia_ngpu512_ngc25.09_nemo.json"
+
+
+@pytest.mark.skipif(not (LLAMA_RESULT.is_file() and LLAMA_SYSTEM.is_file()),
+                    reason=f"NVIDIA's v5.1 llama31_8b log or system file is absent ({LLAMA_RESULT}, {LLAMA_SYSTEM}): "
+                           "the hard-coded llama31_8b goal cannot be re-derived here")
+def test_llama_goal_is_nvidias_v51_tokens_per_gpu():
+    """GOALS' llama31_8b figure: global batch x sequence length / the median logged train_step_time / the GPUs
+    the system file lists (nodes x accelerators per node)."""
+    import statistics
+
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in LLAMA_RESULT.read_text().splitlines()
+              if ":::MLLOG " in line]
+    value = {e["key"]: e["value"] for e in events}
+    step_times = [e["value"]["train_step_time"] for e in events
+                  if e["key"] == "tracked_stats" and "train_step_time" in e["value"]]
+    system = json.loads(LLAMA_SYSTEM.read_text())
+    gpus = int(system["number_of_nodes"]) * int(system["accelerators_per_node"])
+    assert value["global_batch_size"] == 64 and value["max_sequence_length"] == 8192 and gpus == 512
+    assert len(step_times) > 100 and statistics.median(step_times) == pytest.approx(0.0854, abs=0.0005)
+    assert "GB200" in value["submission_platform"]
+    per_gpu = value["global_batch_size"] * value["max_sequence_length"] / statistics.median(step_times) / gpus
+    goal = gpu_throughput.GOALS["llama31_8b"]
+    assert goal.metric == "tokens_per_s" and goal.value == pytest.approx(per_gpu, rel=0.001)
+    assert LLAMA_RESULT.name in goal.yardstick and "GB200" in goal.yardstick and "11,980" in goal.yardstick
+
+
 def test_unknown_workload_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "bert,vit",
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2
-    assert "unknown vit; choose from resnet, bert, gpt3" in proc.stderr and "Traceback" not in proc.stderr
+    assert "unknown vit; choose from resnet, bert, gpt3, llama31_8b" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def figures(samples: int, window: float) -> dict:
@@ -103,6 +162,21 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     resnet = gpu_throughput.plan_for("resnet", on_gpu=True, world=1)
     row = gpu_throughput.row("resnet", "files", resnet, figures(samples=21_000, window=10.0), h100, world=1)
     assert row["samples_per_s_per_device"] == 2100.0 and row["ratio"] == 0.5 and row["mfu"] is None
+    # llama31_8b: a Llama-3.1-shaped 1.5B model that one H100 holds with AdamW (the estimate: no checkpointing
+    # needed), one sequence of 8,192 tokens per GPU and step; its ratio is tokens/s against NVIDIA's per GPU.
+    llama = gpu_throughput.plan_for("llama31_8b", on_gpu=True, world=1)
+    cfg = llama.extra_preset
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.n_kv_head, cfg.model.ffn_hidden,
+            cfg.model.vocab_size, cfg.model.seq_len) == (16, 2048, 32, 8, 8192, 128_256, 8192)
+    assert 1.4e9 < cfg.model.params < 1.6e9 and (cfg.global_batch, cfg.micro_batch, cfg.tensor_parallel) == (1, 1, 1)
+    assert not cfg.activation_checkpointing and "activation checkpointing off" in llama.measured
+    assert gpu_throughput.plan_for("llama31_8b", on_gpu=True, world=4).extra_preset.global_batch == 4
+    row = gpu_throughput.row("llama31_8b", "files", llama, figures(samples=15, window=10.0), h100, world=1)
+    tokens = 1.5 * 8192
+    assert row["unit"] == "seq/s" and row["tokens_per_s_per_device"] == pytest.approx(tokens, rel=1e-3)
+    assert row["mfu"] == pytest.approx(cfg.model.flops_per_token() * tokens / 989.4e12, abs=1e-4)
+    assert row["goal"] == 11_980 and row["ratio"] == pytest.approx(tokens / 11_980, abs=1e-3)
+    assert "11,980 tok/s" in gpu_throughput.table([row], {})
     # A GPU the peak table does not know: no MFU, so no GPT ratio, rather than a guess.
     assert gpu_throughput.row("gpt3", "files", gpt, figures(80, 10.0), "Some GPU", 2)["ratio"] is None
     # On CPU no goal applies.
@@ -184,7 +258,7 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     third-party module the bench and the workloads import must come from one or the other."""
     probe = ("import sys; before = set(sys.modules); sys.path.insert(0, 'bench'); "
              "import gpu_throughput, gpu_timing, gpu_formats, torch.distributed.checkpoint; "
-             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train; "
+             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train, workloads.llama.pretrain; "
              "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before}))")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
