@@ -5,7 +5,7 @@ Only the model's size changes. Everything the closed rules look at stays the ful
 hyperparameters (for bert, those of an MLPerf reference point), the schedule, the sequence length,
 the eval cadence and the logging. GPT-3 also keeps its global batch of 1536 sequences, llama31_8b its 64
 and its 1,024 eval sequences of 8,192 tokens (its proxy is the narrowest Llama: attention over 8,192
-positions costs in proportion to its heads: one per tensor rank).
+positions costs in proportion to its heads: one per tensor rank, of 16 dimensions, the fastest on CPU).
 """
 
 import dataclasses
@@ -17,8 +17,8 @@ from workloads.llama import config as llama
 
 BERT_MODEL = bert.BertConfig(vocab_size=128, max_seq_len=512, n_layer=1, n_head=2, d_model=32, d_ff=64)
 GPT3_MODEL = gpt3.GPTConfig(vocab_size=128, seq_len=2048, n_layer=1, n_head=2, d_model=32)
-LLAMA_MODEL = llama.LlamaConfig(vocab_size=128, seq_len=8192, n_layer=1, n_head=2, n_kv_head=2, d_model=4,
-                                ffn_hidden=8)
+LLAMA_MODEL = llama.LlamaConfig(vocab_size=128, seq_len=8192, n_layer=1, n_head=2, n_kv_head=2, d_model=32,
+                                ffn_hidden=32)
 
 if __name__ == "__main__":
     bert.PRESETS["full"] = dataclasses.replace(bert.PRESETS["full"], model=BERT_MODEL)

@@ -15,6 +15,7 @@ import yaml
 from tests.closed_proxy import LLAMA_MODEL as LLAMA_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
+from tests.test_resilience import _restored_step
 from workloads.common.megatron_data import IndexedDataset, write_indexed_dataset
 from workloads.llama.config import LLAMA31_8B, PRESETS, RCP_BATCHES, LlamaConfig, RopeScaling, \
     estimate_traffic, plan_layout, preset_config
@@ -170,12 +171,15 @@ def test_full_preset_on_64_h100_nodes_shows_its_layout_memory_and_traffic(tmp_pa
 
 
 @pytest.mark.slow
-def test_tiny_llama_reaches_its_target_and_passes_the_6_1_checker(tmp_path):
-    """`harness run llama31_8b` on the local default (2 processes), from scratch."""
+def test_tiny_llama_survives_a_killed_rank_reaches_its_target_and_passes_the_6_1_checker(tmp_path):
+    """`harness run llama31_8b` on the local default (2 processes, FSDP over both), from scratch, with rank 1
+    killed at step 6: one restart from step 4's checkpoint (the sharded state), and a log the 6.1.0 checker
+    passes."""
     out = tmp_path / "run"
-    result = harness("run", "llama31_8b", "--out", str(out))
+    result = harness("run", "llama31_8b", "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "success" in result.stdout
+    assert _restored_step(out) == 4
     checked = compliance(out / "result_0.txt", "6.1.0", cwd=tmp_path)
     assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
     log = (out / "result_0.txt").read_text()

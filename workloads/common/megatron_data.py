@@ -159,19 +159,21 @@ PREFETCH_PER_WORKER = 4
 
 
 def token_loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank: int, data_world: int, workers: int,
-             pin_memory: bool) -> TokenLoaders:
+                  pin_memory: bool, eval_batch: int | None = None) -> TokenLoaders:
     """Each data rank reads its own share; ranks of one tensor-parallel group share a data rank.
 
     `workers` processes per loader (0: the training thread) read the samples ahead, into pinned memory when
     asked, and stay up between iterations (persistent). The sampler runs in this process, so a skip set on
-    it before iter() applies with workers too."""
+    it before iter() applies with workers too. The eval reads `eval_batch` sequences at a time (default: the
+    micro batch): it keeps no gradients or activations, so it can take more per forward pass."""
     sampler = ResumableSampler(DistributedSampler(train, num_replicas=data_world, rank=data_rank, shuffle=False,
                                                   drop_last=True))
-    common = dict(batch_size=micro_batch, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
                   prefetch_factor=PREFETCH_PER_WORKER if workers else None)
-    return TokenLoaders(train=DataLoader(train, sampler=sampler, drop_last=True, **common),
-                      eval=DataLoader(EvalShard(eval_set, data_rank, data_world), **common),
-                      eval_sequences=len(eval_set), sampler=sampler)
+    return TokenLoaders(train=DataLoader(train, sampler=sampler, drop_last=True, batch_size=micro_batch, **common),
+                        eval=DataLoader(EvalShard(eval_set, data_rank, data_world), batch_size=eval_batch or micro_batch,
+                                        **common),
+                        eval_sequences=len(eval_set), sampler=sampler)
 
 
 class RandomTokens(Dataset):

@@ -97,6 +97,7 @@ class LlamaPretrainConfig:
     adam_eps: float = 1e-5
     clip_norm: float = 1.0
     micro_batch: int = 1  # sequences per data rank per forward pass
+    eval_batch: int = 4  # sequences per data rank per eval forward pass (no gradients or activations kept)
     tensor_parallel: int = 1  # at most the GPUs of a node
     shard_nodes: int = 1  # HSDP: FSDP shards within groups of this many nodes, and replicates across groups
     activation_checkpointing: bool = False

@@ -26,7 +26,8 @@ VALIDATION = "c4-validation-91205-samples.en_text_document"
 
 
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int, seed: int,
-               data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False) -> TokenLoaders:
+               data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
+               eval_batch: int | None = None) -> TokenLoaders:
     """Loaders over the folder MLCommons distributes; a missing file is named with what the folder holds."""
     missing = [f"{prefix}{suffix}" for prefix in (TRAIN, VALIDATION) for suffix in (".bin", ".idx")
                if not Path(root, prefix + suffix).is_file()]
@@ -42,7 +43,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
     # One source, repeated as often as the run needs (BlendedSamples over one dataset cycles it).
     return token_loaders(BlendedSamples([train], [1.0], train_samples),
                          torch.utils.data.Subset(validation, range(eval_sequences)), micro_batch, data_rank,
-                         data_world, workers, pin_memory)
+                         data_world, workers, pin_memory, eval_batch)
 
 
 # The tiny preset's text: a Markov chain where each token has 3 likely successors. Its entropy (see

@@ -87,7 +87,7 @@ class LlamaPretrainWorkload(Workload):
         cfg, layout, ctx = self.cfg, self.layout, self.ctx
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
-        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda")
+        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda", eval_batch=cfg.eval_batch)
         if self.opts.synthetic:
             m = cfg.model
             return token_loaders(RandomTokens(m.vocab_size, m.seq_len, samples, seed),
