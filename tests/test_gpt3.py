@@ -117,39 +117,6 @@ def test_loader_workers_yield_the_batches_of_the_training_thread_and_keep_the_sk
     assert passes(2) == alone
 
 
-def test_a_closed_workload_stops_its_loader_workers_without_a_join_timeout(tmp_path, monkeypatch):
-    """A workload in a reference cycle, its persistent loader workers partway through a pass. Left to the
-    garbage collector, the loaders' queues close before the loaders can tell their workers to stop, and each
-    worker costs a join timeout (5 s in torch, 60 s here). close() ends them at once: the event waited for is
-    every worker gone, with a deadline of half a timeout."""
-    import gc
-    import time
-
-    import torch.utils.data._utils as loader_utils
-
-    from workloads.common.campaign import Workload
-
-    monkeypatch.setattr(loader_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)
-    _write_c4(tmp_path)
-
-    class Cycle(Workload):
-        hyperparameters = batches = train_step = evaluate = epoch_num = next_block = block_ends = None
-
-        def __init__(self):
-            self.loaders = c4_loaders(tmp_path, seq_len=16, micro_batch=3, train_samples=200, eval_sequences=20,
-                                      seed=5, data_rank=0, data_world=1, workers=2)
-            self.itself = self
-
-    workload = Cycle()
-    next(iter(workload.loaders.train))
-    workers = list(workload.loaders.train._iterator._workers)
-    started = time.monotonic()
-    workload.close()
-    del workload
-    gc.collect()
-    assert time.monotonic() - started < 30 and [w.exitcode for w in workers] == [0, 0]
-
-
 @pytest.mark.slow
 def test_trains_from_real_format_files(tmp_path):
     data = tmp_path / "c4"

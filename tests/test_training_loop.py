@@ -61,6 +61,7 @@ class Counting:
 
     logs_trained_samples = True
     rate_shown = ("samples/s", "throughput")
+    eval_count_key = C.EPOCH_NUM
 
     def __init__(self, total_steps=10, target=2.0, losses=None):
         self.ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False)
@@ -172,25 +173,34 @@ def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):
     assert rate(1.5) == pytest.approx(30 / (10 - 4 * 1.5))  # 6 of those 10 s went to saves
 
 
-def test_a_finished_runs_loader_workers_end_when_the_campaign_collects_it(one_rank_world, tmp_path, monkeypatch):
+def test_a_finished_runs_loader_workers_end_when_the_campaign_closes_it(one_rank_world, tmp_path, monkeypatch):
     """GPT-3's persistent loader workers live as long as the workload, which reference cycles keep past its
-    run: without the campaign's collection after each run, a 10-run campaign would keep 10 runs' workers."""
+    run: the campaign closes each run's workload, and its workers end then, at once. Left to the garbage
+    collector, the loaders' queues close before the loaders can tell their workers to stop, and each worker
+    costs a join timeout (5 s in torch, 60 s here): the event waited for is every worker gone, with a
+    deadline of half a timeout."""
     import gc
     import multiprocessing
+    import time
 
+    import torch.utils.data._utils as loader_utils
     from dataclasses import replace
 
     from workloads.common.campaign import RunOptions
     from workloads.gpt3.config import PRESETS
     from workloads.gpt3.train import GPT3Workload
 
+    monkeypatch.setattr(loader_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)
     options = RunOptions(benchmark="gpt3", preset="tiny", out=tmp_path, runs=1, seed=0, submitter="test",
                          system=None, data=None, synthetic=True, max_steps=2, batch_size=None)
-    monkeypatch.setitem(PRESETS, "tiny", replace(PRESETS["tiny"], loader_workers=1))
+    monkeypatch.setitem(PRESETS, "tiny", replace(PRESETS["tiny"], loader_workers=2))
     workload = GPT3Workload(options, one_rank_world, seed=0)
     next(workload.batches(0))
-    assert multiprocessing.active_children()
+    workers = multiprocessing.active_children()
+    assert len(workers) == 2
+    started = time.monotonic()
+    workload.close()
     del workload
-    assert multiprocessing.active_children()  # the cycle holds it: plain reference counting frees nothing
     gc.collect()
+    assert time.monotonic() - started < 30 and [w.exitcode for w in workers] == [0, 0]
     assert not multiprocessing.active_children()
