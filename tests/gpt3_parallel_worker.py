@@ -1,8 +1,8 @@
 """One rank of tests/test_gpt3_parallel.py, started by torchrun: a small GPT-3 on a (data, tensor) mesh,
 checked against the same model whole in this process.
 
-    gpt3_parallel_worker.py parity DATA TENSOR ACCUM   loss, gradients, clipping and one AdamW step
-    gpt3_parallel_worker.py memory DATA TENSOR ACCUM   bytes of gradients (after each micro batch), weights and
+    gpt3_parallel_worker.py parity:DATA:TENSOR:ACCUM   loss, gradients, clipping and one AdamW step
+    gpt3_parallel_worker.py memory:DATA:TENSOR:ACCUM   bytes of gradients (after each micro batch), weights and
                                                        Adam moments this rank holds (JSON line)
 """
 
@@ -127,9 +127,11 @@ def say(line: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, data, tensor, accum = sys.argv[1], *map(int, sys.argv[2:5])
     dist.init_process_group("gloo")
-    layout = Layout(world=data * tensor, tensor=tensor, pipeline=1, data=data, micro_batch=MICRO_BATCH,
-                    grad_accum=accum)
-    {"parity": parity, "memory": memory}[mode](layout)
+    for job in sys.argv[1:]:  # MODE:DATA:TENSOR:ACCUM, one after another in this one process group
+        mode, data, tensor, accum = job.split(":")[0], *map(int, job.split(":")[1:])
+        layout = Layout(world=data * tensor, tensor=tensor, pipeline=1, data=data, micro_batch=MICRO_BATCH,
+                        grad_accum=accum)
+        gc.collect()  # the last job's models (FSDP's sit in reference cycles) hold no gradients to count
+        {"parity": parity, "memory": memory}[mode](layout)
     dist.destroy_process_group()

@@ -22,21 +22,18 @@ def torchrun(procs: int, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("data,tensor", [(1, 2), (2, 2)])
-def test_tensor_parallel_matches_the_whole_model(data, tensor):
-    """Loss, every gradient, the clipped gradients and one AdamW step, with 2 accumulated micro batches."""
-    out = torchrun(data * tensor, "parity", str(data), str(tensor), "2")
-    assert out.count("parity ok") == data * tensor
-
-
-@pytest.mark.parametrize("data,tensor", [(2, 1), (2, 2)])
-def test_accumulation_holds_only_sharded_gradients_as_estimated(data, tensor):
-    """After every micro batch, each rank holds exactly the estimate's gradient bytes: its FSDP shard of its
-    tensor-parallel share (gradient sync off between micro batches would hold every unsharded gradient); its
-    weights and Adam moments match their terms too."""
-    reports = [json.loads(line) for line in torchrun(data * tensor, "memory", str(data), str(tensor), "2").splitlines()
-               if line.startswith("{")]
-    assert len(reports) == data * tensor
+@pytest.mark.parametrize("procs,jobs", [(2, ("memory:2:1:2", "parity:1:2:2")),
+                                        (4, ("memory:2:2:2", "parity:2:2:2"))])
+def test_tensor_parallel_matches_the_whole_model_and_holds_only_sharded_gradients(procs, jobs):
+    """Parity: loss, every gradient, the clipped gradients and one AdamW step, with 2 accumulated micro batches,
+    on (data, tensor) meshes (1, 2) and (2, 2). Memory: after every micro batch, each rank holds exactly the
+    estimate's gradient bytes, its FSDP shard of its tensor-parallel share (gradient sync off between micro
+    batches would hold every unsharded gradient); its weights and Adam moments match their terms too. Each
+    process count runs its two jobs in one torchrun."""
+    out = torchrun(procs, *jobs)
+    assert out.count("parity ok") == procs
+    reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(reports) == procs
     for report in reports:
         estimate = report["estimate"]
         assert report["gradients"] == [estimate["gradients"]] * 2, report
