@@ -19,13 +19,13 @@ from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
-from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
-from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
-from workloads.gpt3.model import GPT
 from workloads.common.language_model import optimizer_groups
 from workloads.common.megatron_data import BlendedSamples, EvalShard, IndexedDataset, SequenceSamples, \
     write_indexed_dataset
+from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
+from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, c4_loaders, tiny_entropy
+from workloads.gpt3.model import GPT
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
