@@ -160,6 +160,9 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
     assert "global batch 1792 = 448 x micro batch 1 x 4 accumulation steps" in result.stderr
     assert "gpt3 memory per GPU: 7.8 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, gathered 2.3, " \
            "activations 0.7, logits 0.2, reserve 4.0 GiB" in result.stderr  # gradients sharded, as the code holds them
+    # FSDP over 448 nodes: 4 micro batches, each gathering 175B / 8 in bf16 twice and reduce-scattering it in fp32
+    assert "gpt3 traffic per GPU per step: 202.9 GB over NVLink, 696.9 GB over InfiniBand (FSDP gathers 348.4, " \
+           "reduce-scatters 348.4;" in result.stderr
     assert "give --init-checkpoint DIR (a torch.distributed.checkpoint folder)" in result.stderr  # a dry run names what a real run still needs
     if backend == "slurm":
         assert "#SBATCH --nodes=448" in result.stdout and "#SBATCH --gpus-per-node=8" in result.stdout

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from workloads.common import traffic
+from workloads.common.traffic import Traffic
+
 GIB = 2**30
 REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
 REFERENCE_WARMUP_STEPS = 265
@@ -91,6 +94,7 @@ class Layout:
     data: int
     micro_batch: int
     grad_accum: int
+    procs_per_node: int | None = None  # where the groups' links change from NVLink to InfiniBand (the dry run's)
 
     @property
     def global_batch(self) -> int:
@@ -107,7 +111,7 @@ def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
     data = world // tensor
     grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
     return Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
-                  grad_accum=grad_accum)
+                  grad_accum=grad_accum, procs_per_node=procs_per_node)
 
 
 def scaled_steps(steps: int, cfg: GPT3Config, layout: Layout) -> int:
@@ -179,7 +183,20 @@ def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> l
         f"{layout.micro_batch} x {layout.grad_accum} accumulation steps",
         f"gpt3 memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",
+        f"gpt3 traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
     ]
+
+
+def estimate_traffic(cfg: GPT3Config, layout: Layout) -> Traffic:
+    """The bytes each GPU sends per step (workloads.common.traffic): FSDP over every data rank. With tensor
+    parallel 8 filling each node, every FSDP group of 175B crosses nodes, so HSDP would not move its gathers
+    to NVLink (it would add the replicas' all-reduce); what cuts this is fewer micro batches per step."""
+    m = cfg.model
+    return traffic.estimate_traffic(params=m.params, n_layer=m.n_layer, seq_len=m.seq_len, d_model=m.d_model,
+                                    kv_dim=m.d_model, tensor=layout.tensor, context=1, shard=layout.data, replicate=1,
+                                    micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                                    procs_per_node=layout.procs_per_node or layout.world,
+                                    recompute=cfg.activation_checkpointing)
 
 
 def check_fits(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float) -> None:

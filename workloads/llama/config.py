@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from workloads.common import traffic
+from workloads.common.traffic import Traffic
+
 GIB = 2**30
 MAX_STEPS = 1_200_000  # closed_llama31_8b.yaml: max_steps == 1200000, decay steps == max_steps - warmup
 EVAL_INTERVAL_SAMPLES = 12_288  # pretrain_llama31.py: evaluate every 12,288 sequences
@@ -251,41 +254,14 @@ def estimate_memory(cfg: LlamaPretrainConfig, layout: Layout, on_gpu: bool = Tru
                           activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes one GPU sends per optimizer step, by collective, with ring algorithms ((n - 1) / n of the
-    buffer per rank), and whether its group stays inside a node (NVLink) or crosses nodes (InfiniBand)."""
-
-    fsdp_gather: float  # parameters all-gathered (bf16) before forward and again before backward, per micro batch
-    fsdp_reduce: float  # gradients reduce-scattered (fp32) after each micro batch's backward
-    replicate_reduce: float  # HSDP: the gradient shard all-reduced across groups, once per step
-    tensor: float  # sequence parallel: all-gather and reduce-scatter around attention and MLP, both ways
-    context: float  # K and V all-gathered (and their gradients reduce-scattered) once per block and pass
-    nvlink: float
-    infiniband: float
-
-
-def estimate_traffic(cfg: LlamaPretrainConfig, layout: Layout, compute_bytes: int = 2) -> Traffic:
-    m, tp, cp, fsdp, rep = cfg.model, layout.tensor, layout.context, layout.fsdp, layout.replicate
-    micro = layout.grad_accum
-    ring = lambda n: (n - 1) / n  # noqa: E731: the share of a buffer each rank of n sends
-    params_per_tensor_rank = m.params / tp
-    fsdp_gather = micro * 2 * compute_bytes * params_per_tensor_rank * ring(fsdp)
-    fsdp_reduce = micro * 4 * params_per_tensor_rank * ring(fsdp)
-    replicate_reduce = 2 * 4 * params_per_tensor_rank / fsdp * ring(rep)
-    passes = 3 if cfg.activation_checkpointing else 2  # forward, backward (and the recomputed forward)
-    positions = layout.micro_batch * m.seq_len / cp
-    tensor = micro * m.n_layer * passes * 4 * positions * m.d_model * compute_bytes * ring(tp)
-    context = micro * m.n_layer * passes * 2 * layout.micro_batch * m.seq_len * m.kv_dim / tp * compute_bytes \
-        * ring(cp)
-    node = layout.procs_per_node
-    inside = {"tensor": tp <= node, "context": tp * cp <= node, "fsdp": tp * cp * layout.shard <= node,
-              "replicate": rep == 1}
-    amounts = {"tensor": tensor, "context": context, "fsdp": fsdp_gather + fsdp_reduce, "replicate": replicate_reduce}
-    return Traffic(fsdp_gather=fsdp_gather, fsdp_reduce=fsdp_reduce, replicate_reduce=replicate_reduce,
-                   tensor=tensor, context=context,
-                   nvlink=sum(v for k, v in amounts.items() if inside[k]),
-                   infiniband=sum(v for k, v in amounts.items() if not inside[k]))
+def estimate_traffic(cfg: LlamaPretrainConfig, layout: Layout) -> Traffic:
+    """The bytes each GPU sends per step (workloads.common.traffic)."""
+    m = cfg.model
+    return traffic.estimate_traffic(params=m.params, n_layer=m.n_layer, seq_len=m.seq_len, d_model=m.d_model,
+                                    kv_dim=m.kv_dim, tensor=layout.tensor, context=layout.context, shard=layout.shard,
+                                    replicate=layout.replicate, micro_batch=layout.micro_batch,
+                                    grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
+                                    recompute=cfg.activation_checkpointing)
 
 
 def describe(cfg: LlamaPretrainConfig, layout: Layout, gpu_memory_gib: float | None) -> list[str]:
@@ -294,8 +270,6 @@ def describe(cfg: LlamaPretrainConfig, layout: Layout, gpu_memory_gib: float | N
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
     parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
-    traffic = estimate_traffic(cfg, layout)
-    gb = 1e9
     return [
         f"llama31_8b model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} key/value), "
         f"SwiGLU {m.ffn_hidden}, sequence {m.seq_len}, {_count(m.params)} parameters",
@@ -305,10 +279,7 @@ def describe(cfg: LlamaPretrainConfig, layout: Layout, gpu_memory_gib: float | N
         f"x {layout.grad_accum} accumulation steps; peak LR {cfg.base_lr:g}, warmup {cfg.warmup_steps} steps",
         f"llama31_8b memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",
-        f"llama31_8b traffic per GPU per step: {traffic.nvlink / gb:.1f} GB over NVLink, "
-        f"{traffic.infiniband / gb:.1f} GB over InfiniBand (FSDP gathers {traffic.fsdp_gather / gb:.1f}, "
-        f"reduce-scatters {traffic.fsdp_reduce / gb:.1f}; replica all-reduce {traffic.replicate_reduce / gb:.1f}; "
-        f"tensor {traffic.tensor / gb:.1f}; context {traffic.context / gb:.1f} GB)",
+        f"llama31_8b traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
     ]
 
 
