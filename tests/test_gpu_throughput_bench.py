@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_throughput  # noqa: E402  (bench/ is not a package)
 import wheelhouse  # noqa: E402
+from workloads.llama.config import LLAMA31_8B  # noqa: E402
 
 
 @pytest.mark.slow
@@ -129,8 +130,10 @@ def test_llama_goal_is_nvidias_v51_tokens_per_gpu():
     assert len(step_times) > 100 and statistics.median(step_times) == pytest.approx(0.0854, abs=0.0005)
     assert "GB200" in value["submission_platform"]
     per_gpu = value["global_batch_size"] * value["max_sequence_length"] / statistics.median(step_times) / gpus
+    assert gpu_throughput.NVIDIA_V51_LLAMA_TOKENS_PER_GPU == pytest.approx(per_gpu, rel=0.001)
     goal = gpu_throughput.GOALS["llama31_8b"]
-    assert goal.metric == "tokens_per_s" and goal.value == pytest.approx(per_gpu, rel=0.001)
+    assert goal.metric == "model_tflops_per_s"
+    assert goal.value == pytest.approx(per_gpu * LLAMA31_8B.flops_per_token() / 1e12, rel=0.001)  # about 694
     assert LLAMA_RESULT.name in goal.yardstick and "GB200" in goal.yardstick and "11,980" in goal.yardstick
 
 
@@ -163,7 +166,7 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     row = gpu_throughput.row("resnet", "files", resnet, figures(samples=21_000, window=10.0), h100, world=1)
     assert row["samples_per_s_per_device"] == 2100.0 and row["ratio"] == 0.5 and row["mfu"] is None
     # llama31_8b: a Llama-3.1-shaped 1.5B model that one H100 holds with AdamW (the estimate: no checkpointing
-    # needed), one sequence of 8,192 tokens per GPU and step; its ratio is tokens/s against NVIDIA's per GPU.
+    # needed), one sequence of 8,192 tokens per GPU and step; its ratio compares model FLOP/s with NVIDIA's.
     llama = gpu_throughput.plan_for("llama31_8b", on_gpu=True, world=1)
     cfg = llama.extra_preset
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.n_kv_head, cfg.model.ffn_hidden,
@@ -175,8 +178,9 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     tokens = 1.5 * 8192
     assert row["unit"] == "seq/s" and row["tokens_per_s_per_device"] == pytest.approx(tokens, rel=1e-3)
     assert row["mfu"] == pytest.approx(cfg.model.flops_per_token() * tokens / 989.4e12, abs=1e-4)
-    assert row["goal"] == 11_980 and row["ratio"] == pytest.approx(tokens / 11_980, abs=1e-3)
-    assert "11,980 tok/s" in gpu_throughput.table([row], {})
+    nvidia = 11_980 * LLAMA31_8B.flops_per_token()  # the model FLOP/s per GPU of NVIDIA's v5.1 run
+    assert row["ratio"] == pytest.approx(tokens * cfg.model.flops_per_token() / nvidia, abs=1e-3)
+    assert "694 model TFLOP/s" in gpu_throughput.table([row], {})
     # A GPU the peak table does not know: no MFU, so no GPT ratio, rather than a guess.
     assert gpu_throughput.row("gpt3", "files", gpt, figures(80, 10.0), "Some GPU", 2)["ratio"] is None
     # On CPU no goal applies.
