@@ -50,6 +50,20 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def gradients_and_clipping_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Every gradient equals the whole model's, and so does the norm clipping reduces over the whole mesh (a
+    clip that really scales), and the clipped gradients."""
+    params = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    assert expected_norm > 0.05 and not isinstance(norm, DTensor)  # the clip really scales
+    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}")
+
+
 def parity(layout: Layout) -> None:
     reference, model = build(layout)
     tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
@@ -63,14 +77,7 @@ def parity(layout: Layout) -> None:
     assert params.keys() == dict(reference.named_parameters()).keys()
     assert model.lm_head.weight is model.wte.weight  # still tied
     assert len({p.device_mesh for p in params.values()}) == 1  # every parameter on the one (data, tensor) mesh
-    for name, param in reference.named_parameters():
-        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
-    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-    norm = clip_grad_norm_(model.parameters(), 0.05)
-    assert expected_norm > 0.05 and not isinstance(norm, DTensor)  # the clip really scales
-    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
-    for name, param in reference.named_parameters():
-        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}")
+    gradients_and_clipping_match(reference, model)
     for m in (reference, model):
         torch.optim.AdamW(optimizer_groups(m, 0.1), lr=1e-2).step()
     # Adam's first step moves a weight by about lr x sign(gradient): where a gradient is near 0, rounding in

@@ -10,17 +10,15 @@ per layout and rank.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, \
-    scored_loss_sum
+from tests.gpt3_parallel_worker import gradients_and_clipping_match, say
+from workloads.common.language_model import accumulate_gradients, next_token_split, scored_loss_sum
 from workloads.llama.config import Layout, LlamaConfig, RopeScaling
 from workloads.llama.model import Llama
 from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
@@ -30,10 +28,6 @@ CONFIG = LlamaConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2
 MICRO_BATCH = 2
 ACCUMULATE = 2
 CPU = torch.device("cpu")
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def parity(layout: Layout) -> None:
@@ -59,14 +53,7 @@ def parity(layout: Layout) -> None:
 
     params = dict(model.named_parameters())
     assert len({p.device_mesh for p in params.values()}) == 1  # one mesh: one norm over all of it
-    for name, param in reference.named_parameters():
-        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
-    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-    norm = clip_grad_norm_(model.parameters(), 0.05)
-    assert expected_norm > 0.05 and not isinstance(norm, DTensor)  # the clip really scales
-    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
-    for name, param in reference.named_parameters():
-        assert_close(full(params[name].grad), param.grad, rtol=1e-4, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}")
+    gradients_and_clipping_match(reference, model)
 
     # The eval: each data rank scores its sequences (the first one uncounted, as an eval shard's padding is).
     scored = tokens[:layout.data * MICRO_BATCH]
@@ -81,12 +68,6 @@ def parity(layout: Layout) -> None:
     # Every tensor rank holds the same sums: the whole world counts each scored token `tensor` times.
     assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64))
     say(f"rank {dist.get_rank()}: parity ok {layout.replicate},{layout.shard},{layout.context},{layout.tensor}")
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks share stdout."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from workloads.common.distributed import all_sum
+from workloads.common.gpu_peaks import mfu
+
 IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
 
 Split = Callable[[torch.Tensor], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
@@ -92,3 +95,54 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     total = _local(total)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+class DecoderSteps:
+    """The training loop's questions (workloads.common.loop) that GPT-3 and llama31_8b answer alike, for a
+    workload that sets `model`, `optimizer`, `scheduler`, `loaders` (workloads.common.megatron_data),
+    `layout` (grad_accum, global_batch), `cfg` (micro_batch, model.seq_len, model.flops_per_token()),
+    `eval_every` (steps), `split` and `clip_norm`."""
+
+    rate_shown = ("tok/s", "tokens_per_second")
+    logs_trained_samples = True
+
+    def batches(self, step: int):
+        self.loaders.sampler.skip = step * self.layout.grad_accum * self.cfg.micro_batch
+        return iter(self.loaders.train)
+
+    def block_ends(self, step: int) -> bool:
+        return step % self.eval_every == 0
+
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained."""
+        self.model.train()
+        micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
+        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum, self.split)
+        clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), self.layout.global_batch
+
+    def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
+        tokens_per_second = samples_per_second * self.cfg.model.seq_len
+        stats = {"throughput": samples_per_second, "tokens_per_second": tokens_per_second}
+        if self.ctx.device.type == "cuda":
+            utilisation = mfu(self.cfg.model.flops_per_token(), tokens_per_second, self.ctx.world_size,
+                              torch.cuda.get_device_name(self.ctx.device))
+            if utilisation is not None:
+                stats["mfu"] = utilisation
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
+        for tokens, counted in self.loaders.eval:
+            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
+                                                     counted, self.split)
+            loss_sum, count = loss_sum + batch_sum, count + batch_count
+        # Each sequence is scored on one data rank (its tokens split over the context ranks, if any); every tensor
+        # rank of them holds the same sums, so the ratio over the whole world is the mean over the tokens.
+        loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
+        return loss_sum / count

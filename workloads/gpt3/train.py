@@ -26,10 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
     set_model_state_dict, set_optimizer_state_dict
 
 from workloads.common.campaign import RunOptions, Workload
-from workloads.common.distributed import DistContext, all_sum
-from workloads.common.gpu_peaks import mfu
-from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups, \
-    scored_loss_sum
+from workloads.common.distributed import DistContext
+from workloads.common.language_model import DecoderSteps, next_token_split, optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
@@ -44,9 +42,8 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class GPT3Workload(Workload):
-    rate_shown = ("tok/s", "tokens_per_second")
-    logs_trained_samples = True
+class GPT3Workload(DecoderSteps, Workload):
+    clip_norm = 1.0
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
@@ -62,6 +59,7 @@ class GPT3Workload(Workload):
         self.total_steps = min(opts.max_steps or cfg.max_steps, self.decay_steps)
         self.tokens_per_step = layout.global_batch * cfg.model.seq_len
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
+        self.split = next_token_split
 
         # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
         with torch.device("meta"):
@@ -153,7 +151,7 @@ class GPT3Workload(Workload):
             C.OPT_ADAM_BETA_2: 0.95,
             C.OPT_ADAM_EPSILON: 1e-8,
             C.OPT_WEIGHT_DECAY: cfg.weight_decay,
-            C.OPT_GRADIENT_CLIP_NORM: 1.0,
+            C.OPT_GRADIENT_CLIP_NORM: self.clip_norm,
             **({C.INIT_CHECKPOINT_STEP: self.schedule_offset} if self.init_step is not None else {}),
             C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
             "tensor_model_parallel_size": layout.tensor,
@@ -162,10 +160,6 @@ class GPT3Workload(Workload):
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
-    def batches(self, step: int):
-        self.loaders.sampler.skip = step * self.layout.grad_accum * self.cfg.micro_batch
-        return iter(self.loaders.train)
-
     def epoch_num(self, step: int) -> int:
         return step * self.tokens_per_step  # tokens trained, as NVIDIA's logs count them
 
@@ -173,40 +167,3 @@ class GPT3Workload(Workload):
         first = step - step % self.eval_every
         return Block(first * self.tokens_per_step,
                      min(self.eval_every, self.total_steps - first) * self.tokens_per_step)
-
-    def block_ends(self, step: int) -> bool:
-        return step % self.eval_every == 0
-
-    def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained."""
-        self.model.train()
-        micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
-        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum)
-        clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), self.layout.global_batch
-
-    def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
-        tokens_per_second = samples_per_second * self.cfg.model.seq_len
-        stats = {"throughput": samples_per_second, "tokens_per_second": tokens_per_second}
-        if self.ctx.device.type == "cuda":
-            utilisation = mfu(self.cfg.model.flops_per_token(), tokens_per_second, self.ctx.world_size,
-                              torch.cuda.get_device_name(self.ctx.device))
-            if utilisation is not None:
-                stats["mfu"] = utilisation
-        return stats
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
-        for tokens, counted in self.loaders.eval:
-            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
-                                                     counted)
-            loss_sum, count = loss_sum + batch_sum, count + batch_count
-        # Each sequence is counted on one data rank; every tensor-parallel rank of it holds the same sums,
-        # so the ratio over the whole world is the ratio over the data ranks.
-        loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
-        return loss_sum / count

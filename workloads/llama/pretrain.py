@@ -21,10 +21,8 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.campaign import RunOptions, Workload
-from workloads.common.distributed import DistContext, all_sum
-from workloads.common.gpu_peaks import mfu
-from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, \
-    optimizer_groups, scored_loss_sum
+from workloads.common.distributed import DistContext
+from workloads.common.language_model import DecoderSteps, next_token_split, optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
@@ -46,9 +44,7 @@ def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float
     return end_ratio + (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class LlamaPretrainWorkload(Workload):
-    rate_shown = ("tok/s", "tokens_per_second")
-    logs_trained_samples = True
+class LlamaPretrainWorkload(DecoderSteps, Workload):
     eval_count_key = C.SAMPLES_COUNT  # closed_llama31_8b.yaml: 'samples_count' in eval_accuracy's metadata
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
@@ -59,6 +55,7 @@ class LlamaPretrainWorkload(Workload):
         except ValueError as exc:
             raise SystemExit(f"workloads: {exc}") from None
         self.cfg = cfg
+        self.clip_norm = cfg.clip_norm
         self.mesh = build_mesh(layout, ctx.device)
         self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
@@ -144,10 +141,6 @@ class LlamaPretrainWorkload(Workload):
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
-    def batches(self, step: int):
-        self.loaders.sampler.skip = step * self.layout.grad_accum * self.cfg.micro_batch
-        return iter(self.loaders.train)
-
     def epoch_num(self, step: int) -> int:
         return step * self.layout.global_batch  # sequences trained: the log's samples_count
 
@@ -155,40 +148,3 @@ class LlamaPretrainWorkload(Workload):
         first = step - step % self.eval_every
         batch = self.layout.global_batch
         return Block(first * batch, min(self.eval_every, self.total_steps - first) * batch)
-
-    def block_ends(self, step: int) -> bool:
-        return step % self.eval_every == 0
-
-    def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained."""
-        self.model.train()
-        micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
-        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum, self.split)
-        clip_grad_norm_(self.model.parameters(), self.cfg.clip_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), self.layout.global_batch
-
-    def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
-        tokens_per_second = samples_per_second * self.cfg.model.seq_len
-        stats = {"throughput": samples_per_second, "tokens_per_second": tokens_per_second}
-        if self.ctx.device.type == "cuda":
-            utilisation = mfu(self.cfg.model.flops_per_token(), tokens_per_second, self.ctx.world_size,
-                              torch.cuda.get_device_name(self.ctx.device))
-            if utilisation is not None:
-                stats["mfu"] = utilisation
-        return stats
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
-        for tokens, counted in self.loaders.eval:
-            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
-                                                     counted, self.split)
-            loss_sum, count = loss_sum + batch_sum, count + batch_count
-        # Each sequence is scored on one data rank, its tokens split over the context ranks; every tensor rank
-        # of them holds the same sums, so the ratio over the whole world is the mean over the tokens.
-        loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
-        return loss_sum / count
