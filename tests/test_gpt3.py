@@ -74,14 +74,25 @@ def test_eval_shards_score_every_sequence_exactly_once():
     assert sum(not is_counted for shard in shards for _, is_counted in shard) == 13 * world - 5760 == 64
 
 
-def test_no_weight_decay_on_biases_and_norms():
-    model = GPT(GPT3_PROXY)
+def test_every_gpt3_parameter_decays_as_the_reference_does(one_rank_world, tmp_path):
+    """MLPerf's GPT-3 reference passes --do-layernorm-bias-weight-decay (retired_benchmarks/gpt3/megatron-lm/
+    run_gpt3.sh): the workload's AdamW decays biases and LayerNorms too; llama31_8b's exempts the norms."""
+    from workloads.common.campaign import RunOptions
+    from workloads.gpt3.train import GPT3Workload
+    from workloads.llama.config import PRESETS as LLAMA
+    from workloads.llama.model import Llama
+
+    options = RunOptions(benchmark="gpt3", preset="tiny", out=tmp_path, runs=1, seed=0, submitter="test",
+                         system=None, data=None, synthetic=True, max_steps=1, batch_size=None)
+    workload = GPT3Workload(options, one_rank_world, seed=0)
+    [group] = workload.optimizer.param_groups
+    assert group["weight_decay"] == 0.1 and len(group["params"]) == len(list(workload.model.parameters()))
+    model = Llama(LLAMA["tiny"].model)
     decayed, exempt = optimizer_groups(model, 0.1)
     names = {id(p): name for name, p in model.named_parameters()}
     assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decayed["params"])
-    assert {names[id(p)] for p in exempt["params"]} == {
-        name for name, _ in model.named_parameters() if name.endswith("bias") or ".ln" in name or "ln_f" in name}
+    assert {names[id(p)] for p in exempt["params"]} == {name for name in names.values() if "norm" in name}
 
 
 def test_the_tiny_target_is_reachable_but_not_trivial():

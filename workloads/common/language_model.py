@@ -75,9 +75,13 @@ def scored_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, counted: torch
     return _local(loss).double(), int((targets != IGNORED).sum())
 
 
-def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups as Megatron (the GPT-3 and Llama references) builds them: no weight decay on
-    biases and norm parameters (every one-dimensional parameter), decay on the weight matrices and embeddings."""
+def optimizer_groups(model: nn.Module, weight_decay: float, decay_vectors: bool = False) -> list[dict]:
+    """AdamW parameter groups as Megatron builds them: by default (llama31_8b's reference, through NeMo) no
+    weight decay on biases and norm parameters (every one-dimensional parameter), decay on the weight matrices
+    and embeddings; with `decay_vectors` (Megatron's --do-layernorm-bias-weight-decay, which MLPerf's GPT-3
+    reference passes) one group that decays every parameter."""
+    if decay_vectors:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
     decayed, exempt = [], []
     for param in model.parameters():
         (decayed if param.ndim > 1 else exempt).append(param)
