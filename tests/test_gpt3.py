@@ -106,6 +106,23 @@ def _write_c4(folder, vocab: int = 128) -> None:
         write_indexed_dataset(folder / prefix, [rng.integers(1, vocab, 3000).astype(np.uint16) for _ in range(4)])
 
 
+def test_a_sequential_sampler_yields_distributed_samplers_indices_without_listing_them():
+    """The language models' samplers span whole runs (llama31_8b: 76.8M samples): the same indices, skip and
+    all, as DistributedSampler's, from a range instead of a list of every sample."""
+    from torch.utils.data import DistributedSampler
+
+    from workloads.common.data import ResumableSampler
+
+    for length, world, rank, skip in ((103, 4, 1, 0), (103, 4, 3, 5), (8, 2, 0, 4), (5, 8, 2, 0)):
+        sampler = ResumableSampler(DistributedSampler(range(length), world, rank, shuffle=False, drop_last=True))
+        sampler.skip = skip
+        assert list(sampler) == list(DistributedSampler(range(length), world, rank, shuffle=False,
+                                                        drop_last=True))[skip:]
+    huge = ResumableSampler(DistributedSampler(range(10**12), 512, 7, shuffle=False, drop_last=True))
+    huge.skip = 3
+    assert next(iter(huge)) == 7 + 3 * 512 and type(iter(huge)) is type(iter(range(0)))
+
+
 def test_loader_workers_yield_the_batches_of_the_training_thread_and_keep_the_skip(tmp_path):
     """Data rank 1 of 2, micro batch 3: the same train and eval batches with 0 and 2 workers, and a skip set on
     the sampler after the loader is built (here, after a first pass with persistent workers) starts the next
