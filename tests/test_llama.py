@@ -119,9 +119,9 @@ def test_the_tiny_target_is_reachable_under_the_open_rules():
     assert tiny_entropy() < PRESETS["tiny"].target - 0.2 < 1.0 < math.log(TINY_VOCAB)
 
 
-def test_the_layout_at_512_gpus_is_nvidias_and_hsdp_keeps_fsdp_on_nvlink():
+def test_the_layout_at_512_gpus_fills_nodes_and_hsdp_keeps_fsdp_on_nvlink():
     """GBS 64 on 64 nodes x 8: a data rank would get 1/8 of a sequence, so context parallel 4 with tensor 2
-    fills each node (NVIDIA's v5.1 layout); FSDP shards over the node's 4 context ranks, and only the
+    fills each node; FSDP shards over the node's 4 context ranks, and only the
     gradient all-reduce crosses nodes."""
     cfg = PRESETS["full"]
     layout = plan_layout(cfg, 512, 8)
@@ -130,8 +130,23 @@ def test_the_layout_at_512_gpus_is_nvidias_and_hsdp_keeps_fsdp_on_nvlink():
     assert traffic.infiniband == traffic.replicate_reduce  # only the replicas' all-reduce leaves the node
     # 4 bytes x 8.03B / (tensor 2 x FSDP 4), all-reduced across 64 replicas (2 x 63/64 of the shard)
     assert traffic.infiniband == pytest.approx(2 * 4 * LLAMA31_8B.params / 8 * 63 / 64)
-    with pytest.raises(ValueError, match="does not split into"):
-        plan_layout(preset_config("full", 96), 512, 8)
+    # Batch 96 at 512 GPUs: context 4 would leave 64 data ranks, which 96 does not split over; context 8 does.
+    layout = plan_layout(preset_config("full", 96), 512, 8)
+    assert (layout.context, layout.data, layout.grad_accum) == (8, 32, 3)
+    # 448 nodes x 8: every data-rank count has a factor 7, which no RCP batch has.
+    with pytest.raises(ValueError, match="does not split evenly over 3584 processes"):
+        plan_layout(preset_config("full", 64), 448 * 8, 8)
+
+
+def test_the_residual_projections_start_smaller_as_megatrons_do():
+    """init_method_std 0.02 everywhere, 0.02 / sqrt(2 x layers) for attention's wo and SwiGLU's w2."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, seq_len=8, n_layer=8, n_head=4, n_kv_head=2, d_model=256, ffn_hidden=512)
+    model = Llama(cfg)
+    stds = {name: param.std().item() for name, param in model.named_parameters() if param.ndim == 2}
+    for name, std in stds.items():
+        want = 0.02 / math.sqrt(16) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        assert std == pytest.approx(want, rel=0.05), name
 
 
 def test_the_reader_names_missing_files_and_reads_int32_tokens(tmp_path):
@@ -164,10 +179,12 @@ def test_full_preset_on_64_h100_nodes_shows_its_layout_memory_and_traffic(tmp_pa
             jsonschema.validate(job, pytorchjob_schema())
         replicas = job["spec"]["pytorchReplicaSpecs"]
         assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 64
-    refused = harness("run", "llama31_8b", "--preset", "full", "--global-batch", "48", "--dry-run", "--synthetic",
-                      "--out", str(tmp_path / "p"))
-    assert refused.returncode != 0 and "no reference convergence point" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    for args, says in ((("--global-batch", "48"), "no reference convergence point"),
+                       (("--batch-size", "2"), "takes its batch as --global-batch"),
+                       (("--force-batch",), "give --global-batch too")):
+        refused = harness("run", "llama31_8b", "--preset", "full", *args, "--dry-run", "--synthetic",
+                          "--out", str(tmp_path / "p"))
+        assert refused.returncode != 0 and says in refused.stderr and "Traceback" not in refused.stderr, args
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow  # real multi-process training steps
 
-# (replicate, shard, context, tensor) over 4 processes
-LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2")
+# (replicate, shard, context, tensor) over 4 processes; "2,1,2,1" is the full preset's shape at scale (replicas
+# of context groups), on the smallest world
+LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2", "2,1,2,1")
 
 
 def test_every_layout_matches_the_whole_model():

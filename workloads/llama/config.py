@@ -188,18 +188,21 @@ def plan_layout(cfg: LlamaPretrainConfig, world: int, procs_per_node: int) -> La
     if world % tensor or m.n_kv_head % tensor or m.n_head % tensor:
         raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the {m.n_head} attention "
                          f"heads and the {m.n_kv_head} key/value heads")
+    # The smallest context parallel (a power of two: each rank holds two chunks of seq_len / 2^k) that leaves
+    # every data rank whole sequences, in whole micro batches.
     context = 1
-    # Fewer data ranks, each with a longer share of the sequence, until every data rank has whole sequences.
-    while world // (tensor * context) * cfg.micro_batch > cfg.global_batch and world % (tensor * context * 2) == 0:
+    while True:
+        data = world // (tensor * context)
+        if world % (tensor * context) == 0 and m.seq_len % (2 * context) == 0 and data \
+                and cfg.global_batch % (data * cfg.micro_batch) == 0:
+            break
         context *= 2
-    data = world // (tensor * context)
-    if cfg.global_batch % (data * cfg.micro_batch):
-        raise ValueError(f"global batch {cfg.global_batch} does not split into {data} data ranks x micro batch "
-                         f"{cfg.micro_batch} (tensor {tensor} x context {context} over {world} processes): choose "
-                         "a world size or batch that divides")
-    if m.seq_len % (2 * context):
-        raise ValueError(f"context parallel {context} needs a sequence length ({m.seq_len}) divisible by "
-                         f"{2 * context}: each rank holds two balanced chunks")
+        if context > world // tensor or m.seq_len % (2 * context):
+            raise ValueError(f"global batch {cfg.global_batch} does not split evenly over {world} processes with "
+                             f"tensor parallel {tensor} and micro batch {cfg.micro_batch} at any context parallel "
+                             f"(a power of two up to {world // tensor}): the data ranks, {world} / (tensor x "
+                             "context), must divide the global batch; use a process count of a power of two times "
+                             "the tensor parallel, or another batch")
     per_group = max(1, procs_per_node // (tensor * context)) * cfg.shard_nodes  # data ranks in one FSDP group
     shard = math.gcd(data, per_group)
     return Layout(world=world, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,

@@ -126,13 +126,18 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) for every matrix, ones for the norms (the reference's init_method_std 0.02);
-        called again after a model built on the meta device gets real storage."""
+        """Megatron's initialisation, which the reference uses through NeMo: Normal(0, init_std) for every matrix
+        (init_method_std 0.02), the residual projections (attention's wo, SwiGLU's w2) at init_std / sqrt(2 x
+        layers) (its scaled output_layer_init_method), ones for the norms; called again after a model built on
+        the meta device gets real storage."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
             if isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+        for layer in self.layers:
+            for projection in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.normal_(projection.weight, mean=0.0, std=self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer))
         self.rope_freqs.copy_(rope_frequencies(self.cfg))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
