@@ -19,6 +19,7 @@ from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
+from workloads.llama.config import RCP_BATCHES
 from workloads.registry import BENCHMARKS
 
 
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     run.add_argument("--global-batch", type=int,
                      help="llama31_8b: sequences per optimizer step, one of the batches MLPerf's RCPs were measured "
-                          "at (16, 32, 64, 96, 128), which also sets the peak LR and warmup (default: the preset's)")
+                          f"at ({', '.join(map(str, RCP_BATCHES))}), which also sets the peak LR and warmup "
+                          "(default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
                      help="llama31_8b: accept a --global-batch with no RCP (its runs cannot pass the RCP check)")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")

@@ -19,6 +19,7 @@ from harness.errors import HarnessError
 from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
+from workloads.llama.config import RCP_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS  # torch-free
 
 # Presets that read a real dataset unless --synthetic is given.
@@ -234,6 +235,12 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if (spec.global_batch is not None or spec.force_batch) and spec.benchmark != "llama31_8b":
         raise HarnessError(f"--global-batch and --force-batch apply to llama31_8b only, not {spec.benchmark} (its "
                            "global batch follows --batch-size and the process count)")
+    if spec.benchmark == "llama31_8b" and spec.batch_size is not None:
+        raise HarnessError("llama31_8b takes its batch as --global-batch (sequences per step, one of the RCP "
+                           f"batches: {', '.join(map(str, RCP_BATCHES))}), not --batch-size; the layout decides "
+                           "each process's share")
+    if spec.force_batch and spec.global_batch is None:
+        raise HarnessError("--force-batch accepts a --global-batch with no RCP: give --global-batch too")
     for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):
         value = getattr(spec, name)
         if value is not None and value < 1:
