@@ -64,6 +64,17 @@ class IndexedDataset:
         return self.tokens[self.pointers[i] // self.dtype.itemsize:][: self.sizes[i]]
 
 
+def require_datasets(root: Path, prefixes: tuple[str, ...], what: str) -> None:
+    """Refuse a data folder that lacks any of these `.bin`/`.idx` pairs, naming each missing file, what the
+    benchmark reads, and the indexes the folder does hold."""
+    missing = [f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx")
+               if not Path(root, prefix + suffix).is_file()]
+    if missing:
+        found = sorted(p.name for p in Path(root).glob("*.idx")) if Path(root).is_dir() else []
+        raise FileNotFoundError(f"{root} lacks {', '.join(missing)} ({what}); found: "
+                                f"{', '.join(found) or 'no .idx files'}")
+
+
 def write_indexed_dataset(prefix: Path, documents: list[np.ndarray], dtype=np.uint16) -> None:
     """Write documents in Megatron's format (one sequence per document), as its preprocessing tool does."""
     code = next(c for c, t in DTYPES.items() if np.dtype(t) == np.dtype(dtype))

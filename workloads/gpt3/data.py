@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
 from workloads.common.megatron_data import BlendedSamples, IndexedDataset, RandomTokens, SequenceSamples, \
-    TokenLoaders, token_loaders, write_markov_corpus
+    TokenLoaders, require_datasets, token_loaders, write_markov_corpus
 
 # MLPerf's preprocessed C4 (SentencePiece): two training shards blended 0.5/0.5, and the validation subset.
 C4_TRAIN = ("c4_en_6_c4_spm_text_document", "c4_en_7_c4_spm_text_document")
@@ -24,11 +24,8 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
                seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
                train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> TokenLoaders:
     """Loaders over MLPerf's C4 layout in `root`."""
-    missing = [p for p in (*train_prefixes, eval_prefix) if not Path(root, f"{p}.idx").is_file()]
-    if missing:
-        found = sorted(p.stem for p in Path(root).glob("*.idx"))
-        raise FileNotFoundError(f"{root} lacks {', '.join(p + '.idx/.bin' for p in missing)}; "
-                                f"found: {', '.join(found) or 'no .idx files'}")
+    require_datasets(root, (*train_prefixes, eval_prefix), "gpt3 reads MLPerf's C4: two training shards and the "
+                     "validation subset")
     shards = [SequenceSamples(IndexedDataset(Path(root, p)), seq_len, seed + i) for i, p in enumerate(train_prefixes)]
     train = BlendedSamples(shards, [1.0] * len(shards), train_samples)
     eval_set: Dataset = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None)

@@ -19,7 +19,7 @@ import torch
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
 from workloads.common.megatron_data import BlendedSamples, IndexedDataset, SequenceSamples, TokenLoaders, \
-    token_loaders, write_markov_corpus
+    require_datasets, token_loaders, write_markov_corpus
 
 TRAIN = "c4-train.en_6_text_document"
 VALIDATION = "c4-validation-91205-samples.en_text_document"
@@ -29,12 +29,8 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
                data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
                eval_batch: int | None = None) -> TokenLoaders:
     """Loaders over the folder MLCommons distributes; a missing file is named with what the folder holds."""
-    missing = [f"{prefix}{suffix}" for prefix in (TRAIN, VALIDATION) for suffix in (".bin", ".idx")
-               if not Path(root, prefix + suffix).is_file()]
-    if missing:
-        found = sorted(p.name for p in Path(root).glob("*.idx")) if Path(root).is_dir() else []
-        raise FileNotFoundError(f"{root} lacks {', '.join(missing)} (llama31_8b reads MLCommons' C4 for Llama 3.1: "
-                                f"{TRAIN}.bin/.idx and {VALIDATION}.bin/.idx); found: {', '.join(found) or 'no .idx files'}")
+    require_datasets(root, (TRAIN, VALIDATION), "llama31_8b reads MLCommons' C4 for Llama 3.1: one training file "
+                     "and the validation subset")
     train = SequenceSamples(IndexedDataset(Path(root, TRAIN)), seq_len, seed)
     validation = SequenceSamples(IndexedDataset(Path(root, VALIDATION)), seq_len, seed=None)
     if len(validation) < eval_sequences:

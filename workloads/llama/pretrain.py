@@ -61,6 +61,12 @@ class LlamaPretrainWorkload(DecoderSteps, Workload):
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
+        context = self.mesh["context"]
+        self.split = ContextSplit(context.get_local_rank(), context.size()) if layout.context > 1 \
+            else next_token_split
+        # The data first: a missing or short file is named in a second, before an 8B model is built and sharded.
+        self.loaders = self._loaders(seed)
+
         # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
         # shares, so that HSDP's replicas start identical.
         with torch.device("meta"):
@@ -75,10 +81,6 @@ class LlamaPretrainWorkload(DecoderSteps, Workload):
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.end_lr_ratio))
-        context = self.mesh["context"]
-        self.split = ContextSplit(context.get_local_rank(), context.size()) if layout.context > 1 \
-            else next_token_split
-        self.loaders = self._loaders(seed)
 
     def _loaders(self, seed: int):
         cfg, layout, ctx = self.cfg, self.layout, self.ctx
