@@ -5,6 +5,7 @@ preset to its target through the 6.1.0 checker, and the closed proxy with only t
 from __future__ import annotations
 
 import math
+import re
 
 import jsonschema
 import numpy as np
@@ -150,7 +151,11 @@ def test_the_residual_projections_start_smaller_as_megatrons_do():
 
 
 def test_the_reader_names_missing_files_and_reads_int32_tokens(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"{TRAIN}.bin, {TRAIN}.idx, {VALIDATION}.bin"):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{TRAIN}.{{bin,idx}}, {VALIDATION}.{{bin,idx}}")):
+        c4_loaders(tmp_path, 8, 1, 4, 2, seed=0, data_rank=0, data_world=1)
+    write_indexed_dataset(tmp_path / TRAIN, [np.arange(3)], dtype=np.int32)
+    (tmp_path / f"{TRAIN}.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"lacks {TRAIN}.bin, {VALIDATION}.{{bin,idx}}")):
         c4_loaders(tmp_path, 8, 1, 4, 2, seed=0, data_rank=0, data_world=1)
     big = np.array([128_000, 128_255, 5, 7] * 20, dtype=np.int32)
     for prefix in (TRAIN, VALIDATION):

@@ -65,10 +65,14 @@ class IndexedDataset:
 
 
 def require_datasets(root: Path, prefixes: tuple[str, ...], what: str) -> None:
-    """Refuse a data folder that lacks any of these `.bin`/`.idx` pairs, naming each missing file, what the
+    """Refuse a data folder that lacks any of these `.bin`/`.idx` pairs, naming each missing file (as
+    `prefix.{bin,idx}` when both are: the message must fit the one-line cause the node agent keeps), what the
     benchmark reads, and the indexes the folder does hold."""
-    missing = [f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx")
-               if not Path(root, prefix + suffix).is_file()]
+    missing = []
+    for prefix in prefixes:
+        absent = [suffix for suffix in ("bin", "idx") if not Path(root, f"{prefix}.{suffix}").is_file()]
+        if absent:
+            missing.append(f"{prefix}.{{{','.join(absent)}}}" if len(absent) == 2 else f"{prefix}.{absent[0]}")
     if missing:
         found = sorted(p.name for p in Path(root).glob("*.idx")) if Path(root).is_dir() else []
         raise FileNotFoundError(f"{root} lacks {', '.join(missing)} ({what}); found: "

@@ -24,8 +24,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
                seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
                train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> TokenLoaders:
     """Loaders over MLPerf's C4 layout in `root`."""
-    require_datasets(root, (*train_prefixes, eval_prefix), "gpt3 reads MLPerf's C4: two training shards and the "
-                     "validation subset")
+    require_datasets(root, (*train_prefixes, eval_prefix), "gpt3: MLPerf's C4")
     shards = [SequenceSamples(IndexedDataset(Path(root, p)), seq_len, seed + i) for i, p in enumerate(train_prefixes)]
     train = BlendedSamples(shards, [1.0] * len(shards), train_samples)
     eval_set: Dataset = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None)

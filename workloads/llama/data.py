@@ -29,8 +29,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
                data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
                eval_batch: int | None = None) -> TokenLoaders:
     """Loaders over the folder MLCommons distributes; a missing file is named with what the folder holds."""
-    require_datasets(root, (TRAIN, VALIDATION), "llama31_8b reads MLCommons' C4 for Llama 3.1: one training file "
-                     "and the validation subset")
+    require_datasets(root, (TRAIN, VALIDATION), "llama31_8b: MLCommons' C4 for Llama 3.1")
     train = SequenceSamples(IndexedDataset(Path(root, TRAIN)), seq_len, seed)
     validation = SequenceSamples(IndexedDataset(Path(root, VALIDATION)), seq_len, seed=None)
     if len(validation) < eval_sequences:
