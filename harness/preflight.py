@@ -41,19 +41,32 @@ def reason(check: Check) -> str:
     return f"{check.name} {measured}, expected {check.threshold}{where}" + (f": {check.note}" if check.note else "")
 
 
-def _pair_check(record: dict) -> Check | None:
-    """The node's link check: the median of its pair bandwidths, so one slow partner does not fail it."""
-    pairs = record.get("pairs") or []
-    if not pairs:
-        return None
-    median = statistics.median(p["busbw_gbps"] for p in pairs)
+def pair_checks(record: dict) -> list[Check]:
+    """The node's link checks, one per local rank of the pair phase (on a GPU node: per GPU and its NIC): the
+    median of that rank's pair bandwidths, so one slow partner does not fail it. A rank that measured nothing
+    fails, with what it left as the reason (timed out, died); a node whose phase never finished has no "pairs"."""
+    if "pairs" not in record:
+        return []
     minimum = (record.get("thresholds") or {}).get("min_pair_busbw_gbps")
-    peers = ", ".join(p["peer"] for p in pairs)
-    if minimum is None:
-        return Check("pair_busbw", SKIPPED, float(f"{median:.4g}"), unit="GB/s", where=f"with {peers}",
-                     note="no threshold for this GPU model")
-    return Check("pair_busbw", PASS if median >= minimum else FAIL, float(f"{median:.4g}"), f">= {minimum:g}", "GB/s",
-                 f"median with {peers}")
+    device = "gpu" if record.get("gpu") else "rank"
+    failures = record.get("pair_failures") or {}
+    checks = []
+    for local in range(record.get("pair_ranks") or 1):
+        pairs = [p for p in record["pairs"] if p["gpu"] == local]
+        if not pairs:
+            checks.append(Check("pair_busbw", FAIL, "missing", "measured with another node", where=f"{device} {local}",
+                                note=failures.get(str(local)) or "the between-node checks did not finish"))
+            continue
+        median = float(f"{statistics.median(p['busbw_gbps'] for p in pairs):.4g}")
+        where = f"{device} {local}: median with {', '.join(p['peer'] for p in pairs)}"
+        errors = "; ".join(f"{p['peer']}: {p['error']}" for p in pairs if p.get("error"))
+        if minimum is None:
+            checks.append(Check("pair_busbw", SKIPPED, median, unit="GB/s", where=where,
+                                note="no threshold for this GPU model"))
+        else:
+            checks.append(Check("pair_busbw", PASS if median >= minimum else FAIL, median, f">= {minimum:g}", "GB/s",
+                                where, note=errors))
+    return checks
 
 
 def newest_ended(records: list[dict]) -> int | None:
@@ -118,13 +131,13 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
             record = {"checks": [Check("health_report", FAIL, "missing", "written by the node",
                                        note="the node did not run or finish the checks").to_dict()]}
         checks = [Check.from_dict(c) for c in record["checks"]]
-        pair = _pair_check(record)
-        if pair is None and len(allocated) > 1 and "node" in record:
+        pairs = pair_checks(record)
+        if not pairs and len(allocated) > 1 and "node" in record:
             # A node that reported its own checks but no pair: the between-node phase never finished (a NIC
             # that breaks NCCL's set-up times it out on every node) or met no partner. Untested is no pass.
-            pair = Check("pair_busbw", FAIL, "missing", "measured with another node",
-                         note="the between-node checks did not finish")
-        checks += [pair] if pair else []
+            pairs = [Check("pair_busbw", FAIL, "missing", "measured with another node",
+                           note="the between-node checks did not finish")]
+        checks += pairs
         if node in blamed:
             checks.append(blame_check(blamed[node]))
         verdicts[node] = {"gpu": record.get("gpu"), "started": record.get("started"), "checks": checks,

@@ -93,6 +93,9 @@ class PreflightSettings:
     # a node whose check hangs (NVML and CUDA calls can, on a GPU after Xid 79) is then judged without the
     # report it never wrote, and the other nodes are not held until the job's wall-time limit.
     deadline_s: int = 1200
+    # Each NVML or CUDA check's own deadline, in its child process (harness.health.isolate): a hung check fails
+    # its node (`timed out after N s`) and the node's other checks still run, within deadline_s above.
+    check_deadline_s: int = 120
 
 
 @dataclass

@@ -182,7 +182,8 @@ def _report(out: Path, node: str, busbw: float, pairs: list | None = None) -> No
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"node": node, "started": 1.0, "gpu": "NVIDIA H100 80GB HBM3", "thresholds": th,
                                 "checks": [c.to_dict() for c in checks],
-                                "pairs": [{"peer": "peer", "busbw_gbps": 45.0}] if pairs is None else pairs}))
+                                "pairs": [{"peer": "peer", "gpu": 0, "busbw_gbps": 45.0}] if pairs is None else
+                                [{"gpu": 0, **p} for p in pairs]}))
 
 
 def test_the_json_the_table_and_the_report_agree(tmp_path):
@@ -197,7 +198,7 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
     assert record["passed"] and record["kept"] == ["a"] and record["spare"] == []
     # b: slow inside; c: slow with every partner (its link), while a and b are slow only with c; d: no report.
     assert record["excluded"] == {"b": ["allreduce_busbw 120 GB/s < 460 (8 GPUs, 16384 MiB)"],
-                                  "c": ["pair_busbw 11.5 GB/s < 40 (median with a, b)"],
+                                  "c": ["pair_busbw 11.5 GB/s < 40 (gpu 0: median with a, b)"],
                                   "d": ["health_report missing, expected written by the node: "
                                         "the node did not run or finish the checks"]}
     text = preflight.table(record)
@@ -464,3 +465,121 @@ def test_a_between_node_phase_that_timed_out_everywhere_fails_every_node(tmp_pat
     for node in ("a", "b", "c"):
         (failed,) = [c for c in verdicts[node]["checks"] if c.verdict == "fail"]
         assert failed.name == "pair_busbw" and "did not finish" in failed.note and not verdicts[node]["ok"]
+
+
+def test_a_check_that_hangs_fails_at_its_deadline_and_one_that_answers_is_read(monkeypatch):
+    """The child-process runner of the NVML and CUDA checks: a child that never answers is killed at the deadline
+    and its check fails `timed out after N s`; an answer or an error comes back as such. The hanging child is the
+    test hook (HARNESS_PREFLIGHT_FAULT NODE:CHECK:hang), which hangs before the target is called."""
+    import time
+
+    from harness.health.isolate import Child, isolated
+
+    monkeypatch.setenv("HARNESS_PREFLIGHT_FAULT", "b:slow_check:hang")
+    started = time.monotonic()
+    hung = Child("slow_check", "b", "harness.health.allreduce:pair_rounds", dict(nodes=4, rounds=1))
+    answered = isolated("slow_check", "a", "harness.health.allreduce:pair_rounds", dict(nodes=4, rounds=1), 300)
+    assert answered.failure is None and answered.value == [[[0, 3], [1, 2]]]
+    outcome = hung.wait(2)
+    assert outcome.value is None and outcome.failure.verdict == FAIL
+    assert (outcome.failure.name, outcome.failure.measured) == ("slow_check", "timed out after 2 s")
+    assert hung.process.wait(timeout=60) == -9  # killed, not left running
+    assert time.monotonic() - started < 120  # a safety net only: the hang ended at its deadline, not never
+    broken = isolated("slow_check", "a", "harness.health.allreduce:pair_rounds", dict(nodes="x"), 300)
+    assert broken.failure.verdict == FAIL and broken.failure.note.startswith("TypeError: ")
+
+
+def test_each_local_rank_of_the_pair_phase_gets_its_own_link_verdict(tmp_path):
+    """One verdict per GPU and its NIC: a slow one is named, and a rank that measured nothing fails with what it
+    left (timed out), while the node's other GPUs pass."""
+    import json
+
+    from harness import preflight
+    from harness.health import NODES_DIR
+
+    _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}])
+    _report(tmp_path, "b", 470, [{"peer": "a", "busbw_gbps": 45.0}])
+    path = tmp_path / NODES_DIR / "b.json"
+    record = json.loads(path.read_text())
+    record.update(pair_ranks=4, pair_failures={"3": "timed out after 300 s"},
+                  pairs=[{"peer": "a", "gpu": 0, "busbw_gbps": 45.0}, {"peer": "a", "gpu": 1, "busbw_gbps": 12.0},
+                         {"peer": "a", "gpu": 2, "busbw_gbps": 0.0, "error": "Connection closed by peer"}])
+    path.write_text(json.dumps(record))
+    verdicts = preflight.judge(tmp_path, ["a", "b"])
+    assert verdicts["a"]["ok"] and not verdicts["b"]["ok"]
+    links = {c.where.split(":")[0]: c for c in verdicts["b"]["checks"] if c.name == "pair_busbw"}
+    assert {where: c.verdict for where, c in links.items()} == {"gpu 0": PASS, "gpu 1": FAIL, "gpu 2": FAIL,
+                                                                "gpu 3": FAIL}
+    assert preflight.reason(links["gpu 1"]) == "pair_busbw 12.0 GB/s < 40 (gpu 1: median with a)"
+    assert links["gpu 2"].note == "a: Connection closed by peer"
+    assert preflight.reason(links["gpu 3"]) == ("pair_busbw missing, expected measured with another node (gpu 3): "
+                                                "timed out after 300 s")
+
+
+def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int) -> dict:
+    """`python -m harness.health` on each of `nodes` at once, as a health job runs it (one process per node, the
+    world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The timeout is a safety net."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from harness.health import NODES_DIR
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = [subprocess.Popen([sys.executable, "-m", "harness.health", "--out", str(out), "--settings",
+                                   json.dumps(settings), "--cpu-pair-ranks", str(pair_ranks)],
+                                  env={**os.environ, "NODE_NAME": node, "RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "HARNESS_PREFLIGHT_FAULT": fault},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank, node in enumerate(nodes)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert all(p.returncode == 0 for p in processes), logs
+    return {node: json.loads((out / NODES_DIR / f"{node}.json").read_text()) for node in nodes}
+
+
+@pytest.fixture(scope="module")
+def hung_and_slow_nodes(tmp_path_factory):
+    """Two CPU "nodes" x 2 pair ranks: node b's intra-node all-reduce hangs (as a CUDA call after Xid 79 does)
+    and b's second pair rank measures a slow link."""
+    out = tmp_path_factory.mktemp("hung")
+    return out, _health_nodes(out, ["a", "b"], {"check_deadline_s": 20},
+                              "b:allreduce_busbw:hang,b@1:pair_busbw:0.001", pair_ranks=2)
+
+
+@pytest.mark.slow
+def test_a_check_that_hangs_fails_its_node_at_the_deadline_and_the_others_finish(hung_and_slow_nodes):
+    from harness import preflight
+
+    out, reports = hung_and_slow_nodes
+    checks = {node: {c["name"]: c for c in r["checks"]} for node, r in reports.items()}
+    hung = checks["b"]["allreduce_busbw"]
+    assert (hung["verdict"], hung["measured"]) == (FAIL, "timed out after 20 s")
+    assert checks["b"]["shared_fs_rw"]["verdict"] == PASS  # the node's other checks still ran
+    assert all(c["verdict"] != FAIL for c in checks["a"].values())
+    assert reports["b"]["pairs"] and reports["a"]["pairs"]  # b joined the pairs after its check timed out
+    verdicts = preflight.judge(out, ["a", "b"])
+    assert verdicts["a"]["ok"] and not verdicts["b"]["ok"]
+
+
+@pytest.mark.slow
+def test_every_local_rank_meets_its_peer_and_a_slow_nic_is_named(hung_and_slow_nodes):
+    """Between nodes local rank i meets local rank i of the partner (on GPUs: GPU i and its NIC): both of a
+    node's links are measured, and only b's second one fails, by name."""
+    from harness import preflight
+
+    out, reports = hung_and_slow_nodes
+    assert sorted((p["gpu"], p["peer"]) for p in reports["a"]["pairs"]) == [(0, "b"), (1, "b")]
+    assert reports["a"]["pair_failures"] == reports["b"]["pair_failures"] == {}
+    verdicts = preflight.judge(out, ["a", "b"])
+    links = {node: {c.where.split(":")[0]: c.verdict for c in v["checks"] if c.name == "pair_busbw"}
+             for node, v in verdicts.items()}
+    assert links == {"a": {"rank 0": PASS, "rank 1": PASS}, "b": {"rank 0": PASS, "rank 1": FAIL}}

@@ -286,7 +286,7 @@ def test_preflight_on_both_slurm_nodes(slurm_cluster, tmp_path):
     for node in ("node1", "node2"):
         names = {c["name"] for c in record["nodes"][node]["checks"]}
         assert {"allreduce_busbw", "pair_busbw", "shared_fs_rw", "gpu_count"} <= names
-        assert re.search(rf"^{node}\s+pair_busbw\s+median with node\d .* pass$", result.stdout, re.M)
+        assert re.search(rf"^{node}\s+pair_busbw\s+rank 0: median with node\d .* pass$", result.stdout, re.M)
         assert re.search(rf"^{node}\s+gpu_count\s.*skipped: no GPU$", result.stdout, re.M)
 
 

@@ -15,8 +15,11 @@ from pathlib import Path
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 NODES_DIR = Path("preflight") / "nodes"  # each node's report, <out>/preflight/nodes/<node>.json
 # Test-only fault: "NODE:CHECK:FACTOR[,...]" scales CHECK's measurement on NODE (e.g. node2:allreduce_busbw:0.1),
-# so the tests can make one node of a healthy cluster fail a check.
+# so the tests can make one node of a healthy cluster fail a check; FACTOR `hang` makes the check's child
+# process hang instead, as an NVML or CUDA call does on a GPU after Xid 79 (harness.health.isolate). NODE may
+# name one local rank of the pair phase as NODE@RANK (node2@1:pair_busbw:0.1).
 FAULT_ENV = "HARNESS_PREFLIGHT_FAULT"
+HANG = "hang"
 NO_THRESHOLD = "no threshold for this GPU model: set it in the profile's preflight section"
 
 
@@ -64,13 +67,26 @@ def equal(name: str, measured, expected, where: str = "") -> Check:
     return Check(name, PASS if measured == expected else FAIL, measured, f"== {expected}", "", where)
 
 
-def fault_scale(node: str, check: str) -> float:
-    """The test-only factor for `check` on `node` from HARNESS_PREFLIGHT_FAULT; 1.0 without one."""
+def _fault(node: str, check: str) -> str | None:
+    """The test-only FACTOR that HARNESS_PREFLIGHT_FAULT gives `check` on `node`, as written; None without one."""
     for entry in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
         parts = entry.split(":")
         if len(parts) == 3 and parts[0] == node and parts[1] == check:
-            try:
-                return float(parts[2])
-            except ValueError:
-                raise SystemExit(f"{FAULT_ENV}: {entry!r}: the factor must be a number") from None
-    return 1.0
+            return parts[2]
+    return None
+
+
+def fault_scale(node: str, check: str) -> float:
+    """The test-only factor for `check` on `node` from HARNESS_PREFLIGHT_FAULT; 1.0 without one."""
+    factor = _fault(node, check)
+    if factor is None or factor == HANG:
+        return 1.0
+    try:
+        return float(factor)
+    except ValueError:
+        raise SystemExit(f"{FAULT_ENV}: {node}:{check}:{factor}: the factor must be a number or {HANG}") from None
+
+
+def fault_hangs(node: str, check: str) -> bool:
+    """Whether HARNESS_PREFLIGHT_FAULT makes `check` on `node` hang (test-only)."""
+    return _fault(node, check) == HANG

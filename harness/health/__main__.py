@@ -1,8 +1,10 @@
 """`python -m harness.health`: run every preflight check on this node and write <out>/preflight/nodes/<node>.json.
 
 Started once per node by the launcher's health job. With WORLD_SIZE (or SLURM_NTASKS) above 1 the
-nodes then meet for the between-node all-reduces (pairs, then all). The node only measures; the
-submitting side (harness.preflight) judges, so one rule decides for every node.
+nodes then meet for the between-node all-reduces (pairs, then all), one process per local GPU. This
+process touches no GPU itself: every NVML and CUDA call runs in a child with a deadline, so a hung GPU
+fails its check instead of holding the node. The node only measures; the submitting side
+(harness.preflight) judges, so one rule decides for every node.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-from harness.health import NODES_DIR, at_least, fault_scale, skipped
-from harness.health.allreduce import between_nodes, intra_node
-from harness.health.gpu import NO_GPU, XidWatch, gpu_name, load_nvml, matmul_tflops, nvml_checks
+from harness.health import NODES_DIR, Check, at_least, fault_scale, skipped
+from harness.health.allreduce import between_nodes
+from harness.health.gpu import NO_GPU, nvml_checks
+from harness.health.isolate import Child, checks_of, isolated
 from harness.health.ib import HCA_ENV, SYSFS_ROOT, ib_checks
 from harness.health.storage import storage_checks
 from harness.health.thresholds import resolve
 
 CPU_RANKS = 2  # gloo processes for the intra-node all-reduce on a CPU node
+REPORT_MARGIN_S = 30  # of the phase's deadline, kept to write the report after the between-node phase
 
 
 def node_name() -> str:
@@ -30,32 +34,43 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
-def _cuda_devices() -> int:
-    """The GPUs this process may use (a container or CUDA_VISIBLE_DEVICES can show fewer than NVML does)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, nvml, sysfs: Path) -> tuple[list, dict]:
-    """Every check of this node alone, and the thresholds they were held to."""
-    name = gpu_name(nvml)
+def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, sysfs: Path) -> tuple[list, dict, dict]:
+    """Every check of this node alone, the thresholds they were held to, and what the node has ({"gpu": its
+    model, "cuda_devices"}). Whatever calls NVML or CUDA runs in a child process with a deadline
+    (harness.health.isolate): a hung GPU fails its check, and the node's other checks still run."""
+    deadline = float(resolve(settings, None)["check_deadline_s"])
+    found = isolated("gpu_inventory", node, "harness.health.gpu:inventory", {}, deadline)
+    name = found.value["gpu"] if found.failure is None else None
     th = resolve(settings, name)
-    watch = XidWatch(nvml) if nvml is not None else None
-    checks = matmul_tflops(node, gpus, th["min_matmul_tflops"])
-    cuda = name is not None
-    ranks = _cuda_devices() if cuda else CPU_RANKS
-    if ranks >= 2:
-        busbw = intra_node(ranks, th["allreduce_mib"] << 20, cuda) * fault_scale(node, "allreduce_busbw")
-        checks.append(at_least("allreduce_busbw", busbw, th["min_allreduce_busbw_gbps"], "GB/s",
-                               f"{ranks} {'GPUs' if cuda else 'CPU processes'}, {th['allreduce_mib']} MiB"))
+    if found.failure is not None:  # nothing on this node's GPUs can be trusted to answer
+        checks = [found.failure]
+        devices = 0
     else:
-        checks.append(skipped("allreduce_busbw", f"{ranks} usable GPU(s): nothing to all-reduce inside the node"))
-    checks += nvml_checks(nvml, gpus, th)  # after the load: PCIe links leave their idle state under work
-    checks.append(watch.check() if watch else skipped("xid_events", NO_GPU))
+        devices = found.value["cuda_devices"]
+        xid = Child("xid_events", node, "harness.health.gpu:xid_watch", {}, watch=True) if name else None
+        checks = checks_of(isolated("matmul_tflops", node, "harness.health.gpu:matmul_tflops",
+                                    dict(node=node, gpus=gpus, minimum=th["min_matmul_tflops"]), deadline)) \
+            if gpus and devices else [skipped("matmul_tflops", NO_GPU)]
+        checks.append(_intra_node(node, th, devices if name else CPU_RANKS, name is not None, deadline))
+        # after the load: PCIe links leave their idle state under work
+        checks += checks_of(isolated("nvml", node, "harness.health.gpu:nvml_readings", dict(expected=gpus, th=th),
+                                     deadline)) if name else nvml_checks(None, gpus, th)
+        checks += checks_of(xid.wait(deadline)) if xid else [skipped("xid_events", NO_GPU)]
     checks += ib_checks(th, rdma, sysfs, os.environ.get(HCA_ENV))  # the HCAs NCCL uses, not every port
     checks += storage_checks(out / "preflight", node, th["min_free_gib"])
-    return checks, th
+    return checks, th, {"gpu": name, "cuda_devices": devices}
+
+
+def _intra_node(node: str, th: dict, ranks: int, cuda: bool, deadline: float) -> Check:
+    if ranks < 2:
+        return skipped("allreduce_busbw", f"{ranks} usable GPU(s): nothing to all-reduce inside the node")
+    done = isolated("allreduce_busbw", node, "harness.health.allreduce:intra_node",
+                    dict(ranks=ranks, nbytes=th["allreduce_mib"] << 20, cuda=cuda), deadline)
+    if done.failure is not None:
+        return done.failure
+    return at_least("allreduce_busbw", done.value * fault_scale(node, "allreduce_busbw"),
+                    th["min_allreduce_busbw_gbps"], "GB/s",
+                    f"{ranks} {'GPUs' if cuda else 'CPU processes'}, {th['allreduce_mib']} MiB")
 
 
 def _write(path: Path, record: dict) -> None:
@@ -71,22 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs the profile promises per node")
     parser.add_argument("--rdma", type=int, default=0, help="InfiniBand HCAs the profile promises per node")
     parser.add_argument("--sysfs", type=Path, default=SYSFS_ROOT, help=argparse.SUPPRESS)  # tests
+    # tests: processes per CPU node in the pair phase, standing in for a GPU node's one per GPU
+    parser.add_argument("--cpu-pair-ranks", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     started = time.time()
     node = node_name()
-    nvml = load_nvml()
-    checks, th = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, nvml, args.sysfs)
-    record = {"node": node, "started": started, "gpu": gpu_name(nvml), "thresholds": th,
+    checks, th, found = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, args.sysfs)
+    record = {"node": node, "started": started, "gpu": found["gpu"], "thresholds": th,
               "checks": [c.to_dict() for c in checks]}
     path = args.out / NODES_DIR / f"{node}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, record)  # now, so a node that dies in the all-reduces below still shows what it measured
     if int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1:
-        links = between_nodes(node, th["pair_mib"] << 20, th["pair_rounds"], nvml is not None and args.gpus > 0)
-        scale = fault_scale(node, "pair_busbw")
-        record["pairs"] = [{**p, "busbw_gbps": p["busbw_gbps"] * scale} for p in links["pairs"]]
-        record["world_busbw_gbps"] = links["world_busbw_gbps"] * fault_scale(node, "world_busbw")
-        record["world"] = links["names"]
+        # Every node runs as many pair ranks as the profile promises GPUs (a GPU missing here fails its own
+        # pairs), so that local rank i of each node has its partners.
+        cuda = found["gpu"] is not None and args.gpus > 0
+        left = th["deadline_s"] - (time.time() - started) - REPORT_MARGIN_S
+        links = between_nodes(node, args.gpus if cuda else args.cpu_pair_ranks, th["pair_mib"] << 20,
+                              th["pair_rounds"], cuda, th["check_deadline_s"], max(th["check_deadline_s"], int(left)))
+        world = links.pop("world_busbw_gbps")
+        record.update(links, world_busbw_gbps=None if world is None else world * fault_scale(node, "world_busbw"))
     record["seconds"] = round(time.time() - started, 3)
     _write(path, record)
     failed = [c for c in checks if c.verdict == "fail"]

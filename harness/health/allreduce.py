@@ -4,10 +4,12 @@ Bus bandwidth is nccl-tests' measure (its PERFORMANCE.md): algbw = bytes / time,
 busbw = algbw * 2 (n - 1) / n, which is comparable across rank counts and close to the link's speed.
 NCCL on GPUs, gloo on CPUs.
 
-Between nodes, one rank per node. Node pairs come from the round-robin ("circle") schedule: in each
-round every node meets a new partner, at most `rounds` rounds, so 448 nodes take 3 short all-reduces
-each rather than 447. A slow node is slow with every partner; a partner of it is slow only once, so the
-median over a node's pairs pins a slow link to the node at its end.
+Between nodes, one process per local GPU: local rank i of node A meets local rank i of node B, which in
+NCCL's topology uses GPU i's nearest NIC, so every GPU/NIC pair the node's NCCL would use is measured (one
+rank per node would measure only GPU 0's NIC). Node pairs come from the round-robin ("circle") schedule: in
+each round every node meets a new partner, at most `rounds` rounds, so 448 nodes take 3 short all-reduces
+each rather than 447. A slow NIC is slow with every partner; a partner of it is slow only once, so the
+median over a GPU's pairs pins a slow link to the node and GPU at its end.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from harness.health import fault_scale
+
 WARMUP, ITERS = 2, 5
-TIMEOUT = timedelta(minutes=5)  # a node that never joins or hangs fails the health job, not the whole budget
+TIMEOUT = timedelta(minutes=5)  # a rank that never joins or hangs fails the node's check, not the whole budget
 
 
 def busbw_gbps(nbytes: int, seconds: float, ranks: int) -> float:
@@ -86,29 +90,94 @@ def pair_rounds(nodes: int, rounds: int) -> list[list[tuple[int, int]]]:
     return schedule
 
 
-def between_nodes(node: str, nbytes: int, rounds: int, cuda: bool) -> dict:
-    """This node's part of the pair rounds and the whole-set all-reduce, one rank per node, over the
-    world that RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT describe (Slurm's SLURM_PROCID/SLURM_NTASKS stand in).
-    Returns {"names": every node by rank, "pairs": [{"peer", "busbw_gbps"}], "world_busbw_gbps"}."""
-    import torch
+def _store(timeout_s: float, master: bool = False):
+    """The c10d store at MASTER_ADDR:MASTER_PORT that the pair phase meets at (CPU only: no GPU is touched)."""
     import torch.distributed as dist
 
-    os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
-    os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-    device = "cuda:0" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=master,
+                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _measured_in(prefix: str, store, rank: int, world: int, nbytes: int, device: str, op_timeout_s: float) -> float:
+    """Bus bandwidth over a process group of its own (`prefix` in the store): made, measured, and ended."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore(prefix, store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=op_timeout_s))
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        names: list = [None] * world
-        dist.all_gather_object(names, node)
-        pairs = []
-        for round_pairs in pair_rounds(world, rounds):
-            mine, _ = dist.new_subgroups_by_enumeration([list(p) for p in round_pairs])
-            if mine is not None:
-                peer = next(b if a == rank else a for a, b in round_pairs if rank in (a, b))
-                pairs.append({"peer": names[peer], "busbw_gbps": measure(nbytes, device, mine)})
-        return {"names": names, "pairs": pairs, "world_busbw_gbps": measure(nbytes, device)}
+        return measure(nbytes, device)
     finally:
         dist.destroy_process_group()
+
+
+def pair_rank(node: str, index: int, nodes: int, local: int, ranks: int, nbytes: int, rounds: int, cuda: bool,
+              op_timeout_s: float, rendezvous_s: float):
+    """Local rank `local` of node `index`: its all-reduce with local rank `local` of each partner node (on a GPU
+    node GPU `local`, whose nearest NIC NCCL uses), then the whole set. Each pair is a process group of its
+    own, so a dead or hung rank costs only its partners' measurement of it (after `op_timeout_s`), never the
+    other pairs. Yields {"pairs": [{"peer", "busbw_gbps"[, "error"]}], "world_busbw_gbps"?} as it grows."""
+    import torch
+
+    store = _store(rendezvous_s)
+    device = f"cuda:{local}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(local)
+    scale = fault_scale(node, "pair_busbw") * fault_scale(f"{node}@{local}", "pair_busbw")
+    result: dict = {"pairs": []}
+    for number, round_pairs in enumerate(pair_rounds(nodes, rounds)):
+        pair = next((p for p in round_pairs if index in p), None)
+        if pair is None:  # an odd count: this node sits this round out
+            continue
+        peer = pair[1] if pair[0] == index else pair[0]
+        entry = {"peer": store.get(f"node/{peer}").decode()}
+        try:
+            entry["busbw_gbps"] = scale * _measured_in(f"pair/{number}/{pair[0]}-{pair[1]}/{local}", store,
+                                                       pair.index(index), 2, nbytes, device, op_timeout_s)
+        except RuntimeError as exc:  # the partner died or hung: this link is unmeasured, which is no pass
+            entry.update(busbw_gbps=0.0, error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        result["pairs"].append(entry)
+        yield result
+    try:
+        result["world_busbw_gbps"] = _measured_in("world", store, index * ranks + local, nodes * ranks, nbytes,
+                                                  device, op_timeout_s)
+    except RuntimeError:  # a rank missing from the whole set: recorded as not measured (it judges no node)
+        pass
+    yield result
+
+
+def between_nodes(node: str, ranks: int, nbytes: int, rounds: int, cuda: bool, op_timeout_s: float,
+                  deadline_s: float) -> dict:
+    """This node's part of the pair rounds and the whole-set all-reduce, over the nodes that RANK/WORLD_SIZE/
+    MASTER_ADDR/MASTER_PORT describe (Slurm's SLURM_PROCID/SLURM_NTASKS stand in): one child process per
+    local rank (`ranks`: the node's GPUs, each with its own NIC), each waited for at most `deadline_s`.
+    This process touches no GPU; on the first node it holds the store the children meet at until every
+    node is done. Returns {"pair_ranks", "pairs": [{"peer", "gpu", "busbw_gbps"[, "error"]}],
+    "pair_failures": {local rank: why it left no result}, "world_busbw_gbps"}."""
+    from harness.health.isolate import Child
+
+    index = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    nodes = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    started = time.monotonic()
+    store = _store(deadline_s, master=index == 0)
+    store.set(f"node/{index}", node)
+    children = [Child("pair_busbw", f"{node}@{local}", "harness.health.allreduce:pair_rank",
+                      dict(node=node, index=index, nodes=nodes, local=local, ranks=ranks, nbytes=nbytes, rounds=rounds,
+                           cuda=cuda, op_timeout_s=op_timeout_s, rendezvous_s=deadline_s))
+                for local in range(ranks)]
+    pairs, failures, world = [], {}, None
+    for local, child in enumerate(children):
+        outcome = child.wait(deadline_s)
+        value = outcome.value if isinstance(outcome.value, dict) else {}
+        pairs += [{**p, "gpu": local} for p in value.get("pairs", [])]
+        if outcome.failure is not None:
+            failures[local] = outcome.failure.note or outcome.failure.measured
+        if local == 0:
+            world = value.get("world_busbw_gbps")
+    store.set(f"done/{index}", "1")
+    if index == 0:  # the store must outlive every node's pairs
+        try:
+            store.wait([f"done/{i}" for i in range(nodes)],
+                       timedelta(seconds=max(1.0, deadline_s - (time.monotonic() - started))))
+        except RuntimeError:  # a node that never finishes is judged by its own report
+            pass
+    return {"pair_ranks": ranks, "pairs": pairs, "pair_failures": failures, "world_busbw_gbps": world}

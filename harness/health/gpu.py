@@ -38,6 +38,29 @@ def gpu_name(nvml) -> str | None:
     return name.decode() if isinstance(name, bytes) else name
 
 
+def inventory() -> dict:
+    """{"gpu": the first GPU's NVML name or None, "cuda_devices": the GPUs this process may use} (a container or
+    CUDA_VISIBLE_DEVICES can show fewer than NVML does). Run in a child (harness.health.isolate): both can hang."""
+    import torch
+
+    return {"gpu": gpu_name(load_nvml()),
+            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def nvml_readings(expected: int, th: dict) -> list[Check]:
+    """nvml_checks on this machine's NVML, for a child process."""
+    return nvml_checks(load_nvml(), expected, th)
+
+
+def xid_watch() -> list[Check]:
+    """The XID events from now until the node's other checks are done (the parent closes stdin then)."""
+    import sys
+
+    watch = XidWatch(load_nvml())
+    sys.stdin.read()
+    return [watch.check()]
+
+
 class XidWatch:
     """Critical XID events from the moment it starts (NVML reports them as they happen, not from the past)."""
 

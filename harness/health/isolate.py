@@ -1,0 +1,135 @@
+"""Checks that touch NVML or CUDA run in a child process with a deadline.
+
+NVML and CUDA calls hang on a GPU after Xid 79 (the GPU fell off the bus). A hung call in the node's own
+process would hold the node, and every node waiting for it in the between-node phase, until the wall-time
+limit. So each such check runs in a fresh interpreter (`python -m harness.health.isolate`); the node waits
+for it at most its deadline, then kills the child's whole process group (the ranks it started too) and fails
+the check `timed out after N s`. A child stuck in the driver may outlive the kill (uninterruptible sleep): the
+node does not wait for it, and its other checks and the other nodes go on.
+
+A check's target is `module:function`, called with keyword arguments given as JSON. It returns a JSON-able
+value (Checks become their dicts), or yields several: each yielded value is written at once, so a child killed
+later (a between-node all-reduce that hangs on a dead peer) still leaves what it measured before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.health import FAIL, Check, fault_hangs
+
+
+KILL_GRACE_S = 5  # how long a killed child may take to go before the node stops waiting for it
+
+
+@dataclass
+class Outcome:
+    """What a child left: its last value (None if it wrote none) and, when it did not finish cleanly, the
+    failed check that says why (timed out, or its error)."""
+
+    value: object
+    failure: Check | None
+
+
+class Child:
+    """One check running in its own process group; `wait` collects it.
+
+    A check's deadline counts from its start. A watch (`watch=True`, the XID events) runs beside the node's other
+    checks and reads stdin to know when to stop: its deadline counts from when `wait` tells it to."""
+
+    def __init__(self, name: str, node: str, target: str, kwargs: dict, watch: bool = False):
+        self.name = name
+        self.folder = Path(tempfile.mkdtemp(prefix="harness-check-"))
+        self.process = subprocess.Popen([sys.executable, "-m", "harness.health.isolate", target, json.dumps(kwargs),
+                                         str(self.folder / "result.json"), node, name],
+                                        stdin=subprocess.PIPE, start_new_session=True)
+        self.clock = time.monotonic()
+        if not watch:
+            self.process.stdin.close()
+
+    def _read(self) -> object:
+        try:
+            return json.loads((self.folder / "result.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, deadline: float) -> Outcome:
+        """The child's outcome, `deadline` seconds after its clock started at the latest."""
+        if not self.process.stdin.closed:
+            self.process.stdin.close()
+            self.clock = time.monotonic()
+        try:
+            code = self.process.wait(timeout=max(0.0, deadline - (time.monotonic() - self.clock)))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just now
+                pass
+            try:
+                self.process.wait(timeout=KILL_GRACE_S)  # reaped, unless it is stuck in the driver
+            except subprocess.TimeoutExpired:
+                pass
+            value = self._read()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return Outcome(value, Check(self.name, FAIL, f"timed out after {deadline:g} s",
+                                        f"done within {deadline:g} s"))
+        value = self._read()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        error = value.get("error") if isinstance(value, dict) else None
+        if code == 0 and error is None:
+            return Outcome(value, None)
+        return Outcome(None, Check(self.name, FAIL, f"exit {code}", "exit 0",
+                                   note=(error or "the check's process died without a result")[:300]))
+
+
+def isolated(name: str, node: str, target: str, kwargs: dict, deadline: float) -> Outcome:
+    """Run one check in a child process and wait for it at most `deadline` seconds."""
+    return Child(name, node, target, kwargs).wait(deadline)
+
+
+def checks_of(outcome: Outcome) -> list[Check]:
+    """The Checks a check's child returned, or the one failure that says why there are none."""
+    if outcome.failure is not None:
+        return [outcome.failure]
+    return [Check.from_dict(c) for c in outcome.value]
+
+
+def _write(path: Path, value: object) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value, default=lambda o: o.to_dict()))
+    temporary.replace(path)  # the parent never reads half a result
+
+
+def main(argv: list[str]) -> int:
+    target, kwargs, result, node, name = argv
+    if fault_hangs(node, name):  # test-only: behave as a call stuck in the driver
+        while True:
+            time.sleep(3600)
+    module, _, function = target.partition(":")
+    call = getattr(importlib.import_module(module), function)
+    try:
+        value = call(**json.loads(kwargs))
+        if inspect.isgenerator(value):
+            for partial in value:
+                _write(Path(result), partial)
+        else:
+            _write(Path(result), value)
+    except Exception as exc:  # the parent fails the check with this line; the traceback goes to the node's log
+        _write(Path(result), {"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
