@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.health import FAIL, PASS, SKIPPED
+from harness.health import FAIL, NO_THRESHOLD, PASS, SKIPPED
 from harness.health.allreduce import pair_rounds
 from harness.health.gpu import nvml_checks
 from harness.health.ib import ib_checks, nccl_selects
@@ -75,15 +75,28 @@ def test_a_healthy_h100_node_passes_every_nvml_check():
             "pcie_link"} == {c.name for c in checks}
 
 
-@pytest.mark.parametrize("name, matmul", [("NVIDIA H100 80GB HBM3", 600.0), ("NVIDIA H200", 600.0),
-                                          ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None),
-                                          ("NVIDIA H200 NVL", None), ("NVIDIA B200", None)])
-def test_thresholds_follow_the_exact_model_never_a_substring(name, matmul):
-    """An H100 PCIe or NVL has "H100" in its name but not the SXM's speed: it gets no SXM row (its checks are
-    skipped and say so) rather than thresholds that fail every such node."""
+@pytest.mark.parametrize("name, matmul, allreduce, pair", [
+    ("NVIDIA H100 80GB HBM3", 594, 460.0, 40.0), ("NVIDIA H200", 594, 460.0, 40.0),  # HGX boards
+    ("NVIDIA H100 PCIe", 454, None, None), ("NVIDIA H100 NVL", 501, None, None),  # PCIe cards: no NVSwitch
+    ("NVIDIA B200", 1350, None, 40.0), (" NVIDIA B200 ", 1350, None, 40.0),
+    ("NVIDIA H100", None, None, None), ("NVIDIA H200 NVL", None, None, None), ("NVIDIA GB200", None, None, None)])
+def test_thresholds_follow_the_exact_model_never_a_substring(name, matmul, allreduce, pair):
+    """Each model its own row: an H100 PCIe or NVL has "H100" in its name but neither the SXM's speed nor its
+    NVSwitch, so it never gets the SXM's thresholds (which would fail every such node); a model without a row gets
+    none (its checks are skipped and say so)."""
     th = resolve({}, name)
-    assert th["min_matmul_tflops"] == matmul
-    assert (th["min_allreduce_busbw_gbps"] is None) == (matmul is None)
+    assert (th["min_matmul_tflops"], th["min_allreduce_busbw_gbps"], th["min_pair_busbw_gbps"]) == (matmul, allreduce,
+                                                                                                  pair)
+    assert th["min_pcie_gen"] == (5 if matmul else None)
+
+
+def test_a_pcie_card_without_an_infiniband_figure_skips_the_rate_and_says_why(tmp_path):
+    _port(tmp_path, "mlx5_0", rate="200 Gb/sec (4X HDR)")
+    [rate] = [c for c in ib_checks(resolve({}, "NVIDIA H100 PCIe"), 1, tmp_path) if c.name == "ib_port_rate"]
+    assert (rate.verdict, rate.note) == (SKIPPED, NO_THRESHOLD)
+    [rate] = [c for c in ib_checks(resolve({"ib_rate_gbps": 0}, "NVIDIA H100 PCIe"), 1, tmp_path)
+              if c.name == "ib_port_rate"]
+    assert rate.note.startswith("any rate accepted")
 
 
 def test_a_missing_gpu_fails_the_count_with_what_was_seen():

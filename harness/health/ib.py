@@ -74,7 +74,7 @@ def ib_checks(th: dict, expected_ports: int, root: Path = SYSFS_ROOT, selection:
         checks.append(Check("ib_port_state", PASS if up else FAIL, state.split(":")[-1].strip() or "unreadable",
                             "ACTIVE", where=where))
         rate = th.get("ib_rate_gbps")
-        checks.append(at_least("ib_port_rate", _number(_read(port / "rate")), rate, "Gb/s", where) if rate
+        checks.append(at_least("ib_port_rate", _number(_read(port / "rate")), rate, "Gb/s", where) if rate != 0
                       else skipped("ib_port_rate", "any rate accepted (preflight.ib_rate_gbps is 0)", where))
         errors = sum(_number(_read(port / "counters" / name)) for name in LINK_ERROR_COUNTERS)
         checks.append(at_most("ib_link_errors", errors, th.get("max_ib_link_errors"), "", where))
