@@ -59,3 +59,25 @@ def test_a_bad_window_is_refused_with_the_choices(text):
 @pytest.mark.parametrize("text", ["0", "0steps", "0s"])
 def test_a_zero_window_turns_the_checks_off(text):
     assert StragglerWindow.parse(text).off
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_mid_run_is_named_by_windows_that_keep_closing(tmp_path):
+    """The issue's demo, for real: 2 ranks, windows of 1 s calibrated on the fast first steps, then rank 1 slowed
+    from step 10 (every forward pass 0.2 s longer). The windows keep closing at the slow pace and rank 1 is named.
+    Counted, not timed: a slow step takes at least 0.2 s, so a window sized on slow steps holds at most 5, and
+    whatever the machine's speed the steps 16-40 hold at least 3 windows sized that way."""
+    import re
+
+    from tests.conftest import harness
+
+    out = tmp_path / "run"
+    result = harness("run", "resnet", "--max-steps", "40", "--straggler-window", "1", "--inject-failure", "1:10:slow",
+                     "--metrics-port", "0", "--out", str(out), timeout=900)  # the timeout is a safety net only
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    windows = [json.loads(line) for line in (out / "run_0.jsonl").read_text().splitlines() if '"stragglers"' in line]
+    slow = [w for w in windows if w["steps"][1] > 15 and w["window_steps"] <= 5]  # sized on slow steps
+    assert len(slow) >= 3, [(w["steps"], w["window_steps"]) for w in windows]
+    assert all([s["rank"] for s in w["stragglers"]] == [1] for w in slow), windows
+    assert re.search(r"straggler: rank 1 on \S+ computes at 0\.\d\d of the fastest rank's speed, \d+ windows in a "
+                     r"row", result.stdout), result.stdout
