@@ -54,6 +54,12 @@ class FakeNVML:
     def nvmlDeviceGetTemperature(self, h, sensor):
         return h["temp"]
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        index = int(uuid.removeprefix("GPU-"))
+        if index >= len(self.gpus):
+            raise self.NVMLError("not found")
+        return self.gpus[index]
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
         return h["pcie"][0]
 
@@ -71,8 +77,24 @@ def _verdicts(checks, name):
 def test_a_healthy_h100_node_passes_every_nvml_check():
     checks = nvml_checks(FakeNVML(), 8, H100)
     assert {c.verdict for c in checks} == {PASS}
-    assert {"gpu_count", "gpu_model", "ecc_uncorrected", "remapped_rows", "throttle", "temperature",
-            "pcie_link"} == {c.name for c in checks}
+    # The PCIe link is not read here, at idle, where it drops to a lower generation: under_load reads it.
+    assert {"gpu_count", "gpu_model", "ecc_uncorrected", "remapped_rows", "throttle", "temperature"} == {
+        c.name for c in checks}
+
+
+def test_the_pcie_link_is_read_by_uuid_and_judged_against_the_model():
+    """under_load reads each GPU's link while its matmul runs (an idle link downshifts); CUDA's device i is found in
+    NVML by its UUID, since the two number GPUs differently."""
+    from harness.health.gpu import link_of, pcie_link
+
+    nvml = FakeNVML(count=2)
+    nvml.gpus[1]["pcie"] = (3, 8)
+    assert link_of(nvml, "GPU-1") == (3, 8) and link_of(nvml, "GPU-9") is None and link_of(None, "GPU-1") is None
+    assert pcie_link("gpu 0", link_of(nvml, "GPU-0"), H100).verdict == PASS
+    slow = pcie_link("gpu 1", link_of(nvml, "GPU-1"), H100)
+    assert (slow.verdict, slow.measured, slow.threshold) == (FAIL, "gen3 x8", ">= gen5 x16")
+    assert pcie_link("gpu 1", None, H100).note == "not reported"
+    assert pcie_link("gpu 1", (5, 16), resolve({}, "NVIDIA GB200")).note == "no threshold"
 
 
 @pytest.mark.parametrize("name, matmul, allreduce, pair", [
@@ -105,8 +127,7 @@ def test_a_missing_gpu_fails_the_count_with_what_was_seen():
 
 
 @pytest.mark.parametrize("gpu, check", [(dict(ecc=3), "ecc_uncorrected"), (dict(rows=(0, 1, 1, 0)), "remapped_rows"),
-                                        (dict(throttle=0x40), "throttle"), (dict(temp=91), "temperature"),
-                                        (dict(pcie=(3, 8)), "pcie_link")])
+                                        (dict(throttle=0x40), "throttle"), (dict(temp=91), "temperature")])
 def test_each_nvml_reading_fails_its_own_check(gpu, check):
     checks = nvml_checks(FakeNVML(**gpu), 8, H100)
     assert {c.name for c in checks if c.verdict == FAIL} == {check}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.health import NODES_DIR, Check, at_least, fault_scale, skipped
 from harness.health.allreduce import between_nodes
-from harness.health.gpu import NO_GPU, nvml_checks
+from harness.health.gpu import NO_GPU, UNDER_LOAD, nvml_checks
 from harness.health.isolate import Child, checks_of, isolated
 from harness.health.ib import HCA_ENV, SYSFS_ROOT, ib_checks
 from harness.health.storage import storage_checks
@@ -48,11 +48,9 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, sys
     else:
         devices = found.value["cuda_devices"]
         xid = Child("xid_events", node, "harness.health.gpu:xid_watch", {}, watch=True) if name else None
-        checks = checks_of(isolated("matmul_tflops", node, "harness.health.gpu:matmul_tflops",
-                                    dict(node=node, gpus=gpus, minimum=th["min_matmul_tflops"]), deadline)) \
-            if gpus and devices else [skipped("matmul_tflops", NO_GPU)]
+        checks = checks_of(isolated("matmul_tflops", node, "harness.health.gpu:under_load", dict(node=node, th=th),
+                                    deadline)) if gpus and devices else [skipped(c, NO_GPU) for c in UNDER_LOAD]
         checks.append(_intra_node(node, th, devices if name else CPU_RANKS, name is not None, deadline))
-        # after the load: PCIe links leave their idle state under work
         checks += checks_of(isolated("nvml", node, "harness.health.gpu:nvml_readings", dict(expected=gpus, th=th),
                                      deadline)) if name else nvml_checks(None, gpus, th)
         checks += checks_of(xid.wait(deadline)) if xid else [skipped("xid_events", NO_GPU)]

@@ -13,6 +13,7 @@ from harness.health import FAIL, PASS, Check, at_least, at_most, equal, fault_sc
 NO_GPU = "no GPU"
 GPU_CHECKS = ("gpu_count", "gpu_model", "ecc_uncorrected", "remapped_rows", "retired_pages", "xid_events",
               "throttle", "temperature", "pcie_link", "matmul_tflops")
+UNDER_LOAD = ("matmul_tflops", "pcie_link")  # measured while the GPU works (under_load)
 # Clock-event reasons that mean the hardware is slowing itself down (idle, power caps and user clocks are normal).
 BAD_THROTTLE = {"hw_slowdown": "nvmlClocksThrottleReasonHwSlowdown",
                 "sw_thermal": "nvmlClocksThrottleReasonSwThermalSlowdown",
@@ -102,11 +103,12 @@ def _per_gpu(nvml, count: int, read) -> list[tuple[str, object]]:
 
 
 def nvml_checks(nvml, expected: int, th: dict) -> list[Check]:
-    """Count, model and NVML's health readings; `expected`: the GPUs the profile promises per node."""
+    """Count, model and NVML's health readings; `expected`: the GPUs the profile promises per node. (The PCIe
+    link is read under load, with the matmul.)"""
     if nvml is None:
         if expected:  # the profile promises GPUs and the node shows none: that is a failure, not a skip
             return [Check("gpu_count", FAIL, 0, f"== {expected}", note="no NVIDIA driver or GPU found")]
-        return [skipped(name, NO_GPU) for name in GPU_CHECKS if name not in ("xid_events", "matmul_tflops")]
+        return [skipped(name, NO_GPU) for name in GPU_CHECKS if name not in UNDER_LOAD + ("xid_events",)]
     count = nvml.nvmlDeviceGetCount()
     checks = [equal("gpu_count", count, expected)]
     names = [n.decode() if isinstance(n, bytes) else n for _, n in _per_gpu(nvml, count, nvml.nvmlDeviceGetName)]
@@ -135,25 +137,40 @@ def nvml_checks(nvml, expected: int, th: dict) -> list[Check]:
                       else skipped("throttle", "not reported", where))
     for where, celsius in _per_gpu(nvml, count, lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)):
         checks.append(at_most("temperature", celsius, th.get("max_temperature_c"), "C", where))
-    for where, link in _per_gpu(nvml, count, lambda h: (nvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
-                                                        nvml.nvmlDeviceGetCurrPcieLinkWidth(h))):
-        gen, width = th.get("min_pcie_gen"), th.get("min_pcie_width")
-        if link is None or gen is None or width is None:
-            checks.append(skipped("pcie_link", "not reported" if link is None else "no threshold", where))
-            continue
-        checks.append(Check("pcie_link", PASS if link[0] >= gen and link[1] >= width else FAIL,
-                            f"gen{link[0]} x{link[1]}", f">= gen{gen} x{width}", where=where))
     return checks
 
 
-def matmul_tflops(node: str, gpus: int, minimum: float | None, size: int = 8192, iters: int = 20) -> list[Check]:
-    """bf16 matmul throughput of each GPU in turn: 2*n^3 flops per product."""
+def pcie_link(where: str, link: tuple[int, int] | None, th: dict) -> Check:
+    """A GPU's host link, (generation, width) as NVML read it while the GPU worked, against the model's minimum."""
+    gen, width = th.get("min_pcie_gen"), th.get("min_pcie_width")
+    if link is None or gen is None or width is None:
+        return skipped("pcie_link", "not reported" if link is None else "no threshold", where)
+    return Check("pcie_link", PASS if link[0] >= gen and link[1] >= width else FAIL, f"gen{link[0]} x{link[1]}",
+                 f">= gen{gen} x{width}", where=where)
+
+
+def link_of(nvml, uuid: str) -> tuple[int, int] | None:
+    """The current PCIe (generation, width) of the GPU with this NVML UUID ("GPU-..."); None where unreadable."""
+    if nvml is None:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        return nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle), nvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
+    except nvml.NVMLError:
+        return None
+
+
+def under_load(node: str, th: dict, size: int = 8192, iters: int = 20) -> list[Check]:
+    """Each GPU in turn under a bf16 matmul: its throughput (2*n^3 flops per product), and its PCIe link, read
+    while the products run. An idle GPU's link drops to a lower generation to save power, so a reading at idle
+    (or after the work, once the GPU went idle again) would fail a healthy GPU. CUDA and NVML number GPUs
+    differently; the GPU's UUID names the same one to both."""
     import torch
 
-    if gpus == 0 or not torch.cuda.is_available():
-        return [skipped("matmul_tflops", NO_GPU)]
+    nvml = load_nvml()
     checks = []
     for index in range(torch.cuda.device_count()):
+        uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
         with torch.cuda.device(index):
             a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -163,8 +180,10 @@ def matmul_tflops(node: str, gpus: int, minimum: float | None, size: int = 8192,
             start = time.perf_counter()
             for _ in range(iters):
                 a @ b
+            link = link_of(nvml, uuid)  # the products queued above are still running
             torch.cuda.synchronize()
             tflops = 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
-        checks.append(at_least("matmul_tflops", tflops * fault_scale(node, "matmul_tflops"), minimum, "TFLOPS",
-                               f"gpu {index}"))
+        checks.append(at_least("matmul_tflops", tflops * fault_scale(node, "matmul_tflops"), th["min_matmul_tflops"],
+                               "TFLOPS", f"gpu {index}"))
+        checks.append(pcie_link(f"gpu {index}", link, th))
     return checks
