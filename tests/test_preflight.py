@@ -617,3 +617,27 @@ def test_every_local_rank_meets_its_peer_and_a_slow_nic_is_named(hung_and_slow_n
     links = {node: {c.where.split(":")[0]: c.verdict for c in v["checks"] if c.name == "pair_busbw"}
              for node, v in verdicts.items()}
     assert links == {"a": {"rank 0": PASS, "rank 1": PASS}, "b": {"rank 0": PASS, "rank 1": FAIL}}
+
+
+def test_the_shared_folder_must_hold_the_runs_checkpoints(tmp_path):
+    """shared_fs_free asks for the run's checkpoints (the kept ones and the one being written), not a fixed
+    100 GiB: one GPT-3 175B checkpoint is about 2.1 TB (fp32 weights and Adam's two moments)."""
+    from harness import profiles
+    from harness.health.storage import storage_checks
+    from harness.launchers.base import health_command
+    from harness.spec import JobSpec
+    from workloads.registry import BENCHMARKS
+
+    assert BENCHMARKS["gpt3"].checkpoint_bytes("full") == pytest.approx(2.1e12, rel=0.01)
+    assert BENCHMARKS["resnet"].checkpoint_bytes("full") is None
+    spec = JobSpec("gpt3", preset="full", nodes=4, keep_checkpoints=2, preflight=True,
+                   profile=profiles.load("coreweave-h100")).resolved()
+    command = health_command(spec, "python")
+    need = float(command[command.index("--checkpoints-gib") + 1])
+    assert need == pytest.approx(3 * 2.1e12 / 2**30, rel=0.01)
+    _, room = storage_checks(tmp_path, "a", 100.0, need)
+    assert (room.verdict, room.threshold, room.note) == (FAIL, f">= {need:g}", "room for the run's checkpoints")
+    _, room = storage_checks(tmp_path, "a", 0.5, 1e-6)  # a tiny run: the model's floor stays
+    assert (room.verdict, room.threshold, room.note) == (PASS, ">= 0.5", "")
+    resnet = JobSpec("resnet", preset="full", nodes=4, preflight=True, profile=profiles.load("coreweave-h100"))
+    assert "--checkpoints-gib" not in health_command(resnet.resolved(), "python")

@@ -10,6 +10,9 @@ import importlib
 from dataclasses import dataclass
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -17,6 +20,14 @@ class Benchmark:
     presets: tuple[str, ...]  # the first is the default
     ruleset: str  # the newest MLPerf Training ruleset that has this benchmark: what its logs are checked against
     init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
+    config: str | None = None  # the torch-free module whose PRESETS[preset].model.params counts the parameters
+
+    def checkpoint_bytes(self, preset: str) -> int | None:
+        """One checkpoint of `preset`: fp32 weights and the optimizer's two fp32 moments, 12 bytes a parameter (the
+        memory estimates' weights and optimizer terms; 2.1 TB for GPT-3 175B). None where no config counts them."""
+        if self.config is None:
+            return None
+        return CHECKPOINT_BYTES_PER_PARAM * importlib.import_module(self.config).PRESETS[preset].model.params
 
     def workload_class(self):
         module, name = self.workload.split(":")
@@ -26,8 +37,9 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0"),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
-              init_checkpoint="FILE (a PyTorch state dict)"),
+              init_checkpoint="FILE (a PyTorch state dict)", config="workloads.bert.config"),
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
-              init_checkpoint="DIR (a torch.distributed.checkpoint folder)"),
-    Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0"),
+              init_checkpoint="DIR (a torch.distributed.checkpoint folder)", config="workloads.gpt3.config"),
+    Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+              config="workloads.llama.config"),
 )}

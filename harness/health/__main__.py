@@ -34,7 +34,8 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
-def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, sysfs: Path) -> tuple[list, dict, dict]:
+def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, sysfs: Path,
+                 checkpoints_gib: float | None = None) -> tuple[list, dict, dict]:
     """Every check of this node alone, the thresholds they were held to, and what the node has ({"gpu": its
     model, "cuda_devices"}). Whatever calls NVML or CUDA runs in a child process with a deadline
     (harness.health.isolate): a hung GPU fails its check, and the node's other checks still run."""
@@ -55,7 +56,7 @@ def local_checks(node: str, out: Path, settings: dict, gpus: int, rdma: int, sys
                                      deadline)) if name else nvml_checks(None, gpus, th)
         checks += checks_of(xid.wait(deadline)) if xid else [skipped("xid_events", NO_GPU)]
     checks += ib_checks(th, rdma, sysfs, os.environ.get(HCA_ENV))  # the HCAs NCCL uses, not every port
-    checks += storage_checks(out / "preflight", node, th["min_free_gib"])
+    checks += storage_checks(out / "preflight", node, th["min_free_gib"], checkpoints_gib)
     return checks, th, {"gpu": name, "cuda_devices": devices}
 
 
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="{}", help="the profile's preflight settings, as JSON")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs the profile promises per node")
     parser.add_argument("--rdma", type=int, default=0, help="InfiniBand HCAs the profile promises per node")
+    parser.add_argument("--checkpoints-gib", type=float, help="the space the run's checkpoints take in the run folder")
     parser.add_argument("--sysfs", type=Path, default=SYSFS_ROOT, help=argparse.SUPPRESS)  # tests
     # tests: processes per CPU node in the pair phase, standing in for a GPU node's one per GPU
     parser.add_argument("--cpu-pair-ranks", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     started = time.time()
     node = node_name()
-    checks, th, found = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, args.sysfs)
+    checks, th, found = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, args.sysfs,
+                                     args.checkpoints_gib)
     record = {"node": node, "started": started, "gpu": found["gpu"], "thresholds": th,
               "checks": [c.to_dict() for c in checks]}
     path = args.out / NODES_DIR / f"{node}.json"

@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from harness.errors import HarnessError
 from workloads.common.requirements_check import AGENT_BOOTSTRAP
+from workloads.registry import BENCHMARKS
 from harness.spec import JobSpec
 
 JOB_FILE = "job.json"
@@ -225,8 +226,12 @@ def health_command(spec: JobSpec, python: str) -> list[str]:
     """The command each node runs for preflight: its checks against the profile's thresholds."""
     settings = json.dumps({k: v for k, v in dataclasses.asdict(spec.profile.preflight).items() if v is not None},
                           sort_keys=True, separators=(",", ":"))
+    room = []
+    checkpoint = BENCHMARKS[spec.benchmark].checkpoint_bytes(spec.preset)
+    if checkpoint is not None:  # the kept checkpoints and the one being written
+        room = ["--checkpoints-gib", f"{(spec.keep_checkpoints + 1) * checkpoint / 2**30:.6g}"]
     return [python, "-m", "harness.health", "--out", str(spec.out_dir), "--settings", settings,
-            "--gpus", str(spec.gpus()), "--rdma", str(spec.profile.rdma_count)]
+            "--gpus", str(spec.gpus()), "--rdma", str(spec.profile.rdma_count), *room]
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,
