@@ -129,11 +129,12 @@ def pair_rank(node: str, index: int, nodes: int, local: int, ranks: int, nbytes:
         if pair is None:  # an odd count: this node sits this round out
             continue
         peer = pair[1] if pair[0] == index else pair[0]
-        entry = {"peer": store.get(f"node/{peer}").decode()}
+        entry = {"peer": f"node #{peer}"}  # until the peer's node has said its name
         try:
+            entry["peer"] = store.get(f"node/{peer}").decode()
             entry["busbw_gbps"] = scale * _measured_in(f"pair/{number}/{pair[0]}-{pair[1]}/{local}", store,
                                                        pair.index(index), 2, nbytes, device, op_timeout_s)
-        except RuntimeError as exc:  # the partner died or hung: this link is unmeasured, which is no pass
+        except RuntimeError as exc:  # the partner never came, died or hung: this link is unmeasured, which is no pass
             entry.update(busbw_gbps=0.0, error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         result["pairs"].append(entry)
         yield result

@@ -3,8 +3,9 @@
 Where each default comes from:
 - Every GPU row: min_matmul_tflops is 60% of the model's dense bf16 peak (workloads/common/gpu_peaks.py, from
   NVIDIA's datasheets); a healthy H100 SXM reaches 650-750 TFLOPS (66-76%) in an 8192^3 bf16 matmul, a
-  throttled or faulty GPU far less. max_ib_link_errors 6 is Azure azurehpc-health-checks' `check_ib_link_flapping 6` (link_downed +
-  link_error_recovery here), and min_free_gib 100 room for a few checkpoints; neither depends on the GPU.
+  throttled or faulty GPU far less. max_ib_link_errors 6 is Azure azurehpc-health-checks'
+  `check_ib_link_flapping 6` (link_downed + link_error_recovery here), and min_free_gib 100 a floor under the
+  room the run's checkpoints need (harness.health.storage); neither depends on the GPU.
 - H100 SXM (HGX, 8 GPUs on NVLink/NVSwitch, 8x ConnectX-7 NDR):
   - min_allreduce_busbw_gbps 460 at allreduce_mib 16384: Azure azurehpc-health-checks
     conf/nd96isr_h100_v5.conf, `check_nccl_allreduce 460.0 1 ... 16G` (8 H100s, NCCL, 16 GiB).
