@@ -521,6 +521,15 @@ def test_a_check_that_hangs_fails_at_its_deadline_and_one_that_answers_is_read(m
     assert time.monotonic() - started < 120  # a safety net only: the hang ended at its deadline, not never
     broken = isolated("slow_check", "a", "harness.health.allreduce:pair_rounds", dict(nodes="x"), 300)
     assert broken.failure.verdict == FAIL and broken.failure.note.startswith("TypeError: ")
+    assert broken.value is None
+    partly = isolated("slow_check", "a", "tests.test_preflight:measures_then_fails", {}, 300)
+    assert partly.value == {"pairs": [1]} and partly.failure.note == "RuntimeError: the peer died"
+
+
+def measures_then_fails():
+    """A check's child that measured something, then failed: what it measured comes back with the failure."""
+    yield {"pairs": [1]}
+    raise RuntimeError("the peer died")
 
 
 def test_each_local_rank_of_the_pair_phase_gets_its_own_link_verdict(tmp_path):

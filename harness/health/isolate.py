@@ -9,7 +9,7 @@ node does not wait for it, and its other checks and the other nodes go on.
 
 A check's target is `module:function`, called with keyword arguments given as JSON. It returns a JSON-able
 value (Checks become their dicts), or yields several: each yielded value is written at once, so a child killed
-later (a between-node all-reduce that hangs on a dead peer) still leaves what it measured before.
+or failing later (a between-node all-reduce that hangs on a dead peer) still leaves what it measured before.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ class Child:
         error = value.get("error") if isinstance(value, dict) else None
         if code == 0 and error is None:
             return Outcome(value, None)
-        return Outcome(None, Check(self.name, FAIL, f"exit {code}", "exit 0",
-                                   note=(error or "the check's process died without a result")[:300]))
+        return Outcome(value.get("partial") if error else None,
+                       Check(self.name, FAIL, f"exit {code}", "exit 0",
+                             note=(error or "the check's process died without a result")[:300]))
 
 
 def isolated(name: str, node: str, target: str, kwargs: dict, deadline: float) -> Outcome:
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
             time.sleep(3600)
     module, _, function = target.partition(":")
     call = getattr(importlib.import_module(module), function)
+    partial = None
     try:
         value = call(**json.loads(kwargs))
         if inspect.isgenerator(value):
@@ -126,7 +128,7 @@ def main(argv: list[str]) -> int:
         else:
             _write(Path(result), value)
     except Exception as exc:  # the parent fails the check with this line; the traceback goes to the node's log
-        _write(Path(result), {"error": f"{type(exc).__name__}: {exc}"})
+        _write(Path(result), {"error": f"{type(exc).__name__}: {exc}", "partial": partial})
         raise
     return 0
 
