@@ -68,8 +68,9 @@ class ResNetWorkload(Workload):
             self.optimizer = Lars(parameter_groups(self.model, cfg.weight_decay), lr=self.base_lr,
                                   momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         else:
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.base_lr, momentum=cfg.momentum,
-                                             weight_decay=cfg.weight_decay, fused=True)
+            # Batch norm's scale and shift do not decay; the classifier's bias does, as in the SGD reference.
+            self.optimizer = torch.optim.SGD(parameter_groups(self.model, cfg.weight_decay, decay_biases=True),
+                                             lr=self.base_lr, momentum=cfg.momentum, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
