@@ -3,13 +3,17 @@ LARS table by global batch, and the hyperparameters NVIDIA's submissions logged.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from mlperf_logging.mllog import constants as C
+from mlperf_logging.rcp_checker import rcp_checker
 from torch import nn
 
 from workloads.common.campaign import RunOptions
+from workloads.resnet.config import PRESETS, REFERENCE_LARS, lars_coverage, lars_schedule
 from workloads.resnet.model import build_model
 from workloads.resnet.train import ResNetWorkload
 
@@ -55,3 +59,50 @@ def test_resnet50_starts_from_the_references_distributions():
     for block in (*model.layer1, *model.layer2, *model.layer3, *model.layer4):
         for bn in (block.bn1, block.bn2, block.bn3):
             assert torch.all(bn.weight == 1) and torch.all(bn.bias == 0)
+
+
+def _converged_runs(folder: Path, global_batch: int, epoch: int, runs: int = 5) -> Path:
+    """`runs` result files that each reach the target at `epoch`: what mlperf-logging's RCP checker reads."""
+    folder.mkdir(parents=True)
+    for i in range(runs):
+        events = [(C.SUBMISSION_BENCHMARK, C.RESNET, {}), (C.GLOBAL_BATCH_SIZE, global_batch, {}),
+                  (C.EVAL_ACCURACY, 0.76, {C.EPOCH_NUM: epoch}), (C.RUN_STOP, None, {C.STATUS: C.SUCCESS})]
+        (folder / f"result_{i}.txt").write_text("".join(
+            f":::MLLOG {json.dumps({'key': key, 'value': value, 'metadata': metadata})}\n"
+            for key, value, metadata in events))
+    return folder
+
+
+def test_every_covered_batch_can_pass_the_rcp_check_at_the_end_of_its_schedule(tmp_path):
+    """A LARS run stops at its row's last epoch, so the latest it can converge is there: at every covered batch's
+    edges, and at 32,768 and 65,536 (whose RCP minimums are 55.4 and 82.9 epochs, past the 41 every batch once
+    had), runs that converge there pass mlperf-logging's own RCP check (ruleset 4.0.0, pruned RCPs)."""
+    full = PRESETS["full"]
+    batches = {edge for low_high in lars_coverage(full.lars) for edge in low_high} | {32768, 65536}
+    for batch in sorted(batches):
+        row = lars_schedule(full, batch)
+        folder = _converged_runs(tmp_path / str(batch), batch, row.epochs)
+        passed, message, _ = rcp_checker.check_directory(str(folder), "training", "4.0.0", False, False,
+                                                        rcp_pass="pruned_rcps")
+        assert passed, (batch, row, message)
+
+
+def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover():
+    """Weight decay 1e-4 x 2^N and momentum 0.9 below 32k (training_rules.adoc); rows ascending; a batch between
+    4,096 and 32,768 (no reference row with momentum 0.9) or past the largest row is refused in one line that
+    names the covered batches."""
+    full = PRESETS["full"]
+    assert [row.batch for row in REFERENCE_LARS] == sorted(row.batch for row in REFERENCE_LARS)
+    for row in REFERENCE_LARS:
+        assert (torch.log2(torch.tensor(row.weight_decay / 1e-4)) % 1).item() == pytest.approx(0, abs=1e-6)
+    assert lars_coverage(full.lars) == [(1, 4096), (32768, 67456)]
+    for batch in (1, 1600, 4096, 32768, 57344, 67456):
+        row = lars_schedule(full, batch)
+        assert batch <= row.batch and (row.momentum == 0.9 or batch >= 32768)
+    assert lars_schedule(full, 57344).source.endswith("(NVIDIA+CoreWeave's v3.0 run)")
+    for batch in (8192, 32767, 67457, 131072):
+        with pytest.raises(SystemExit) as refused:
+            lars_schedule(full, batch)
+        message = str(refused.value)
+        assert f"global batch of {batch:,}" in message and "1 to 4,096, 32,768 to 67,456" in message
+        assert "\n" not in message
