@@ -12,7 +12,10 @@ from mlperf_logging.mllog import constants as C
 from mlperf_logging.rcp_checker import rcp_checker
 from torch import nn
 
+from tests.conftest import SHARED, closed_proxy_run
+from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions
+from workloads.common.mllog_reader import iter_events
 from workloads.resnet.config import PRESETS, REFERENCE_LARS, lars_coverage, lars_schedule
 from workloads.resnet.model import build_model
 from workloads.resnet.train import ResNetWorkload
@@ -106,3 +109,58 @@ def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover():
         message = str(refused.value)
         assert f"global batch of {batch:,}" in message and "1 to 4,096, 32,768 to 67,456" in message
         assert "\n" not in message
+
+
+# --- the closed proxy against the reference submissions' own logs -----------------------------------------------
+
+RESULTS = SHARED / "mlperf-results"
+SUBMISSIONS = {  # a result log of each, and the optimizer it ran
+    "NVIDIA+CoreWeave v3.0, 448 x 8 H100": "training_v3.0/NVIDIA_CoreWeave/results/"
+                                            "coreweave_hgxh100_n448_ngc23.04_mxnet/resnet/result_0.txt",
+    "GigaComputing v4.0, NVIDIA's 8 x H100 config": "training_v4.0/GigaComputing/results/G593-SD1_mxnet/resnet/"
+                                                      "result_0.txt",
+}
+# What the submissions log that a closed run may log otherwise, and why.
+FREE = {
+    C.MODEL_BN_SPAN: "an arbitrary constant (training_rules.adoc); NVIDIA's is its per-GPU batch times its "
+                     "BN_GROUP, the harness's batch norm is per process",
+    C.TRAIN_SAMPLES: "the dataset's count: the proxy's input is synthetic (ImageNet logs 1,281,167)",
+    C.EVAL_SAMPLES: "the dataset's count: the proxy's input is synthetic (ImageNet logs 50,000)",
+    K.SGD_OPT_END_LR: "NVIDIA's PolySchedule (fit.py) logs it in a LARS run too; closed_resnet_lars.yaml reads "
+                      "lars_opt_end_learning_rate",
+    K.SGD_OPT_LR_DECAY_POLY_POWER: "the same: lars_opt_learning_rate_decay_poly_power is the LARS run's",
+}
+# Not hyperparameters: who ran it, its seed and cache, its results, and NVIDIA's own keys (no rule file reads them).
+NOT_HYPERPARAMETERS = {C.SUBMISSION_BENCHMARK, C.SUBMISSION_ORG, C.SUBMISSION_DIVISION, C.SUBMISSION_STATUS,
+                       C.SUBMISSION_PLATFORM, C.CACHE_CLEAR, C.SEED, C.WEIGHTS_INITIALIZATION, C.EVAL_ACCURACY,
+                       "tracked_stats", "d_batch_size", "s_optimizer", "s_network", "s_process"}
+
+
+def _logged(path: Path) -> dict:
+    """A log's point-in-time keys and values (the hyperparameters among them), first value of each."""
+    logged: dict = {}
+    for event in iter_events(path.read_bytes()):
+        if event["event_type"] == "POINT_IN_TIME":
+            logged.setdefault(event["key"], event["value"])
+    return logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("submission", SUBMISSIONS)
+def test_the_closed_proxy_logs_the_hyperparameters_the_submission_logged(submission, tmp_path):
+    """At the submission's global batch and optimizer (the harness would pick SGD at 3,200; NVIDIA runs LARS), the
+    full preset (ResNet-50, tests/closed_proxy.py, up to run_start) logs every hyperparameter the submission
+    logged with the same value, save the FREE keys, each named with why."""
+    path = RESULTS / SUBMISSIONS[submission]
+    if not path.is_file():
+        pytest.skip(f"{submission}'s log: /work/shared not present ({path})")
+    theirs = {key: value for key, value in _logged(path).items() if key not in NOT_HYPERPARAMETERS}
+    result = closed_proxy_run("resnet", "--synthetic", "--batch-size", str(theirs[C.GLOBAL_BATCH_SIZE]),
+                              "--optimizer", theirs[C.OPT_NAME], "--until-run-start", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = {key: value for key, value in _logged(tmp_path / "result_0.txt").items() if key not in NOT_HYPERPARAMETERS}
+    differing = {key: (ours.get(key), value) for key, value in theirs.items() if ours.get(key) != value}
+    assert set(differing) <= set(FREE), differing
+    assert set(ours) <= set(theirs), "the harness logs a hyperparameter the submission did not"
+    assert {C.LARS_OPT_BASE_LEARNING_RATE, C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, C.LARS_OPT_LR_DECAY_STEPS,
+            C.LARS_OPT_MOMENTUM, C.LARS_OPT_WEIGHT_DECAY, C.GLOBAL_BATCH_SIZE} <= set(theirs) - set(differing)
