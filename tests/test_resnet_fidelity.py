@@ -21,10 +21,10 @@ from workloads.resnet.model import build_model
 from workloads.resnet.train import ResNetWorkload
 
 
-def full_workload(ctx, tmp_path: Path, optimizer: str) -> ResNetWorkload:
-    """The full preset at a global batch of 2 (one process), synthetic input: the real model and optimizer."""
+def full_workload(ctx, tmp_path: Path, optimizer: str, batch: int = 2) -> ResNetWorkload:
+    """The full preset at a global batch of `batch` (one process), synthetic input: the real model and optimizer."""
     options = RunOptions(benchmark="resnet", preset="full", out=tmp_path, runs=1, seed=0, submitter="test",
-                         system=None, data=None, synthetic=True, max_steps=1, batch_size=2, optimizer=optimizer)
+                         system=None, data=None, synthetic=True, max_steps=1, batch_size=batch, optimizer=optimizer)
     return ResNetWorkload(options, ctx, seed=0)
 
 
@@ -90,7 +90,7 @@ def test_every_covered_batch_can_pass_the_rcp_check_at_the_end_of_its_schedule(t
         assert passed, (batch, row, message)
 
 
-def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover():
+def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover(one_rank_world, tmp_path):
     """Weight decay 1e-4 x 2^N and momentum 0.9 below 32k (training_rules.adoc); rows ascending; a batch between
     4,096 and 32,768 (no reference row with momentum 0.9) or past the largest row is refused in one line that
     names the covered batches."""
@@ -109,6 +109,8 @@ def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover():
         message = str(refused.value)
         assert f"global batch of {batch:,}" in message and "1 to 4,096, 32,768 to 67,456" in message
         assert "\n" not in message
+    with pytest.raises(SystemExit, match="global batch of 8,192"):  # before its 8,192 synthetic images exist
+        full_workload(one_rank_world, tmp_path, "lars", batch=8192)
 
 
 # --- the closed proxy against the reference submissions' own logs -----------------------------------------------

@@ -43,12 +43,13 @@ class ResNetWorkload(Workload):
         if opts.batch_size:
             cfg = replace(cfg, batch_size=opts.batch_size)
         self.cfg: ResNetConfig = cfg
-        self.loaders = self._loaders()
         self.global_batch = cfg.batch_size * ctx.world_size
         self.optimizer_name = opts.optimizer or default_optimizer(self.global_batch)
-        # The LR, warmup, length, momentum and decay for this optimizer at this global batch (config.schedule).
+        # The LR, warmup, length, momentum and decay for this optimizer at this global batch (config.schedule),
+        # decided first: a batch the LARS table does not cover is refused before any data is touched.
         self.schedule = schedule(cfg, self.optimizer_name, self.global_batch)
         self.epochs = self.schedule.epochs
+        self.loaders = self._loaders()
         self.steps_per_epoch = len(self.loaders.train)
         self.schedule_steps = self.steps_per_epoch * self.epochs  # the LR schedule's length
         self.total_steps = min(opts.max_steps or self.schedule_steps, self.schedule_steps)
