@@ -86,28 +86,33 @@ def default_optimizer(global_batch: int) -> str:
     return C.LARS if global_batch >= LARS_FROM_BATCH else C.SGD
 
 
-def lars_coverage(rows: tuple[Schedule, ...]) -> list[tuple[int, int]]:
-    """The global batches the rows serve, as (lowest, highest) ranges, adjacent ones merged."""
-    ranges: list[tuple[int, int]] = []
+def _served(rows: tuple[Schedule, ...]):
+    """Each row with the lowest global batch it serves: the previous row's batch + 1, and none below 32,768 for a
+    row whose momentum is not 0.9 (rows that serve nothing are left out)."""
     previous = 0
     for row in rows:
         lowest = previous + 1 if row.momentum == 0.9 else max(previous + 1, FREE_MOMENTUM_FROM)
         if lowest <= row.batch:
-            if ranges and ranges[-1][1] == lowest - 1:
-                lowest = ranges.pop()[0]
-            ranges.append((lowest, row.batch))
+            yield lowest, row
         previous = row.batch
+
+
+def lars_coverage(rows: tuple[Schedule, ...]) -> list[tuple[int, int]]:
+    """The global batches the rows serve, as (lowest, highest) ranges, adjacent ones merged."""
+    ranges: list[tuple[int, int]] = []
+    for lowest, row in _served(rows):
+        if ranges and ranges[-1][1] == lowest - 1:
+            lowest = ranges.pop()[0]
+        ranges.append((lowest, row.batch))
     return ranges
 
 
 def lars_schedule(cfg: ResNetConfig, global_batch: int) -> Schedule:
-    """The row that serves `global_batch`: the first at or above it that the rules allow there. A batch no row
-    serves is refused in one line that names the batches the table covers."""
-    for row in cfg.lars:
-        if row.batch >= global_batch:
-            if row.momentum == 0.9 or global_batch >= FREE_MOMENTUM_FROM:
-                return row
-            break
+    """The row that serves `global_batch`. A batch no row serves is refused in one line that names the batches
+    the table covers."""
+    for lowest, row in _served(cfg.lars):
+        if lowest <= global_batch <= row.batch:
+            return row
     covered = ", ".join(f"{low:,} to {high:,}" for low, high in lars_coverage(cfg.lars))
     raise SystemExit(f"resnet: no reference submission's LARS hyperparameters cover a global batch of "
                      f"{global_batch:,}; the table (workloads/resnet/config.py) covers {covered}")
