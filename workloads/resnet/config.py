@@ -22,9 +22,10 @@ class Schedule:
 
 # The reference submissions' LARS hyperparameters by the global batch they trained, each from its config file
 # (mlcommons/training_results_vX.Y, NVIDIA/benchmarks/resnet/implementations/...). Every row's epochs reach the
-# RCP's minimum at its batch (mlperf-logging's rcp_checker, tested), and that minimum grows with the batch, so a
-# row also serves the batches below its own down to the previous row's, as NVIDIA's 316-node config takes the
-# 49k-batch hyperparameters at 40,448 ("using hparams for 49k GBS"). The 4,096 row is the reference's own command.
+# RCP's minimum at its batch (mlperf-logging's rcp_checker/training_4.0.0/rcps_resnet.json, pruned, through its
+# check_directory: tested), and that minimum grows with the batch, so a row also serves the batches below its own
+# down to the previous row's, as NVIDIA's 316-node config takes the 49k-batch hyperparameters at 40,448 ("using
+# hparams for 49k GBS"). The 4,096 row is the reference's own command.
 REFERENCE_LARS = (
     Schedule(1600, 7.4, 2, 37, 0.9, 5e-05, "v4.0 l40s_n2_ngc24.04_mxnet/config_L40S_2x4x204.sh"),
     Schedule(3200, 11.0, 2, 37, 0.9, 5e-05, "v3.1 mxnet/config_DGXH100.sh; GigaComputing's v4.0 G593-SD1 logs"),
