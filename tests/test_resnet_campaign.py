@@ -25,7 +25,7 @@ from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext
 from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
-from workloads.resnet.config import PRESETS, LarsStep, default_optimizer, lars_step
+from workloads.resnet.config import PRESETS, default_optimizer, lars_schedule
 from workloads.resnet.data import (MEAN, STD, image_folder_loaders, scan_images, shared_image_list,
                                    to_model_input)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
@@ -162,8 +162,8 @@ def test_the_global_batch_chooses_the_optimizer_and_its_lr():
     full = PRESETS["full"]
     assert default_optimizer(full.batch_size * 8) == C.SGD  # one node of 8 GPUs: linear-scaled SGD, LR 0.8
     assert default_optimizer(full.batch_size * 16) == C.LARS
-    assert lars_step(full, full.batch_size * 16) == LarsStep(0, 10.0, 5)
-    assert lars_step(full, full.batch_size * 512) == LarsStep(32768, 31.2, 25)  # 512 GPUs: not SGD's LR 51.2
+    assert lars_schedule(full, full.batch_size * 16).base_lr == 10.0  # the reference's own 4,096 command
+    assert lars_schedule(full, full.batch_size * 128).base_lr == 21.9  # 128 GPUs: not SGD's LR 12.8
 
 
 def test_optimizer_is_refused_for_other_benchmarks(tmp_path):
@@ -182,7 +182,7 @@ def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     events = list(iter_events((out / "result_0.txt").read_bytes()))
     logged = {e["key"]: e["value"] for e in events}
-    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_BASE_LEARNING_RATE] == 10.0
+    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_BASE_LEARNING_RATE] == 7.4  # the 1,600 row
     checked = compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path)
     failures = failed_checks(checked)
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.7590" in failures[0], failures

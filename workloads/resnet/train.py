@@ -4,9 +4,10 @@ MLPerf shape: blocks of `eval_every` epochs, each followed by an evaluation of
 top-1 accuracy on the whole eval set; the run stops at the first evaluation
 that reaches the target. The optimizer follows the global batch, as the closed
 rules allow and the reference submissions do: SGD with momentum and a linearly
-scaled LR below a global batch of 4,096, LARS (the reference's table of LRs)
-from there up (config.default_optimizer); --optimizer forces either. Both warm up linearly, then decay polynomially
-to `end_lr`.
+scaled LR below a global batch of 4,096, LARS from there up (config.default_optimizer);
+--optimizer forces either. LARS takes its LR, warmup, epochs, momentum and decay from the reference
+submissions' table by global batch (config.REFERENCE_LARS). Both warm up linearly, then decay polynomially to
+`end_lr` at the schedule's last epoch, where the run stops.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.resilience import Block
-from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, lars_step
+from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, schedule
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
                                    shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
 from workloads.resnet.lars import EPSILON, Lars
@@ -42,21 +43,18 @@ class ResNetWorkload(Workload):
         if opts.batch_size:
             cfg = replace(cfg, batch_size=opts.batch_size)
         self.cfg: ResNetConfig = cfg
-        self.loaders = self._loaders()
         self.global_batch = cfg.batch_size * ctx.world_size
         self.optimizer_name = opts.optimizer or default_optimizer(self.global_batch)
-        if self.optimizer_name == C.LARS:
-            lars = lars_step(cfg, self.global_batch)
-            self.base_lr, self.warmup_epochs = lars.base_lr, lars.warmup_epochs
-        else:
-            # Linear LR scaling, rounded to the 0.001 grid the closed rules require.
-            self.base_lr = max(0.001, round(cfg.base_lr * self.global_batch / cfg.lr_batch, 3))
-            self.warmup_epochs = cfg.warmup_epochs
+        # The LR, warmup, length, momentum and decay for this optimizer at this global batch (config.schedule),
+        # decided first: a batch the LARS table does not cover is refused before any data is touched.
+        self.schedule = schedule(cfg, self.optimizer_name, self.global_batch)
+        self.epochs = self.schedule.epochs
+        self.loaders = self._loaders()
         self.steps_per_epoch = len(self.loaders.train)
-        self.schedule_steps = self.steps_per_epoch * cfg.max_epochs  # the LR schedule's length
+        self.schedule_steps = self.steps_per_epoch * self.epochs  # the LR schedule's length
         self.total_steps = min(opts.max_steps or self.schedule_steps, self.schedule_steps)
         self.target = Target("top-1", "top1", cfg.target)
-        self.warmup_steps = self.steps_per_epoch * self.warmup_epochs
+        self.warmup_steps = self.steps_per_epoch * self.schedule.warmup_epochs
 
         model = build_model(cfg.arch, cfg.classes).to(ctx.device, memory_format=torch.channels_last)
         # Gradients live in DDP's buckets (no copy into them before each all-reduce).
@@ -64,12 +62,13 @@ class ResNetWorkload(Workload):
                                              else None, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb)
         # Compiling the DDP module lets torch split the graph at the buckets, so all-reduces still overlap.
         self.forward = torch.compile(self.model) if self.compiled else self.model
+        lr, momentum, decay = self.schedule.base_lr, self.schedule.momentum, self.schedule.weight_decay
         if self.optimizer_name == C.LARS:
-            self.optimizer = Lars(parameter_groups(self.model, cfg.weight_decay), lr=self.base_lr,
-                                  momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            self.optimizer = Lars(parameter_groups(self.model, decay), lr=lr, momentum=momentum, weight_decay=decay)
         else:
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.base_lr, momentum=cfg.momentum,
-                                             weight_decay=cfg.weight_decay, fused=True)
+            # Batch norm's scale and shift do not decay; the classifier's bias does, as in the SGD reference.
+            self.optimizer = torch.optim.SGD(parameter_groups(self.model, decay, decay_biases=True), lr=lr,
+                                             momentum=momentum, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
@@ -94,11 +93,11 @@ class ResNetWorkload(Workload):
             return (step + 1) / self.warmup_steps
         decay_steps = max(1, self.schedule_steps - self.warmup_steps)
         remaining = max(0.0, 1 - (step - self.warmup_steps) / decay_steps)
-        end = self.cfg.end_lr / self.base_lr
+        end = self.cfg.end_lr / self.schedule.base_lr
         return end + (1 - end) * remaining ** self.cfg.poly_power
 
     def hyperparameters(self) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, chosen = self.cfg, self.schedule
         common = {
             C.GLOBAL_BATCH_SIZE: self.global_batch,
             C.GRADIENT_ACCUMULATION_STEPS: 1,
@@ -107,31 +106,32 @@ class ResNetWorkload(Workload):
             C.TRAIN_SAMPLES: self.loaders.train_samples,
             C.EVAL_SAMPLES: self.loaders.eval_samples,
         }
-        decay_steps = self.schedule_steps - self.warmup_steps
+        # The decay "steps" are the schedule's epochs: the rules define the key as "num_epochs in reference", and
+        # NVIDIA's fit.py logs args.num_epochs under it (the LR reaches end_lr after epochs x steps per epoch).
         if self.optimizer_name == C.LARS:  # the keys of closed_resnet_lars.yaml
             return {**common,
-                    C.LARS_OPT_BASE_LEARNING_RATE: self.base_lr,
+                    C.LARS_OPT_BASE_LEARNING_RATE: chosen.base_lr,
                     C.LARS_OPT_END_LR: cfg.end_lr,
                     C.LARS_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
-                    C.LARS_OPT_LR_DECAY_STEPS: decay_steps,
-                    C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS: self.warmup_epochs,
-                    C.LARS_OPT_MOMENTUM: cfg.momentum,
-                    C.LARS_OPT_WEIGHT_DECAY: cfg.weight_decay,
+                    C.LARS_OPT_LR_DECAY_STEPS: chosen.epochs,
+                    C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS: chosen.warmup_epochs,
+                    C.LARS_OPT_MOMENTUM: chosen.momentum,
+                    C.LARS_OPT_WEIGHT_DECAY: chosen.weight_decay,
                     C.LARS_EPSILON: EPSILON}
         return {**common,  # the keys of closed_resnet_sgd.yaml
-                K.SGD_OPT_BASE_LR: self.base_lr,
+                K.SGD_OPT_BASE_LR: chosen.base_lr,
                 K.SGD_OPT_END_LR: cfg.end_lr,
                 K.SGD_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
-                K.SGD_OPT_LR_DECAY_STEPS: decay_steps,
-                K.SGD_OPT_WEIGHT_DECAY: cfg.weight_decay,
-                K.SGD_OPT_MOMENTUM: cfg.momentum,
-                C.OPT_LR_WARMUP_EPOCHS: self.warmup_epochs}
+                K.SGD_OPT_LR_DECAY_STEPS: chosen.epochs,
+                K.SGD_OPT_WEIGHT_DECAY: chosen.weight_decay,
+                K.SGD_OPT_MOMENTUM: chosen.momentum,
+                C.OPT_LR_WARMUP_EPOCHS: chosen.warmup_epochs}
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
     def batches(self, step: int):
         done_epochs, offset = divmod(step, self.steps_per_epoch)
-        for epoch in range(done_epochs + 1, self.cfg.max_epochs + 1):
+        for epoch in range(done_epochs + 1, self.epochs + 1):
             # A resumed run continues its epoch after the batches it trained.
             yield from self._epoch_batches(epoch, offset if epoch == done_epochs + 1 else 0)
 
@@ -140,7 +140,7 @@ class ResNetWorkload(Workload):
 
     def next_block(self, step: int) -> Block:
         first = step // self.steps_per_epoch + 1
-        return Block(first, min(self.cfg.eval_every, self.cfg.max_epochs - first + 1))
+        return Block(first, min(self.cfg.eval_every, self.epochs - first + 1))
 
     def block_ends(self, step: int) -> bool:
         epochs, offset = divmod(step, self.steps_per_epoch)

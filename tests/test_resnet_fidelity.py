@@ -1,0 +1,168 @@
+"""The full ResNet preset against the closed rules and the references: what decays, the initialisation, the
+LARS table by global batch, and the hyperparameters NVIDIA's submissions logged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlperf_logging.mllog import constants as C
+from mlperf_logging.rcp_checker import rcp_checker
+from torch import nn
+
+from tests.conftest import SHARED, closed_proxy_run
+from workloads.common import mlperf as K
+from workloads.common.campaign import RunOptions
+from workloads.common.mllog_reader import iter_events
+from workloads.resnet.config import PRESETS, REFERENCE_LARS, lars_coverage, lars_schedule
+from workloads.resnet.model import build_model
+from workloads.resnet.train import ResNetWorkload
+
+
+def full_workload(ctx, tmp_path: Path, optimizer: str, batch: int = 2) -> ResNetWorkload:
+    """The full preset at a global batch of `batch` (one process), synthetic input: the real model and optimizer."""
+    options = RunOptions(benchmark="resnet", preset="full", out=tmp_path, runs=1, seed=0, submitter="test",
+                         system=None, data=None, synthetic=True, max_steps=1, batch_size=batch, optimizer=optimizer)
+    return ResNetWorkload(options, ctx, seed=0)
+
+
+def test_sgd_decays_neither_batch_norm_but_the_classifier_bias_as_the_reference(one_rank_world, tmp_path):
+    """The SGD reference adds L2 for every variable but batch norm's ('bn' not in v.name): convolutions and the
+    classifier (weight and bias) decay, batch norm's scale and shift do not."""
+    workload = full_workload(one_rank_world, tmp_path, "sgd")
+    decay = {id(p): group["weight_decay"] for group in workload.optimizer.param_groups for p in group["params"]}
+    model = workload.model.module
+    assert len(decay) == len(list(model.parameters()))
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            expected = 0.0 if isinstance(module, nn.BatchNorm2d) else workload.cfg.weight_decay
+            assert decay[id(param)] == expected, (module, param.shape)
+    assert decay[id(model.fc.bias)] == workload.cfg.weight_decay > 0
+
+
+def test_resnet50_starts_from_the_references_distributions():
+    """Convolutions N(0, 2 / fan_in) (he_normal), the classifier N(0, 0.01) with a zero bias, batch norm 1 and 0
+    (the last of each block too). Checked on the convolutions whose fan-in and fan-out differ, where
+    torchvision's default (fan-out) draws another spread."""
+    torch.manual_seed(0)
+    model = build_model("resnet50", 1000)
+    checked = 0
+    for name, conv in model.named_modules():
+        if isinstance(conv, nn.Conv2d):
+            fan_in, fan_out = (conv.weight[0].numel(), conv.weight[:, 0].numel())
+            if fan_in != fan_out and conv.weight.numel() >= 16384:
+                assert conv.weight.std().item() == pytest.approx((2 / fan_in) ** 0.5, rel=0.05), name
+                assert abs(conv.weight.mean().item()) < 0.05 * (2 / fan_in) ** 0.5, name
+                checked += 1
+    assert checked >= 20
+    assert model.fc.weight.std().item() == pytest.approx(0.01, rel=0.02)
+    assert torch.count_nonzero(model.fc.bias) == 0
+    for block in (*model.layer1, *model.layer2, *model.layer3, *model.layer4):
+        for bn in (block.bn1, block.bn2, block.bn3):
+            assert torch.all(bn.weight == 1) and torch.all(bn.bias == 0)
+
+
+def _converged_runs(folder: Path, global_batch: int, epoch: int, runs: int = 5) -> Path:
+    """`runs` result files that each reach the target at `epoch`: what mlperf-logging's RCP checker reads."""
+    folder.mkdir(parents=True)
+    for i in range(runs):
+        events = [(C.SUBMISSION_BENCHMARK, C.RESNET, {}), (C.GLOBAL_BATCH_SIZE, global_batch, {}),
+                  (C.EVAL_ACCURACY, 0.76, {C.EPOCH_NUM: epoch}), (C.RUN_STOP, None, {C.STATUS: C.SUCCESS})]
+        (folder / f"result_{i}.txt").write_text("".join(
+            f":::MLLOG {json.dumps({'key': key, 'value': value, 'metadata': metadata})}\n"
+            for key, value, metadata in events))
+    return folder
+
+
+def test_every_covered_batch_can_pass_the_rcp_check_at_the_end_of_its_schedule(tmp_path):
+    """A LARS run stops at its row's last epoch, so the latest it can converge is there: at every covered batch's
+    edges, and at 32,768 and 65,536 (whose RCP minimums are 55.4 and 82.9 epochs, past the 41 every batch once
+    had), runs that converge there pass mlperf-logging's own RCP check (ruleset 4.0.0, pruned RCPs)."""
+    full = PRESETS["full"]
+    batches = {edge for low_high in lars_coverage(full.lars) for edge in low_high} | {32768, 65536}
+    for batch in sorted(batches):
+        row = lars_schedule(full, batch)
+        folder = _converged_runs(tmp_path / str(batch), batch, row.epochs)
+        passed, message, _ = rcp_checker.check_directory(str(folder), "training", "4.0.0", False, False,
+                                                        rcp_pass="pruned_rcps")
+        assert passed, (batch, row, message)
+
+
+def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover(one_rank_world, tmp_path):
+    """Weight decay 1e-4 x 2^N and momentum 0.9 below 32k (training_rules.adoc); rows ascending; a batch between
+    4,096 and 32,768 (no reference row with momentum 0.9) or past the largest row is refused in one line that
+    names the covered batches."""
+    full = PRESETS["full"]
+    assert [row.batch for row in REFERENCE_LARS] == sorted(row.batch for row in REFERENCE_LARS)
+    for row in REFERENCE_LARS:
+        assert (torch.log2(torch.tensor(row.weight_decay / 1e-4)) % 1).item() == pytest.approx(0, abs=1e-6)
+    assert lars_coverage(full.lars) == [(1, 4096), (32768, 67456)]
+    for batch in (1, 1600, 4096, 32768, 57344, 67456):
+        row = lars_schedule(full, batch)
+        assert batch <= row.batch and (row.momentum == 0.9 or batch >= 32768)
+    assert lars_schedule(full, 57344).source.endswith("(NVIDIA+CoreWeave's v3.0 run)")
+    for batch in (8192, 32767, 67457, 131072):
+        with pytest.raises(SystemExit) as refused:
+            lars_schedule(full, batch)
+        message = str(refused.value)
+        assert f"global batch of {batch:,}" in message and "1 to 4,096, 32,768 to 67,456" in message
+        assert "\n" not in message
+    with pytest.raises(SystemExit, match="global batch of 8,192"):  # before its 8,192 synthetic images exist
+        full_workload(one_rank_world, tmp_path, "lars", batch=8192)
+
+
+# --- the closed proxy against the reference submissions' own logs -----------------------------------------------
+
+RESULTS = SHARED / "mlperf-results"
+SUBMISSIONS = {  # a result log of each, and the optimizer it ran
+    "NVIDIA+CoreWeave v3.0, 448 x 8 H100": "training_v3.0/NVIDIA_CoreWeave/results/"
+                                            "coreweave_hgxh100_n448_ngc23.04_mxnet/resnet/result_0.txt",
+    "GigaComputing v4.0, NVIDIA's 8 x H100 config": "training_v4.0/GigaComputing/results/G593-SD1_mxnet/resnet/"
+                                                      "result_0.txt",
+}
+# What the submissions log that a closed run may log otherwise, and why.
+FREE = {
+    C.MODEL_BN_SPAN: "an arbitrary constant (training_rules.adoc); NVIDIA's is its per-GPU batch times its "
+                     "BN_GROUP, the harness's batch norm is per process",
+    C.TRAIN_SAMPLES: "the dataset's count: the proxy's input is synthetic (ImageNet logs 1,281,167)",
+    C.EVAL_SAMPLES: "the dataset's count: the proxy's input is synthetic (ImageNet logs 50,000)",
+    K.SGD_OPT_END_LR: "NVIDIA's PolySchedule (fit.py) logs it in a LARS run too; closed_resnet_lars.yaml reads "
+                      "lars_opt_end_learning_rate",
+    K.SGD_OPT_LR_DECAY_POLY_POWER: "the same: lars_opt_learning_rate_decay_poly_power is the LARS run's",
+}
+# Not hyperparameters: who ran it, its seed and cache, its results, and NVIDIA's own keys (no rule file reads them).
+NOT_HYPERPARAMETERS = {C.SUBMISSION_BENCHMARK, C.SUBMISSION_ORG, C.SUBMISSION_DIVISION, C.SUBMISSION_STATUS,
+                       C.SUBMISSION_PLATFORM, C.CACHE_CLEAR, C.SEED, C.WEIGHTS_INITIALIZATION, C.EVAL_ACCURACY,
+                       "tracked_stats", "d_batch_size", "s_optimizer", "s_network", "s_process"}
+
+
+def _logged(path: Path) -> dict:
+    """A log's point-in-time keys and values (the hyperparameters among them), first value of each."""
+    logged: dict = {}
+    for event in iter_events(path.read_bytes()):
+        if event["event_type"] == "POINT_IN_TIME":
+            logged.setdefault(event["key"], event["value"])
+    return logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("submission", SUBMISSIONS)
+def test_the_closed_proxy_logs_the_hyperparameters_the_submission_logged(submission, tmp_path):
+    """At the submission's global batch and optimizer (the harness would pick SGD at 3,200; NVIDIA runs LARS), the
+    full preset (ResNet-50, tests/closed_proxy.py, up to run_start) logs every hyperparameter the submission
+    logged with the same value, save the FREE keys, each named with why."""
+    path = RESULTS / SUBMISSIONS[submission]
+    if not path.is_file():
+        pytest.skip(f"{submission}'s log: /work/shared not present ({path})")
+    theirs = {key: value for key, value in _logged(path).items() if key not in NOT_HYPERPARAMETERS}
+    result = closed_proxy_run("resnet", "--synthetic", "--batch-size", str(theirs[C.GLOBAL_BATCH_SIZE]),
+                              "--optimizer", theirs[C.OPT_NAME], "--until-run-start", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = {key: value for key, value in _logged(tmp_path / "result_0.txt").items() if key not in NOT_HYPERPARAMETERS}
+    differing = {key: (ours.get(key), value) for key, value in theirs.items() if ours.get(key) != value}
+    assert set(differing) <= set(FREE), differing
+    assert set(ours) <= set(theirs), "the harness logs a hyperparameter the submission did not"
+    assert {C.LARS_OPT_BASE_LEARNING_RATE, C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, C.LARS_OPT_LR_DECAY_STEPS,
+            C.LARS_OPT_MOMENTUM, C.LARS_OPT_WEIGHT_DECAY, C.GLOBAL_BATCH_SIZE} <= set(theirs) - set(differing)
