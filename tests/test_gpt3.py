@@ -22,9 +22,9 @@ from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
 from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
-from workloads.common.language_model import optimizer_groups
+from workloads.common.language_model import IGNORED, optimizer_groups, rolled_split
 from workloads.common.mllog_reader import iter_events
-from workloads.common.megatron_data import BlendedSamples, EvalShard, IndexedDataset, SequenceSamples, \
+from workloads.common.megatron_data import PAD, BlendedSamples, EvalShard, IndexedDataset, SequenceSamples, \
     write_indexed_dataset
 from workloads.gpt3.config import LR_TABLE, PRESETS, base_lr, estimate_memory, plan_layout
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
@@ -45,6 +45,44 @@ def test_megatron_indexed_dataset_round_trip(tmp_path, dtype):
     assert data.document_indices.tolist() == [0, 1, 2, 3]
     samples = SequenceSamples(data, seq_len=4, seed=None)  # 9 tokens: windows of 5 at 0 and 4
     assert len(samples) == 2 and samples[1].tolist() == [4, 100, 101, 102, 7]
+
+
+def test_gpt3_samples_are_the_references_disjoint_2048_token_samples(tmp_path):
+    """`--no-seq-len-plus-one-tokens` (retired_benchmarks/gpt3/megatron-lm/run_gpt3.sh): samples of seq_len tokens
+    cut back to back from the stream in document order, shuffled by the seed; the model reads all of them and
+    each position predicts the next token of its sample, the last position unscored (pretrain_gpt.py get_batch).
+    The old code cut overlapping windows of seq_len + 1."""
+    write_indexed_dataset(tmp_path / "c4", [np.arange(1, 8, dtype=np.uint16), np.arange(100, 110, dtype=np.uint16)])
+    data = IndexedDataset(tmp_path / "c4")  # 17 tokens
+    stream = np.concatenate([data.document(0), data.document(1)]).tolist()
+    samples = SequenceSamples(data, seq_len=4, seed=7, extra_token=False)
+    assert len(samples) == 4  # 17 // 4, where windows of 5 give (17 - 1) // 4
+    assert sorted(samples[i].tolist() for i in range(4)) == [stream[k:k + 4] for k in range(0, 16, 4)]
+    assert [samples[i].tolist() for i in range(4)] != [stream[k:k + 4] for k in range(0, 16, 4)]  # shuffled
+    again = SequenceSamples(data, seq_len=4, seed=7, extra_token=False)
+    assert [again[i].tolist() for i in range(4)] == [samples[i].tolist() for i in range(4)]  # by the seed
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, PAD, PAD]])
+    (inputs,), targets = rolled_split(tokens)
+    assert inputs.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert targets.tolist() == [[6, 7, 8, IGNORED], [10, IGNORED, IGNORED, IGNORED]]
+
+
+def test_gpt3_evaluates_every_validation_token_and_logs_their_count(tmp_path):
+    """Megatron's whole-set eval keeps the last, short sample (padded, its padding unscored), so the eval reads all
+    11,590,004 tokens of MLPerf's validation subset and eval_samples is that count, as NVIDIA's logs show; the old
+    code dropped the tail and logged 5,659 x 2,048 = 11,589,632."""
+    rng = np.random.default_rng(0)
+    for prefix in C4_TRAIN:
+        write_indexed_dataset(tmp_path / prefix, [rng.integers(1, 100, 5000).astype(np.uint16)])
+    write_indexed_dataset(tmp_path / C4_EVAL, [np.ones(11_590_004 - 3000, np.uint16), np.ones(3000, np.uint16)])
+    loaders = c4_loaders(tmp_path, seq_len=2048, micro_batch=1, train_samples=4, eval_sequences=5_760, seed=0,
+                         data_rank=0, data_world=1)
+    assert loaders.eval_sequences == 5_660 and loaders.eval_tokens == 11_590_004
+    last = loaders.eval.dataset[5_659][0]
+    assert (last[:11_590_004 - 5_659 * 2048] == 1).all() and (last[11_590_004 - 5_659 * 2048:] == PAD).all()
+    (_,), targets = rolled_split(last[None])
+    assert int((targets != IGNORED).sum()) == 11_590_004 - 5_659 * 2048 - 1
+    assert [len(loaders.train.dataset[i]) for i in range(4)] == [2048] * 4
 
 
 def test_damaged_indexed_datasets_are_named(tmp_path):
@@ -406,8 +444,8 @@ NVIDIA_GPT3 = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave" /
 FREE_KEYS = {
     C.SEED: "any seed (training_rules.adoc: random numbers; the checker only requires one)",
     C.GRADIENT_ACCUMULATION_STEPS: "how the batch splits over GPUs is the system's (the checker: > 0)",
-    C.EVAL_SAMPLES: "the tokens of the validation set: the test's files are not C4 (test_eval_samples_are_the_"
-                    "validation_tokens checks the count)",
+    C.EVAL_SAMPLES: "the validation set's tokens: the test's files are not C4 (test_gpt3_evaluates_every_"
+                    "validation_token_and_logs_their_count checks NVIDIA's 11,590,004)",
 }
 
 

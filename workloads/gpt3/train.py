@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext
-from workloads.common.language_model import DecoderSteps, next_token_split, optimizer_groups
+from workloads.common.language_model import DecoderSteps, optimizer_groups, rolled_split
 from workloads.common.loop import Target
 from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, base_lr, plan_layout
@@ -66,7 +66,7 @@ class GPT3Workload(DecoderSteps, Workload):
         self.total_steps = min(opts.max_steps or cfg.max_steps, math.ceil(self.decay_samples / batch))
         self.tokens_per_step = layout.global_batch * cfg.model.seq_len
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
-        self.split = next_token_split
+        self.split = rolled_split  # samples of 2,048 tokens, the last target unscored, as the reference
 
         # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
         with torch.device("meta"):
@@ -166,7 +166,7 @@ class GPT3Workload(DecoderSteps, Workload):
             # The starting samples in steps of this batch, rounded up, as NVIDIA logs them (2286 at 2688).
             **({C.INIT_CHECKPOINT_STEP: math.ceil(self.start_samples / layout.global_batch)}
                if self.init_step is not None else {}),
-            C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
+            C.EVAL_SAMPLES: self.loaders.eval_tokens,  # the validation tokens, as NVIDIA's logs count them
             "tensor_model_parallel_size": layout.tensor,
             "pipeline_model_parallel_size": layout.pipeline,
         }
