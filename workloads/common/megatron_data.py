@@ -188,7 +188,7 @@ class EvalShard(Dataset):
         return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
 
 
-# Micro batches each loader worker keeps ready: one is 2,049 tokens a sequence, so holding a few costs nothing
+# Micro batches each loader worker keeps ready: one is 2,048 or 2,049 tokens a sequence, so holding a few costs nothing
 # and hides the page faults of a cold memory map.
 PREFETCH_PER_WORKER = 4
 
