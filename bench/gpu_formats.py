@@ -68,12 +68,12 @@ def write_bert_shards(root: Path, preset, train_rows: int, eval_rows: int, shard
 
 def write_megatron_corpus(root: Path, vocab_size: int, seq_len: int, train_samples: int, eval_samples: int,
                           seed: int) -> Path:
-    """MLPerf's C4 layout for GPT-3: its two training shards (each holding train_samples windows of seq_len + 1
-    tokens, so the 0.5/0.5 blend never wraps) and the validation subset, in uint16."""
+    """MLPerf's C4 layout for GPT-3: its two training shards (each holding train_samples samples of seq_len tokens,
+    as the reference cuts them, so the 0.5/0.5 blend never wraps) and the validation subset, in uint16."""
     from workloads.gpt3.data import C4_EVAL, C4_TRAIN, EOD
 
     return _random_corpus(root, [(C4_TRAIN[0], train_samples), (C4_TRAIN[1], train_samples), (C4_EVAL, eval_samples)],
-                          vocab_size, seq_len, EOD, np.uint16, seed)
+                          vocab_size, seq_len, EOD, np.uint16, seed, extra_token=False)
 
 
 def write_llama_corpus(root: Path, vocab_size: int, seq_len: int, train_samples: int, eval_samples: int,
@@ -88,14 +88,15 @@ def write_llama_corpus(root: Path, vocab_size: int, seq_len: int, train_samples:
 
 
 def _random_corpus(root: Path, files: list[tuple[str, int]], vocab_size: int, seq_len: int, eod: int, dtype,
-                   seed: int) -> Path:
-    """Each (prefix, samples) as samples * seq_len + 1 tokens: documents of seq_len random tokens ending in EOD."""
+                   seed: int, extra_token: bool = True) -> Path:
+    """Each (prefix, samples) as samples * seq_len tokens, + 1 for windows of seq_len + 1 (`extra_token`, as
+    workloads.common.megatron_data.SequenceSamples): documents of seq_len random tokens ending in EOD."""
     from workloads.common.megatron_data import write_indexed_dataset
 
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     for prefix, samples in files:
-        tokens = samples * seq_len + 1
+        tokens = samples * seq_len + int(extra_token)
         documents = [np.append(rng.integers(eod + 1, vocab_size, min(seq_len, tokens - start) - 1), eod)
                      for start in range(0, tokens, seq_len)]
         write_indexed_dataset(root / prefix, [d.astype(dtype) for d in documents if len(d)], dtype)

@@ -90,13 +90,13 @@ def gpt3_bench_preset(on_gpu: bool):
     """GPT-3 as one GPU can hold it: GPT-3 XL's shape (24 layers, d_model 2048, 1.3B parameters; 16 heads of
     128) at sequence 2048 and the 175B preset's optimizer. On CPU the tiny preset. One micro batch per
     step and process (no accumulation), so a step's time is one forward and backward."""
-    from workloads.gpt3.config import PRESETS, GPTConfig
+    from workloads.gpt3.config import PRESETS, REFERENCE_BATCH, GPTConfig, base_lr
 
-    if on_gpu:
+    if on_gpu:  # the LR of the reference batch: the closed table has none for a batch of 4
         return replace(PRESETS["full"], model=GPTConfig(vocab_size=50_304, seq_len=2048, n_layer=24, n_head=16,
                                                         d_model=2048),
                        global_batch=4, micro_batch=4, tensor_parallel=1, activation_checkpointing=False,
-                       eval_sequences=8)
+                       eval_sequences=8, base_lr=base_lr(PRESETS["full"], REFERENCE_BATCH))
     tiny = PRESETS["tiny"]
     return replace(tiny, global_batch=tiny.micro_batch)
 

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
                      help="llama31_8b: accept a --global-batch with no RCP (its runs cannot pass the RCP check)")
+    run.add_argument("--allow-unflushed-cache", action="store_true",
+                     help="let a closed run go ahead when its page cache could not be flushed before it (the log "
+                          "keeps cache_clear false); without it such a run stops with the reason")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")
     run.add_argument("--system", help="system name logged as submission_platform (default: e.g. cpu_n1x2)")
     run.add_argument("--name", help="job name on the cluster (default: <benchmark>-<preset>); lowercase "
@@ -252,6 +255,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
+                   allow_unflushed_cache=args.allow_unflushed_cache,
                    submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from harness.errors import HarnessError
+from workloads.common.page_cache import HOST_FLUSH_COMMAND
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "manifests" / "profiles"
 DEFAULT_PROFILE = "local-cpu"
@@ -40,6 +41,9 @@ class KubernetesSettings:
     results_mount: str = "/results"
     shm_size: str = "16Gi"  # the memory-backed /dev/shm that NCCL and data loaders need
     service_account: str | None = None
+    # A privileged init container per pod that flushes its node's page cache before the run (MLPerf's rules);
+    # opt-in, since the pods ask for no privilege otherwise (harness.cache_flush).
+    flush_page_cache: bool = False
     # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
     # --init-checkpoint must lie under one of these paths or under results_mount.
     mounts: list[str] = field(default_factory=list)
@@ -54,6 +58,9 @@ class SlurmSettings:
     exclusive: bool = True
     requeue: bool = True
     use_gres: bool = False  # --gres=gpu:N instead of --gpus-per-node=N (older Slurm set-ups)
+    # The host-side step per node before the run, outside the container (harness.cache_flush), as NVIDIA's
+    # run.sub flushes the page cache; "" for none. NVIDIA's clusters: "sudo /sbin/sysctl vm.drop_caches=3".
+    flush_page_cache: str = HOST_FLUSH_COMMAND
     # pyxis, with `image` below: "HOST[:CONTAINER[:FLAGS]]". --out, --data and --init-checkpoint reach the
     # container translated through these (see harness.mounts); the run folder is mounted as it is otherwise.
     container_mounts: list[str] = field(default_factory=list)

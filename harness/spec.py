@@ -18,6 +18,7 @@ from harness import profiles
 from harness.errors import HarnessError
 from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
+from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.llama.config import RCP_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS  # torch-free
@@ -69,6 +70,7 @@ class JobSpec:
     batch_size: int | None = None  # per-process batch; None: the preset's
     global_batch: int | None = None  # llama31_8b: sequences per optimizer step; None: the preset's
     force_batch: bool = False  # llama31_8b: accept a global batch that has no RCP
+    allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
@@ -136,6 +138,8 @@ class JobSpec:
             args += ["--global-batch", str(self.global_batch)]
         if self.force_batch:
             args.append("--force-batch")
+        if self.allow_unflushed_cache:
+            args.append(ALLOW_FLAG)
         if self.checkpoint_every is not None:
             args += ["--checkpoint-every", self.checkpoint_every]
         args += ["--keep-checkpoints", str(self.keep_checkpoints)]
@@ -177,6 +181,8 @@ class JobSpec:
             args.append("--synthetic")
         if self.force_batch:
             args.append("--force-batch")
+        if self.allow_unflushed_cache:
+            args.append(ALLOW_FLAG)
         if self.async_checkpoint:
             args.append("--async-checkpoint")
         args.append("--preflight" if self.preflight else "--no-preflight")  # its default depends on nodes and preset

@@ -97,9 +97,11 @@ def slurm_cluster(tmp_path_factory):
 
 
 def closed_proxy_run(benchmark: str, *args: str, procs: int = 1, timeout: float = 600) -> Completed:
-    """A shortened closed run of bert or gpt3 in `procs` processes, with the small model of tests/closed_proxy.py."""
+    """A shortened closed run of bert or gpt3 in `procs` processes, with the small model of tests/closed_proxy.py.
+    It goes ahead where the machine cannot flush the page cache (tests/test_shared_checkpoints.py tests that stop)."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
-                           str(REPO / "tests" / "closed_proxy.py"), benchmark, "--preset", "full", *args],
+                           str(REPO / "tests" / "closed_proxy.py"), benchmark, "--preset", "full", *args,
+                           "--allow-unflushed-cache"],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return Completed(proc.returncode, proc.stdout, proc.stderr)
 

@@ -7,22 +7,26 @@ import dataclasses
 import json
 import math
 import struct
+from pathlib import Path
 
 import jsonschema
+import mlperf_logging
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from mlperf_logging.mllog import constants as C
 
 from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
-from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
-from workloads.common.language_model import optimizer_groups
-from workloads.common.megatron_data import BlendedSamples, EvalShard, IndexedDataset, SequenceSamples, \
+from workloads.common.language_model import IGNORED, optimizer_groups, rolled_split
+from workloads.common.mllog_reader import iter_events
+from workloads.common.megatron_data import PAD, BlendedSamples, EvalShard, IndexedDataset, SequenceSamples, \
     write_indexed_dataset
-from workloads.gpt3.config import PRESETS, estimate_memory, plan_layout
+from workloads.gpt3.config import LR_TABLE, PRESETS, base_lr, estimate_memory, plan_layout
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, c4_loaders, tiny_entropy
 from workloads.gpt3.model import GPT
@@ -41,6 +45,44 @@ def test_megatron_indexed_dataset_round_trip(tmp_path, dtype):
     assert data.document_indices.tolist() == [0, 1, 2, 3]
     samples = SequenceSamples(data, seq_len=4, seed=None)  # 9 tokens: windows of 5 at 0 and 4
     assert len(samples) == 2 and samples[1].tolist() == [4, 100, 101, 102, 7]
+
+
+def test_gpt3_samples_are_the_references_disjoint_2048_token_samples(tmp_path):
+    """`--no-seq-len-plus-one-tokens` (retired_benchmarks/gpt3/megatron-lm/run_gpt3.sh): samples of seq_len tokens
+    cut back to back from the stream in document order, shuffled by the seed; the model reads all of them and
+    each position predicts the next token of its sample, the last position unscored (pretrain_gpt.py get_batch).
+    The old code cut overlapping windows of seq_len + 1."""
+    write_indexed_dataset(tmp_path / "c4", [np.arange(1, 8, dtype=np.uint16), np.arange(100, 110, dtype=np.uint16)])
+    data = IndexedDataset(tmp_path / "c4")  # 17 tokens
+    stream = np.concatenate([data.document(0), data.document(1)]).tolist()
+    samples = SequenceSamples(data, seq_len=4, seed=7, extra_token=False)
+    assert len(samples) == 4  # 17 // 4, where windows of 5 give (17 - 1) // 4
+    assert sorted(samples[i].tolist() for i in range(4)) == [stream[k:k + 4] for k in range(0, 16, 4)]
+    assert [samples[i].tolist() for i in range(4)] != [stream[k:k + 4] for k in range(0, 16, 4)]  # shuffled
+    again = SequenceSamples(data, seq_len=4, seed=7, extra_token=False)
+    assert [again[i].tolist() for i in range(4)] == [samples[i].tolist() for i in range(4)]  # by the seed
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, PAD, PAD]])
+    (inputs,), targets = rolled_split(tokens)
+    assert inputs.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert targets.tolist() == [[6, 7, 8, IGNORED], [10, IGNORED, IGNORED, IGNORED]]
+
+
+def test_gpt3_evaluates_every_validation_token_and_logs_their_count(tmp_path):
+    """Megatron's whole-set eval keeps the last, short sample (padded, its padding unscored), so the eval reads all
+    11,590,004 tokens of MLPerf's validation subset and eval_samples is that count, as NVIDIA's logs show; the old
+    code dropped the tail and logged 5,659 x 2,048 = 11,589,632."""
+    rng = np.random.default_rng(0)
+    for prefix in C4_TRAIN:
+        write_indexed_dataset(tmp_path / prefix, [rng.integers(1, 100, 5000).astype(np.uint16)])
+    write_indexed_dataset(tmp_path / C4_EVAL, [np.ones(11_590_004 - 3000, np.uint16), np.ones(3000, np.uint16)])
+    loaders = c4_loaders(tmp_path, seq_len=2048, micro_batch=1, train_samples=4, eval_sequences=5_760, seed=0,
+                         data_rank=0, data_world=1)
+    assert loaders.eval_sequences == 5_660 and loaders.eval_tokens == 11_590_004
+    last = loaders.eval.dataset[5_659][0]
+    assert (last[:11_590_004 - 5_659 * 2048] == 1).all() and (last[11_590_004 - 5_659 * 2048:] == PAD).all()
+    (_,), targets = rolled_split(last[None])
+    assert int((targets != IGNORED).sum()) == 11_590_004 - 5_659 * 2048 - 1
+    assert [len(loaders.train.dataset[i]) for i in range(4)] == [2048] * 4
 
 
 def test_damaged_indexed_datasets_are_named(tmp_path):
@@ -326,3 +368,106 @@ def test_mfu_matches_the_gpu_by_its_exact_name():
     assert peak_bf16_flops("NVIDIA H200") == 989.4e12 and peak_bf16_flops("NVIDIA GB200") == 2500.0e12
     assert peak_bf16_flops("NVIDIA H800") is None and mfu(1e9, 1e6, 8, "Tesla T4") is None
     assert mfu(6e9, 100e3, 8, "NVIDIA A100-SXM4-80GB") == pytest.approx(6e9 * 100e3 / (8 * 312e12))
+
+
+def test_the_closed_base_lr_is_the_rcps_lr_for_the_batch():
+    """Every global batch MLPerf's GPT-3 RCPs were measured at (the installed mlperf-logging's rcps_gpt3.json) gets
+    that RCP's LR; in between 3072 and 4096 the nearer end's; no LR, and a one-line refusal with the table, below
+    1536 or above 8192. 448 nodes at micro batch 10 (batch 4,480) take 3e-5, where the old code took 2e-5."""
+    rcps = json.loads((Path(mlperf_logging.__file__).parent / "rcp_checker" / "training_4.1.0" /
+                       "rcps_gpt3.json").read_text())
+    full = PRESETS["full"]
+    assert len(rcps) == 6
+    for rcp in rcps.values():
+        assert base_lr(full, rcp["BS"]) == rcp["Hyperparams"][C.OPT_BASE_LR], rcp["BS"]
+    assert [base_lr(full, b) for b in (3200, 3584, 3585, 4000, 4480)] == [2e-5, 2e-5, 3e-5, 3e-5, 3e-5]
+    for batch in (1535, 8193, 9216):
+        with pytest.raises(ValueError, match=f"global batch {batch} has no base LR") as refused:
+            base_lr(full, batch)
+        assert "batch 1536-3072: 2e-05; batch 4096-8192: 3e-05" in str(refused.value)
+    assert base_lr(PRESETS["tiny"], 4) == 3e-5 and LR_TABLE[0][0] == 1536  # the open preset keeps its own
+
+
+@pytest.mark.parametrize("micro_batch, shown", [("10", "global batch 4480 = 448 x micro batch 10 x 1 accumulation "
+                                                       "steps; base LR 3e-05"), ("20", None)])
+def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_with_none(tmp_path, micro_batch, shown):
+    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100",
+                     "--nodes", "448", "--gpus-per-node", "8", "--batch-size", micro_batch, "--synthetic", "--dry-run",
+                     "--out", str(tmp_path))
+    if shown:
+        assert result.returncode == 0 and shown in result.stderr, result.stderr
+    else:  # 448 x 20 = 8,960 sequences: above the table
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert "global batch 8960 has no base LR in MLPerf's GPT-3 table (batch 1536-3072: 2e-05; batch " \
+               "4096-8192: 3e-05; either in between; above 8192 needs a new RCP)" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def reference_start(tmp_path_factory):
+    """C4-format files and the reference checkpoint's layout converted, for the closed proxy model."""
+    root = tmp_path_factory.mktemp("gpt3-start")
+    (root / "c4").mkdir()
+    _write_c4(root / "c4")
+    write_reference_checkpoint(root / "reference", GPT(GPT3_PROXY).state_dict(), heads=GPT3_PROXY.n_head)
+    assert main([str(root / "reference"), str(root / "init"), "--heads", str(GPT3_PROXY.n_head)]) == 0
+    return root
+
+
+def closed_hyperparameters(world, folder, start, global_batch: int, monkeypatch) -> dict:
+    """What the closed preset (the proxy model in place of 175B) logs before run_start at this global batch,
+    on one rank: the workload is built, its hyperparameters read, and no step is trained."""
+    from workloads.common.campaign import RunOptions
+    from workloads.gpt3.train import GPT3Workload
+
+    monkeypatch.setitem(PRESETS, "full", dataclasses.replace(PRESETS["full"], model=GPT3_PROXY))
+    options = RunOptions(benchmark="gpt3", preset="full", out=folder, runs=1, seed=0, submitter="test", system=None,
+                         data=start / "c4", synthetic=False, max_steps=None, batch_size=global_batch,
+                         init_checkpoint=start / "init")
+    workload = GPT3Workload(options, world, seed=0)
+    try:
+        assert workload.optimizer.param_groups[0]["initial_lr"] == workload.hyperparameters()[C.OPT_BASE_LR]
+        return workload.hyperparameters()
+    finally:
+        workload.close()
+
+
+def test_gpt3_at_4096_sequences_logs_the_lr_the_table_gives(one_rank_world, tmp_path, reference_start, monkeypatch):
+    logged = closed_hyperparameters(one_rank_world, tmp_path, reference_start, 4096, monkeypatch)
+    assert logged[C.GLOBAL_BATCH_SIZE] == 4096 and logged[C.OPT_BASE_LR] == 3e-5 and logged[C.OPT_END_LR] == 3e-6
+    # The schedule's samples at this batch: 407,040 / 4096 and 166,809,600 / 4096 rounded down; 6,144,000 up.
+    assert (logged[C.OPT_LR_WARMUP_STEPS], logged[C.OPT_LR_DECAY_STEPS], logged[C.INIT_CHECKPOINT_STEP]) == \
+        (99, 40725, 1500)
+
+
+NVIDIA_GPT3 = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave" / "results"
+# Keys the rules leave free, and why each may differ from NVIDIA's.
+FREE_KEYS = {
+    C.SEED: "any seed (training_rules.adoc: random numbers; the checker only requires one)",
+    C.GRADIENT_ACCUMULATION_STEPS: "how the batch splits over GPUs is the system's (the checker: > 0)",
+    C.EVAL_SAMPLES: "the validation set's tokens: the test's files are not C4 (test_gpt3_evaluates_every_"
+                    "validation_token_and_logs_their_count checks NVIDIA's 11,590,004)",
+}
+
+
+@pytest.mark.parametrize("nodes", [96, 448])
+def test_closed_gpt3_logs_nvidias_hyperparameters_key_by_key(one_rank_world, tmp_path, reference_start, monkeypatch,
+                                                               nodes):
+    """At the global batches NVIDIA+CoreWeave's v3.0 GPT-3 runs used (3072 on 96 and 192 nodes, 2688 on 448),
+    the closed preset logs the same hyperparameters as their logs, key by key, except FREE_KEYS."""
+    path = NVIDIA_GPT3 / f"coreweave_hgxh100_n{nodes}_ngc23.04_pytorch" / "gpt3" / "result_0.txt"
+    if not path.is_file():
+        pytest.skip(f"NVIDIA+CoreWeave's v3.0 GPT-3 logs: {SHARED} not present")
+    theirs = {}
+    for event in iter_events(path.read_bytes()):
+        if event["key"] == C.RUN_START:
+            break
+        theirs[event["key"]] = event["value"]
+    ours = closed_hyperparameters(one_rank_world, tmp_path, reference_start, theirs[C.GLOBAL_BATCH_SIZE], monkeypatch)
+    compared = set(ours) & set(theirs) - set(FREE_KEYS)
+    assert {C.GLOBAL_BATCH_SIZE, C.OPT_BASE_LR, C.OPT_LR_WARMUP_STEPS, C.INIT_CHECKPOINT_STEP} <= compared
+    assert {key: ours[key] for key in compared} == {key: theirs[key] for key in compared}
+    # Every hyperparameter of theirs is ours too; ours adds only the parallel layout.
+    hyperparameters = set(theirs) - {C.CACHE_CLEAR, C.INIT_START, C.INIT_STOP, C.SEED} - \
+        {key for key in theirs if key.startswith("submission_")}
+    assert hyperparameters <= set(ours) and set(ours) - set(theirs) == {"tensor_model_parallel_size",
+                                                                         "pipeline_model_parallel_size"}

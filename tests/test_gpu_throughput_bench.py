@@ -79,10 +79,10 @@ def test_written_files_are_what_the_workloads_loaders_read(tmp_path):
     loaders = c4_loaders(root, seq_len=16, micro_batch=2, train_samples=6, eval_sequences=None, seed=0, data_rank=0,
                          data_world=1)
     batches = list(loaders.train)
-    assert len(batches) == 3 and batches[0].shape == (2, 17) and int(batches[0].max()) < 300
-    assert loaders.eval_sequences == 2
+    assert len(batches) == 3 and batches[0].shape == (2, 16) and int(batches[0].max()) < 300  # the reference's samples
+    assert loaders.eval_sequences == 2 and loaders.eval_tokens == 2 * 16
     # each training shard holds every sample the run reads, so the 0.5/0.5 blend never wraps
-    assert all(len(IndexedDataset(root / prefix).tokens) == 6 * 16 + 1 for prefix in C4_TRAIN)
+    assert all(len(IndexedDataset(root / prefix).tokens) == 6 * 16 for prefix in C4_TRAIN)
 
 
 def test_llama_files_are_what_llama31_8bs_loaders_read(tmp_path):
@@ -114,6 +114,16 @@ LLAMA_SYSTEM = NVIDIA_V51 / "systems" / "theia_ngpu512_ngc25.09_nemo.json"
 @pytest.mark.skipif(not (LLAMA_RESULT.is_file() and LLAMA_SYSTEM.is_file()),
                     reason=f"NVIDIA's v5.1 llama31_8b log or system file is absent ({LLAMA_RESULT}, {LLAMA_SYSTEM}): "
                            "the hard-coded llama31_8b goal cannot be re-derived here")
+def test_the_gpu_gpt3_preset_has_a_base_lr():
+    """The GPU bench's GPT-3 (batch 4) takes the reference batch's LR: the closed table has none for 4."""
+    from gpu_throughput import gpt3_bench_preset
+
+    from workloads.gpt3.config import base_lr, plan_layout
+
+    cfg = gpt3_bench_preset(on_gpu=True)
+    assert plan_layout(cfg, 1, 1).global_batch == 4 and base_lr(cfg, 4) == 2e-5
+
+
 def test_llama_goal_is_nvidias_v51_tokens_per_gpu():
     """GOALS' llama31_8b figure: global batch x sequence length / the median logged train_step_time / the GPUs
     the system file lists (nodes x accelerators per node)."""

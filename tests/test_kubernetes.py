@@ -430,3 +430,30 @@ def test_a_collection_far_over_10_mib_comes_back_byte_identical(fake_api, tmp_pa
     assert len(started) == 1 + 7  # the manifest, then 25 MiB and change in chunks of 4 MiB
     assert not fake_api.pods  # every results pod deleted
     assert not [p for p in handle.out_dir.iterdir() if p.name.startswith(".collect-")]
+
+
+@needs_crd
+def test_the_opt_in_page_cache_flush_is_a_privileged_init_container(tmp_path):
+    """kubernetes.flush_page_cache: each pod first runs a privileged init container that flushes its node's page
+    cache and records it in the run folder on the results volume; the training container stays unprivileged.
+    Without the opt-in there is none, and without a results volume the opt-in is refused in one line."""
+    from workloads.common.page_cache import HOST_FLUSH_COMMAND, host_flush_script
+
+    args = ("--profile", "coreweave-h100", "--nodes", "2", "--preset", "full", "--synthetic",
+            "--out", str(tmp_path / "run"))
+    job = yaml.safe_load(rendered(*args, "--set", "kubernetes.flush_page_cache=true"))
+    jsonschema.validate(job, pytorchjob_schema())
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        [init] = pod["initContainers"]
+        [main] = pod["containers"]
+        assert init["securityContext"] == {"privileged": True} and main["securityContext"]["privileged"] is False
+        assert init["image"] == main["image"] and init["volumeMounts"] == main["volumeMounts"]
+        folder = next(arg for arg in main["args"] if arg.startswith("/results/run-"))
+        assert init["command"] == ["bash", "-c", host_flush_script(folder, HOST_FLUSH_COMMAND)]
+    plain = yaml.safe_load(rendered(*args))
+    assert all("initContainers" not in r["template"]["spec"] for r in plain["spec"]["pytorchReplicaSpecs"].values())
+    refused = harness("run", "resnet", "--backend", "k8s", "--dry-run", *args, "--set", "kubernetes.flush_page_cache=true",
+                      "--set", "kubernetes.results_pvc=")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "kubernetes.flush_page_cache needs kubernetes.results_pvc" in refused.stderr

@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import multiprocessing
 import socket
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
+
+from workloads.common.run_record import read_json_lines
 
 DEADLINE_S = 120.0
 
@@ -178,7 +182,7 @@ def test_every_rank_resumes_from_rank_0s_choice(tmp_path):
 def _clear_page_caches(ctx, folder: Path, control: str) -> dict:
     from workloads.common.page_cache import clear_page_caches
 
-    return {"not_dropped": clear_page_caches(ctx, folder / control.format(rank=ctx.rank))}
+    return {"not_dropped": clear_page_caches(ctx, folder, folder / control.format(rank=ctx.rank))}
 
 
 def test_the_page_cache_is_dropped_once_per_node(tmp_path):
@@ -196,3 +200,72 @@ def test_a_node_that_cannot_drop_the_page_cache_says_so(tmp_path, capfd):
     assert ranks[1] == ranks[0] and "cannot write" in why and "read-only/drop_caches" in why
     err = capfd.readouterr().err
     assert err.count("was not dropped") == 1 and "the run logs cache_clear false" in err, err
+
+
+@pytest.mark.parametrize("command, recorded", [("true", "flushed"),
+                                               ("echo 3 > /nonexistent/drop_caches", "host flush failed")])
+def test_the_host_flush_step_records_what_it_did_for_the_run_to_take(tmp_path, command, recorded):
+    """The launchers' per-node step (workloads.common.page_cache.host_flush_script, outside the container) leaves
+    its node's record in the run folder; the node's first run takes it (so no in-container flush is needed when it
+    flushed), the next run finds none and flushes itself, and a failed host flush is named with the container's."""
+    import platform
+
+    from workloads.common.page_cache import flush_node, host_flush_script
+
+    out = tmp_path / "run folder's"  # quoted in the script
+    done = subprocess.run(["bash", "-c", host_flush_script(str(out), command)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    record = out / "page_cache" / platform.node()
+    assert record.read_text().startswith(recorded)
+    control = tmp_path / "read-only" / "drop_caches"  # the container cannot flush
+    why = flush_node(out, control)
+    assert not record.exists()  # taken
+    if recorded == "flushed":
+        assert why is None and "cannot write" in flush_node(out, control)  # the next run: no record left
+    else:
+        assert why.startswith("host flush failed (echo 3 > /nonexistent/drop_caches): ") and \
+            "No such file or directory" in why and why.endswith(f"in the container: cannot write {control}: "
+                                                                "No such file or directory")
+
+
+class _Constructed(Exception):
+    """The campaign went past cache_clear to build the workload."""
+
+
+def _closed_run_without_a_flush(ctx, folder: Path, allow: bool) -> dict:
+    from workloads.common import page_cache
+    from workloads.common.campaign import RunOptions, run_campaign
+
+    def workload(*args):
+        raise _Constructed
+
+    page_cache.DROP_CACHES = folder / "read-only" / "drop_caches"  # an unprivileged container
+    options = RunOptions(benchmark="gpt3", preset="full", out=folder, runs=1, seed=1, submitter="t", system="s",
+                         data=None, synthetic=False, max_steps=None, batch_size=None, allow_unflushed_cache=allow)
+    try:
+        run_campaign(workload, options)
+    except SystemExit as exc:
+        return {"stopped": exc.code}
+    except _Constructed:
+        return {"went_ahead": True}
+    return {}
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_closed_run_that_could_not_flush_stops_unless_accepted(tmp_path, allow):
+    """A closed run whose page cache was not flushed stops before init_start with the reason; with
+    --allow-unflushed-cache it goes ahead. Either way the log's cache_clear is false and the run record says why."""
+    from workloads.common.mllog_reader import iter_events
+
+    [rank] = run_ranks(_closed_run_without_a_flush, 1, tmp_path, allow)
+    events = [(e["key"], e["value"]) for e in iter_events((tmp_path / "result_0.txt").read_bytes())]
+    assert events[0] == ("cache_clear", False)
+    [noted] = [r for r in read_json_lines(tmp_path / "run_0.jsonl") if r["kind"] == "cache_clear"]
+    assert noted["cleared"] is False and noted["accepted"] is allow and "cannot write" in noted["why_not"][0]
+    if allow:
+        assert rank == {"went_ahead": True}
+    else:
+        assert rank["stopped"].startswith("workloads: closed run 1 stops before init_start: MLPerf's rules require "
+                                          "flushing the page cache before each run, and it was not flushed (")
+        assert "--allow-unflushed-cache" in rank["stopped"] and "\n" not in rank["stopped"]
+        assert ("init_start", None) not in events

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -16,6 +17,7 @@ from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
 from tests.conftest import compliance, harness
+from workloads.common.page_cache import host_flush_script
 from workloads.common.run_record import read_json_lines
 
 
@@ -30,12 +32,37 @@ def test_the_448_node_h100_script(tmp_path):
                  "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --partition=h100", "#SBATCH --time=02:00:00",
                  "export NCCL_COLLNET_ENABLE=1", "export NCCL_IB_HCA=ibp", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script.splitlines(), line
-    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ") and "--kill-on-bad-exit" in line]
     assert "--container-image=registry.example.com/mlperf/mlperf-harness:0.1.0" in srun
     assert "--container-mounts=/mnt/data:/data,/mnt/results:/results" in srun
     assert "--nnodes=448" in srun and "--nproc-per-node=8" in srun
     assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}"' in srun
     assert not (tmp_path / "out").exists()  # a dry run starts and writes nothing
+
+
+def _flush_step(script: str) -> str:
+    [line] = [line for line in script.splitlines() if "/page_cache" in line]
+    return line
+
+
+def test_the_page_cache_is_flushed_on_the_host_before_the_training_step(tmp_path):
+    """One task per training node, outside the container (no pyxis options), before the training step, with the
+    profile's command (NVIDIA's run.sub: `srun --ntasks="${SLURM_JOB_NUM_NODES}" bash -c "... sync &&
+    ${DROPCACHE_CMD}"`); a failed step does not stop the job. A profile can name its command or turn it off."""
+    args = ("run", "resnet", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100", "--nodes", "4",
+            "--gpus-per-node", "8", "--out", str(tmp_path / "it's"), "--synthetic", "--dry-run")
+    script = harness(*args).stdout
+    step = _flush_step(script)
+    lines = script.splitlines()
+    assert lines.index(step) < lines.index(next(line for line in lines if "--kill-on-bad-exit" in line))
+    assert step.startswith('srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --nodelist="${training_nodes}" bash -c ')
+    assert "--container" not in step and step.endswith(" || true")
+    # The script bash runs, once the shell has unquoted it: the reference's flush, the run folder quoted.
+    assert shlex.split(step.removesuffix(" || true"))[-1] == host_flush_script(str(tmp_path / "it's"),
+                                                                                "sync && echo 3 > /proc/sys/vm/drop_caches")
+    sudo = harness(*args, "--set", "slurm.flush_page_cache=sudo /sbin/sysctl vm.drop_caches=3").stdout
+    assert "( sudo /sbin/sysctl vm.drop_caches=3 )" in shlex.split(_flush_step(sudo).removesuffix(" || true"))[-1]
+    assert "/page_cache" not in harness(*args, "--set", "slurm.flush_page_cache=").stdout
 
 
 def test_gres_and_overrides(tmp_path):
@@ -315,3 +342,24 @@ def test_a_spare_replaces_a_node_that_fails_preflight_and_the_bad_one_is_drained
     assert f"preflight: kept out node2: {why}" in report.stdout
     assert f"preflight: node2 drained: harness preflight: {why}" in report.stdout
     assert json.loads(harness("report", str(out), "--format", "json").stdout)[0]["runs"][0]["badput"]["preflight"] > 0
+
+
+@pytest.mark.slurm
+def test_the_host_flush_step_runs_on_every_node_of_a_real_cluster(slurm_cluster, tmp_path):
+    """The rendered flush step, alone in a batch job on both nodes: each node leaves its record, either flushed
+    or the reason it could not (this cluster's nodes share one host, so they share one record name)."""
+    from harness.cache_flush import slurm_flush_lines
+
+    profile = profiles.load("local-cpu")
+    spec = JobSpec(benchmark="resnet", nodes=2, out_dir=tmp_path / "run", profile=profile)
+    script = tmp_path / "flush.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", "#SBATCH --nodes=2", f"#SBATCH --output={tmp_path}/flush-%j.out",
+                                 "set -euo pipefail", *slurm_flush_lines(spec, None), ""]))
+    done = subprocess.run(["sbatch", "--wait", str(script)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", **slurm_cluster.env})
+    assert done.returncode == 0, done.stdout + done.stderr + slurm_cluster.logs()
+    records = list((tmp_path / "run" / "page_cache").iterdir())
+    assert records, slurm_cluster.logs()
+    for record in records:
+        text = record.read_text().strip()
+        assert text == "flushed" or text.startswith("host flush failed (sync && echo 3 > /proc/sys/vm/drop_caches): ")

@@ -37,6 +37,7 @@ from kubernetes import client as k8s
 
 from harness import preflight
 from harness.agent import HOST_ENV, NODE_ENV
+from harness.cache_flush import kubernetes_flush_init
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
@@ -140,6 +141,7 @@ def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpe
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=_labels(spec, job=False)),
         spec=k8s.V1PodSpec(
+            init_containers=kubernetes_flush_init(spec, pvc_folder(spec, token), parts.mounts),
             containers=[container], volumes=parts.volumes, host_network=profile.host_network or None,
             dns_policy="ClusterFirstWithHostNet" if profile.host_network else None,
             node_selector=kube.node_selector or None,

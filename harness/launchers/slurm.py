@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from harness.agent import EXIT_RETRY
+from harness.cache_flush import slurm_flush_lines
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
@@ -190,6 +191,7 @@ def _training_lines(spec: JobSpec, command: str, decide: str) -> list[str]:
     return [
         "# The rendezvous host: the first training node, at the address Slurm uses for it.",
         f'head_addr=$(node_addr "{first}")',
+        *slurm_flush_lines(spec, '--nodelist="${training_nodes}"' if spec.preflight else None),
         "status=0",
         f"{command} || status=$?",
         f"decision=0; {decide} || decision=$?",

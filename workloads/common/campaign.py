@@ -29,7 +29,7 @@ from workloads.common.distributed import DistContext, broadcast_object, init_dis
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, logged_run, submission_keys
-from workloads.common.page_cache import clear_page_caches
+from workloads.common.page_cache import ALLOW_FLAG, clear_page_caches, refuse_unflushed
 from workloads.common.progress import announce
 from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
@@ -64,6 +64,7 @@ class RunOptions:
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
     global_batch: int | None = None  # llama31_8b: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b: accept a global batch with no RCP
+    allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -92,6 +93,7 @@ class RunOptions:
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
+        p.add_argument(ALLOW_FLAG, action="store_true")
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
@@ -229,11 +231,14 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
-            not_dropped = clear_page_caches(ctx)  # the nodes that could not, and why
+            not_dropped = clear_page_caches(ctx, opts.out)  # the nodes that did not flush, and why
             cleared = not not_dropped
             mlog.event(C.CACHE_CLEAR, cleared)
             record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
-            record.moment("cache_clear", cleared=cleared, **({} if cleared else {"why_not": not_dropped}))
+            record.moment("cache_clear", cleared=cleared, **({} if cleared else {
+                "why_not": not_dropped, "accepted": opts.allow_unflushed_cache}))
+            if not cleared and opts.division == C.CLOSED and not opts.allow_unflushed_cache:
+                raise SystemExit(refuse_unflushed(index, not_dropped))
             mlog.start(C.INIT_START)
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)

@@ -1,9 +1,10 @@
 """The steps every language model here shares: the next-token loss accumulated over micro batches, the
 scored loss of an eval batch, and gradient clipping, for whole models and for DTensor-parallel ones alike.
 
-AdamW's parameter groups are Megatron's for both references. A `split` turns a batch of (batch, sequence + 1) tokens into the model's inputs and the targets this rank
-scores: the whole shifted sequence (the default), or a context-parallel rank's chunks of it with their
-positions (workloads.llama.parallelize).
+AdamW's parameter groups are Megatron's for both references. A `split` turns a batch of samples into the model's
+inputs and the targets this rank scores: the whole shifted sequence of seq_len + 1 tokens (the default), GPT-3's
+samples of seq_len tokens with the last target unscored (rolled_split), or a context-parallel rank's chunks with
+their positions (workloads.llama.parallelize).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from workloads.common.distributed import all_sum
 from workloads.common.gpu_peaks import mfu
+from workloads.common.megatron_data import PAD
 
 IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
 
@@ -28,6 +30,15 @@ Split = Callable[[torch.Tensor], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
 def next_token_split(tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The model reads tokens 0..n-1 and predicts 1..n."""
     return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def rolled_split(tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Samples of seq_len tokens (MLPerf's GPT-3 reference, `--no-seq-len-plus-one-tokens`: pretrain_gpt.py's
+    get_batch): the model reads all n, position i predicts token i + 1, and the last position, like any target
+    that is padding (megatron_data.PAD), is not scored; padding is read as token 0."""
+    targets = torch.roll(tokens, -1, dims=1)
+    targets[:, -1] = PAD
+    return (tokens.masked_fill(tokens == PAD, 0),), targets.masked_fill(targets == PAD, IGNORED)
 
 
 def _loss_context(logits: torch.Tensor):

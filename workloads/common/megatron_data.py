@@ -5,9 +5,12 @@ The `.idx` file (Megatron's MMIDIDX format, version 1): a 9-byte magic, the vers
 (<Q), a dtype code (<B), the sequence count (<Q) and the document count (<Q); then
 int32 sizes and int64 byte pointers, one per sequence, and int64 document indices.
 The `.bin` file holds the token ids back to back, in the dtype the index declares (uint16 for
-GPT-3's 50k vocabulary, int32 for Llama 3.1's 128k). Training samples are windows of
-seq_len + 1 tokens over the concatenated stream (documents end in an EOD token, and attention
-runs across their boundaries, as the references train), in a seeded shuffled order.
+GPT-3's 50k vocabulary, int32 for Llama 3.1's 128k). Samples are cut from the concatenated stream in
+document order (documents end in an EOD token, and attention runs across their boundaries, as the references
+train), and shuffled by a seed, as Megatron's GPTDataset does (its `_build_doc_idx` leaves the documents in
+order: "Disabled document shuffling", mlcommons/training large_language_model/megatron-lm/megatron/data/
+gpt_dataset.py; its `shuffle_idx` shuffles the samples). Llama 3.1's reference cuts windows of seq_len + 1
+tokens (Megatron's default); GPT-3's passes `--no-seq-len-plus-one-tokens`: disjoint samples of seq_len.
 The tiny presets write their generated text in the same format, so they run through this very reader.
 """
 
@@ -92,22 +95,38 @@ def write_indexed_dataset(prefix: Path, documents: list[np.ndarray], dtype=np.ui
         f.write(sizes.tobytes() + pointers.tobytes() + np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
 
 
-class SequenceSamples(Dataset):
-    """Windows of seq_len + 1 tokens over one dataset's token stream (input and shifted target), shuffled."""
+PAD = -1  # Megatron's filler after the last token of a whole-set eval: read as token 0, never scored
 
-    def __init__(self, data: IndexedDataset, seq_len: int, seed: int | None):
-        self.data, self.seq_len = data, seq_len
-        count = (len(data.tokens) - 1) // seq_len
+
+class SequenceSamples(Dataset):
+    """Samples over one dataset's token stream, shuffled by `seed` (None: in stream order).
+
+    With `extra_token` (Megatron's default), windows of seq_len + 1 tokens, each sharing its last token with the
+    next one's first: input and shifted target. Without (GPT-3's reference), disjoint samples of seq_len tokens,
+    whose last position has no target (workloads.common.language_model.rolled_split). `keep_last` keeps the
+    stream's final, shorter sample, padded with PAD, as Megatron does for an eval over the whole set."""
+
+    def __init__(self, data: IndexedDataset, seq_len: int, seed: int | None, extra_token: bool = True,
+                 keep_last: bool = False):
+        self.data, self.seq_len, self.extra = data, seq_len, int(extra_token)
+        usable = len(data.tokens) - self.extra
+        count = -(-usable // seq_len) if keep_last else usable // seq_len
         if count < 1:
-            raise ValueError(f"a dataset of {len(data.tokens)} tokens holds no sample of {seq_len + 1} tokens")
+            raise ValueError(f"a dataset of {len(data.tokens)} tokens holds no sample of {seq_len + self.extra} "
+                             "tokens")
         self.order = np.random.default_rng(seed).permutation(count) if seed is not None else np.arange(count)
 
     def __len__(self) -> int:
         return len(self.order)
 
+    def tokens_in(self, count: int) -> int:
+        """The dataset tokens the first `count` samples in stream order hold (the padding not counted)."""
+        return min(count * self.seq_len + self.extra, len(self.data.tokens)) if count else 0
+
     def __getitem__(self, i: int) -> torch.Tensor:
         start = int(self.order[i]) * self.seq_len
-        return torch.from_numpy(self.data.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        sample = self.data.tokens[start:start + self.seq_len + self.extra].astype(np.int64)
+        return torch.from_numpy(np.pad(sample, (0, self.seq_len + self.extra - len(sample)), constant_values=PAD))
 
 
 class BlendedSamples(Dataset):
@@ -143,6 +162,7 @@ class TokenLoaders:
     eval: DataLoader
     eval_sequences: int
     sampler: ResumableSampler  # the train loader's: where a resumed run starts reading
+    eval_tokens: int | None = None  # the dataset tokens the eval reads, where its reader counts them
 
 
 class EvalShard(Dataset):
@@ -168,7 +188,7 @@ class EvalShard(Dataset):
         return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
 
 
-# Micro batches each loader worker keeps ready: one is 2,049 tokens a sequence, so holding a few costs nothing
+# Micro batches each loader worker keeps ready: one is 2,048 or 2,049 tokens a sequence, so holding a few costs nothing
 # and hides the page faults of a cold memory map.
 PREFETCH_PER_WORKER = 4
 
@@ -192,17 +212,19 @@ def token_loaders(train: Dataset, eval_set: Dataset, micro_batch: int, data_rank
 
 
 class RandomTokens(Dataset):
-    """Seeded random sequences: input for throughput runs (--synthetic) that need no dataset."""
+    """Seeded random sequences of seq_len + 1 tokens (seq_len without `extra_token`, as SequenceSamples): input
+    for throughput runs (--synthetic) that need no dataset."""
 
-    def __init__(self, vocab_size: int, seq_len: int, count: int, seed: int):
+    def __init__(self, vocab_size: int, seq_len: int, count: int, seed: int, extra_token: bool = True):
         self.vocab_size, self.seq_len, self.count, self.seed = vocab_size, seq_len, count, seed
+        self.length = seq_len + int(extra_token)
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, i: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
+        return torch.randint(0, self.vocab_size, (self.length,), generator=generator)
 
 
 def write_markov_corpus(folder: Path, table: np.ndarray, files: list[tuple[str, int, int]], doc_tokens: int,

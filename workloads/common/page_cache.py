@@ -1,28 +1,52 @@
-"""cache_clear: drop the page cache before each run, as the MLPerf reference scripts do, and log what is true.
+"""cache_clear: flush the page cache before each run, as the MLPerf reference scripts do, and log what is true.
 
-The reference launch scripts run `sync; echo 3 > /proc/sys/vm/drop_caches` on every node
-before each run, so that no run starts with the dataset already in memory from the run
-before. That needs root and a writable /proc/sys, which a container often lacks. Where a
-node cannot, its stderr says why, and the run logs cache_clear false (the rules require
-only that the key has a value) and notes it in the run record.
+The rules: "You must flush the cache or restart the system prior to benchmarking" (training_rules.adoc, Data
+State at Start of Run). NVIDIA's submission scripts do it on the host, outside the container, on every node
+before each run: `srun --ntasks="${SLURM_JOB_NUM_NODES}" bash -c "... sync && ${DROPCACHE_CMD}"` with
+DROPCACHE_CMD `sudo /sbin/sysctl vm.drop_caches=3`, then log cache_clear true (run.sub in
+mlcommons/training_results_v3.1 NVIDIA/benchmarks/bert/implementations/pytorch). An unprivileged pod or a
+rootless container cannot write /proc/sys/vm/drop_caches, so the launchers run the flush where it can work:
+Slurm as a host-side step per node before the training step, Kubernetes as a privileged init container per
+pod where the profile opts in (harness.cache_flush renders both). That step leaves one record per node in
+<out>/page_cache/<hostname>: "flushed", or why not. A run takes its node's record (once: the next run of the
+same launch has none) and otherwise tries the flush itself, which works where the worker is root on the host.
+
+A closed run whose cache was not flushed on every node stops with the reasons before init_start, unless
+the user accepts it (--allow-unflushed-cache); either way the log's cache_clear says what happened and the
+run record says why.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from workloads.common.distributed import DistContext
+if TYPE_CHECKING:  # torch-free at import: the launchers render the flush step from here
+    from workloads.common.distributed import DistContext
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+HOST_FLUSH_COMMAND = f"sync && echo 3 > {DROP_CACHES}"  # the reference scripts' flush; a profile may name another
+RECORDS = "page_cache"  # <out>/page_cache/<hostname>: what the launcher's per-node flush step did
+FLUSHED = "flushed"
+ALLOW_FLAG = "--allow-unflushed-cache"
 
 
-def drop_page_cache(control: Path = DROP_CACHES) -> str | None:
+def host_flush_script(out_dir: str, command: str = HOST_FLUSH_COMMAND) -> str:
+    """The bash script the launcher's per-node step runs outside the training container: flush, and record on
+    the shared output folder, under this node's hostname, whether it did or why not."""
+    folder = shlex.quote(f"{out_dir}/{RECORDS}")
+    return (f'mkdir -p {folder} && record={folder}/"$(hostname)" && '
+            f'if why=$( ( {command} ) 2>&1 ); then echo {FLUSHED} > "$record"; '
+            f'else echo "host flush failed ({command}): ${{why:-no message}}" | tr "\\n" " " > "$record"; fi')
+
+
+def drop_page_cache(control: Path | None = None) -> str | None:
     """Write dirty pages back, then drop the clean page cache, dentries and inodes; None if done, else why not."""
+    control = control or DROP_CACHES
     os.sync()
     try:
         with open(control, "w") as f:
@@ -32,14 +56,45 @@ def drop_page_cache(control: Path = DROP_CACHES) -> str | None:
     return None
 
 
-def clear_page_caches(ctx: DistContext, control: Path = DROP_CACHES) -> list[str]:
-    """Drop the page cache once per node (its local rank 0); every rank gets the nodes' reasons for not doing so."""
+def take_host_record(out: Path) -> str | None:
+    """This node's record from the launcher's flush step (removed as it is read), or None if there is none."""
+    record = out / RECORDS / platform.node()
+    try:
+        text = record.read_text().strip()
+    except OSError:
+        return None
+    record.unlink(missing_ok=True)
+    return text
+
+
+def flush_node(out: Path, control: Path | None = None) -> str | None:
+    """Flush this node's page cache, or take the launcher's flush of it; None if flushed, else why not."""
+    host = take_host_record(out)
+    if host == FLUSHED:
+        return None
+    problem = drop_page_cache(control)
+    return f"{host}; in the container: {problem}" if host and problem else problem
+
+
+def clear_page_caches(ctx: "DistContext", out: Path, control: Path | None = None) -> list[str]:
+    """Flush once per node (its local rank 0); every rank gets the nodes' reasons for not having flushed."""
+    import torch.distributed as dist
+
     problem = None
     if ctx.local_rank == 0:
-        problem = drop_page_cache(control)
+        problem = flush_node(out, control)
         if problem:
             print(f"workloads: cache_clear: the page cache of {platform.node()} was not dropped ({problem}); "
                   "the run logs cache_clear false", file=sys.stderr, flush=True)
     problems: list = [None] * ctx.world_size
     dist.all_gather_object(problems, f"{platform.node()}: {problem}" if problem else None)
     return [p for p in problems if p]
+
+
+def refuse_unflushed(run: int, problems: list[str]) -> str:
+    """The one-line reason a closed run stops when its cache was not flushed."""
+    return (f"workloads: closed run {run + 1} stops before init_start: MLPerf's rules require flushing the page cache "
+            f"before each run, and it was not flushed ({'; '.join(problems)}). Flush it on the host (Slurm: the "
+            "job's per-node flush step, which needs root on the nodes; Kubernetes: the profile's "
+            f"kubernetes.flush_page_cache privileged init step), or accept it with {ALLOW_FLAG} (the log keeps "
+            "cache_clear false)")

@@ -1,9 +1,12 @@
 """GPT-3 presets, the parallel layout and the per-GPU memory estimate. No torch here: `harness run
 --dry-run` imports this to show the layout and to refuse a config that cannot fit, before anything starts.
 
-The full preset follows MLPerf's GPT-3 175B reference (ruleset 4.1.0): its hyperparameters are
-defined at a global batch of 1536 sequences and scale with the batch actually used, the way
-NVIDIA's logs show (e.g. at 2688: warmup 151 steps, decay 62057 steps, init_checkpoint_step 2286).
+The full preset follows MLPerf's GPT-3 175B reference (ruleset 4.1.0,
+mlcommons/training retired_benchmarks/gpt3/megatron-lm/run_gpt3.sh): its schedule is defined in samples
+(`--lr-warmup-samples 407040 --lr-decay-samples 166809600`, 265 and 108,600 steps of batch 1536) and so is
+its starting point (`--ext-lr-steps` 4000 x 1536 samples); the steps logged at the batch actually used are
+those samples over the batch, as NVIDIA's logs show them (at 3072: warmup 132, decay 54300,
+init_checkpoint_step 2000; at 2688: 151, 62057 and 2286). The base LR follows the rules' table by batch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ REFERENCE_DECAY_STEPS = 108_600
 REFERENCE_INIT_CHECKPOINT_STEP = 4000  # the step of MLPerf's starting checkpoint
 INIT_INFO = "harness-init.json"  # beside a starting checkpoint (DCP): the step and global batch it was trained to
 EVAL_INTERVAL_SAMPLES = 24_576  # evaluate every this many sequences (rounded up to whole steps)
+
+# The base LR by global batch: the batches MLPerf's GPT-3 RCPs were measured at, and their LR (mlperf-logging
+# rcp_checker/training_4.1.0/rcps_gpt3.json: 1536, 2048 and 3072 at 2e-5; 4096, 6144 and 8192 at 3e-5; the
+# rules' GPT-3 table in training_rules.adoc says the same). Between 3072 and 4096 the rules allow either (the
+# harness takes the nearer end); below 1536 or above 8192 there is no RCP, so no closed run.
+LR_TABLE = ((1536, 3072, 2e-5), (4096, 8192, 3e-5))
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,7 @@ class GPT3Config:
     model: GPTConfig
     global_batch: int  # sequences per optimizer step, before rounding to the layout
     micro_batch: int  # sequences per process per forward pass
-    base_lr: float
+    base_lr: float | None  # None: by the global batch, from LR_TABLE (the closed preset)
     end_lr_ratio: float  # end LR = base LR x this (MLPerf: 10%)
     warmup_steps: int  # at `lr_batch`; scaled with the real global batch
     decay_steps: int
@@ -70,7 +79,7 @@ PRESETS = {
     # MLPerf closed: GPT-3 175B on C4, target log perplexity 2.69, starting from the reference checkpoint.
     "full": GPT3Config(
         model=GPTConfig(vocab_size=50_304, seq_len=2048, n_layer=96, n_head=96, d_model=12_288),
-        global_batch=REFERENCE_BATCH, micro_batch=1, base_lr=2e-5, end_lr_ratio=0.1,
+        global_batch=REFERENCE_BATCH, micro_batch=1, base_lr=None, end_lr_ratio=0.1,
         warmup_steps=REFERENCE_WARMUP_STEPS, decay_steps=REFERENCE_DECAY_STEPS, lr_batch=REFERENCE_BATCH,
         eval_interval=EVAL_INTERVAL_SAMPLES, eval_sequences=5_760, target=2.69,
         init_checkpoint_step=REFERENCE_INIT_CHECKPOINT_STEP, tensor_parallel=8, activation_checkpointing=True),
@@ -110,13 +119,27 @@ def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
                          "(sequence parallelism splits it)")
     data = world // tensor
     grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
-    return Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
-                  grad_accum=grad_accum, procs_per_node=procs_per_node)
+    layout = Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
+                    grad_accum=grad_accum, procs_per_node=procs_per_node)
+    base_lr(cfg, layout.global_batch)  # a batch with no LR in the rules' table is refused with the layout
+    return layout
 
 
-def scaled_steps(steps: int, cfg: GPT3Config, layout: Layout) -> int:
-    """A step count defined at cfg.lr_batch, at the layout's real global batch (same number of samples)."""
-    return math.ceil(steps * cfg.lr_batch / layout.global_batch)
+def base_lr(cfg: GPT3Config, global_batch: int) -> float:
+    """The preset's base LR, or (closed preset) the rules' LR for this global batch; a batch the table does not
+    cover is refused with the table."""
+    if cfg.base_lr is not None:
+        return cfg.base_lr
+    for low, high, lr in LR_TABLE:
+        if low <= global_batch <= high:
+            return lr
+    (_, gap_low, low_lr), (gap_high, _, high_lr) = LR_TABLE
+    if gap_low < global_batch < gap_high:  # either is allowed: the nearer end's, ties to the lower
+        return low_lr if global_batch - gap_low <= gap_high - global_batch else high_lr
+    table = "; ".join(f"batch {low}-{high}: {lr:g}" for low, high, lr in LR_TABLE)
+    raise ValueError(f"gpt3: global batch {global_batch} has no base LR in MLPerf's GPT-3 table ({table}; "
+                     f"either in between; above {LR_TABLE[-1][1]} needs a new RCP): choose nodes and a micro batch "
+                     "(--batch-size) whose global batch it covers")
 
 
 @dataclass(frozen=True)
@@ -180,7 +203,7 @@ def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> l
         f"sequence {cfg.model.seq_len}, {_count(cfg.model.params)} parameters",
         f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline} "
         f"x data (FSDP) {layout.data}; global batch {layout.global_batch} = {layout.data} x micro batch "
-        f"{layout.micro_batch} x {layout.grad_accum} accumulation steps",
+        f"{layout.micro_batch} x {layout.grad_accum} accumulation steps; base LR {base_lr(cfg, layout.global_batch):g}",
         f"gpt3 memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",
         f"gpt3 traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",

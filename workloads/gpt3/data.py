@@ -4,11 +4,11 @@ training shards blended 0.5/0.5, and the tiny preset's generated text written in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
@@ -23,22 +23,28 @@ C4_EVAL = "c4_en_validation_subset_c4_spm_text_document"
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int | None,
                seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
                train_prefixes=C4_TRAIN, eval_prefix=C4_EVAL) -> TokenLoaders:
-    """Loaders over MLPerf's C4 layout in `root`."""
+    """Loaders over MLPerf's C4 layout in `root`, cut as the reference cuts it (`--no-seq-len-plus-one-tokens`):
+    disjoint samples of seq_len tokens, shuffled; the eval reads the whole validation set, its last sample
+    padded, and the log's eval_samples counts its tokens (NVIDIA's: 11,590,004)."""
     require_datasets(root, (*train_prefixes, eval_prefix), "gpt3: MLPerf's C4")
-    shards = [SequenceSamples(IndexedDataset(Path(root, p)), seq_len, seed + i) for i, p in enumerate(train_prefixes)]
+    shards = [SequenceSamples(IndexedDataset(Path(root, p)), seq_len, seed + i, extra_token=False)
+              for i, p in enumerate(train_prefixes)]
     train = BlendedSamples(shards, [1.0] * len(shards), train_samples)
-    eval_set: Dataset = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None)
-    if eval_sequences is not None:
-        eval_set = torch.utils.data.Subset(eval_set, range(min(eval_sequences, len(eval_set))))
-    return token_loaders(train, eval_set, micro_batch, data_rank, data_world, workers, pin_memory)
+    validation = SequenceSamples(IndexedDataset(Path(root, eval_prefix)), seq_len, seed=None, extra_token=False,
+                                 keep_last=True)
+    count = len(validation) if eval_sequences is None else min(eval_sequences, len(validation))
+    loaders = token_loaders(train, torch.utils.data.Subset(validation, range(count)), micro_batch, data_rank,
+                            data_world, workers, pin_memory)
+    return replace(loaders, eval_tokens=validation.tokens_in(count))
 
 
 def synthetic_loaders(vocab_size: int, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int,
                       seed: int, data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False
                       ) -> TokenLoaders:
-    return token_loaders(RandomTokens(vocab_size, seq_len, train_samples, seed),
-                    RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1), micro_batch, data_rank, data_world,
-                    workers, pin_memory)
+    loaders = token_loaders(RandomTokens(vocab_size, seq_len, train_samples, seed, extra_token=False),
+                            RandomTokens(vocab_size, seq_len, eval_sequences, seed + 1, extra_token=False), micro_batch,
+                            data_rank, data_world, workers, pin_memory)
+    return replace(loaders, eval_tokens=eval_sequences * seq_len)
 
 
 # The tiny preset's text: a Markov chain over a small vocabulary, where each token has a few likely

@@ -4,9 +4,10 @@ log perplexity reaches the target (timed).
 MLPerf shape: training starts from a checkpoint (the reference's, at step 4000 of batch 1536;
 the tiny preset's is trained once by the harness), evaluates every 24,576 sequences (rounded
 up to whole steps) on the validation subset, and stops at the first evaluation at or below
-the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1 on every parameter, linear warmup
-then cosine decay to 10% of the base LR, continued from the starting checkpoint's step, gradient
-clipping at 1.0. `epoch_num` counts tokens, as NVIDIA's logs do.
+the target. Adam (0.9, 0.95, 1e-8), weight decay 0.1 on every parameter, the base LR the rules'
+table gives the global batch, linear warmup then cosine decay to 10% of it over samples (as Megatron's
+schedule counts them), continued from the starting checkpoint's samples, gradient clipping at 1.0.
+`epoch_num` counts tokens, as NVIDIA's logs do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import math
 import warnings
 from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from workloads.common.campaign import RunOptions, Workload
 from workloads.common.distributed import DistContext
-from workloads.common.language_model import DecoderSteps, next_token_split, optimizer_groups
+from workloads.common.language_model import DecoderSteps, optimizer_groups, rolled_split
 from workloads.common.loop import Target
 from workloads.common.resilience import Block
-from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, plan_layout, scaled_steps
+from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, base_lr, plan_layout
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
 from workloads.gpt3.model import GPT
 from workloads.gpt3.parallel import build_mesh, parallelize
@@ -53,13 +55,18 @@ class GPT3Workload(DecoderSteps, Workload):
         self.cfg = cfg
         self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
         self.mesh = build_mesh(layout, ctx.device)
-        self.warmup_steps = scaled_steps(cfg.warmup_steps, cfg, layout)
-        self.decay_steps = scaled_steps(cfg.decay_steps, cfg, layout)
-        self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
-        self.total_steps = min(opts.max_steps or cfg.max_steps, self.decay_steps)
+        batch = layout.global_batch
+        self.base_lr = base_lr(cfg, batch)
+        # The reference's schedule counts samples (run_gpt3.sh: --lr-warmup-samples, --lr-decay-samples, the
+        # preset's steps at lr_batch); the steps logged are those samples over this batch, rounded down, as
+        # NVIDIA's logs show them (at 3072: 132 and 54300).
+        self.warmup_samples, self.decay_samples = cfg.warmup_steps * cfg.lr_batch, cfg.decay_steps * cfg.lr_batch
+        self.warmup_steps, self.decay_steps = self.warmup_samples // batch, self.decay_samples // batch
+        self.eval_every = max(1, math.ceil(cfg.eval_interval / batch))  # steps
+        self.total_steps = min(opts.max_steps or cfg.max_steps, math.ceil(self.decay_samples / batch))
         self.tokens_per_step = layout.global_batch * cfg.model.seq_len
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
-        self.split = next_token_split
+        self.split = rolled_split  # samples of 2,048 tokens, the last target unscored, as the reference
 
         # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
         with torch.device("meta"):
@@ -70,12 +77,12 @@ class GPT3Workload(DecoderSteps, Workload):
         self.model = model
         # Every parameter decays: the reference passes --do-layernorm-bias-weight-decay
         # (mlcommons/training retired_benchmarks/gpt3/megatron-lm/run_gpt3.sh).
-        self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay, decay_vectors=True), lr=cfg.base_lr,
+        self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay, decay_vectors=True), lr=self.base_lr,
                                            betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.init_step = self._load_init_checkpoint()
-        # The schedule continues where the starting checkpoint left it (past warmup, into the decay), as the
-        # reference does; its steps, like every step count here, at this run's global batch.
-        self.schedule_offset = 0 if self.init_step is None else scaled_steps(self.init_step, cfg, layout)
+        # The schedule continues from the samples the starting checkpoint trained (past warmup, into the decay), as
+        # the reference does (run_gpt3.sh: --ext-lr-steps 4000 x 1536 samples).
+        self.start_samples = 0 if self.init_step is None else self.init_step * cfg.lr_batch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
@@ -129,11 +136,12 @@ class GPT3Workload(DecoderSteps, Workload):
         return self.cfg.init_checkpoint_step
 
     def _lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to end_lr_ratio x base LR, from the starting checkpoint's step."""
-        step += self.schedule_offset
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        """Megatron's AnnealingLR over samples (megatron/learning_rates.py): linear warmup from 0, then cosine
+        decay to end_lr_ratio x base LR, counted from the starting checkpoint's samples."""
+        samples = self.start_samples + step * self.layout.global_batch
+        if samples <= self.warmup_samples:
+            return samples / self.warmup_samples
+        progress = min(1.0, (samples - self.warmup_samples) / (self.decay_samples - self.warmup_samples))
         end = self.cfg.end_lr_ratio
         return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -144,8 +152,9 @@ class GPT3Workload(DecoderSteps, Workload):
             C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
             C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
             C.OPT_NAME: C.ADAM,
-            C.OPT_BASE_LR: cfg.base_lr,
-            C.OPT_END_LR: cfg.base_lr * cfg.end_lr_ratio,
+            C.OPT_BASE_LR: self.base_lr,
+            # In decimal, as the reference's MIN_LR=2.0e-6 is written (in binary, 2e-5 x 0.1 is 2.0000000000000003e-6).
+            C.OPT_END_LR: float(Decimal(repr(self.base_lr)) * Decimal(repr(cfg.end_lr_ratio))),
             C.OPT_LR_WARMUP_STEPS: self.warmup_steps,
             C.OPT_LR_DECAY_STEPS: self.decay_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
@@ -154,8 +163,10 @@ class GPT3Workload(DecoderSteps, Workload):
             C.OPT_ADAM_EPSILON: 1e-8,
             C.OPT_WEIGHT_DECAY: cfg.weight_decay,
             C.OPT_GRADIENT_CLIP_NORM: self.clip_norm,
-            **({C.INIT_CHECKPOINT_STEP: self.schedule_offset} if self.init_step is not None else {}),
-            C.EVAL_SAMPLES: self.loaders.eval_sequences * cfg.model.seq_len,
+            # The starting samples in steps of this batch, rounded up, as NVIDIA logs them (2286 at 2688).
+            **({C.INIT_CHECKPOINT_STEP: math.ceil(self.start_samples / layout.global_batch)}
+               if self.init_step is not None else {}),
+            C.EVAL_SAMPLES: self.loaders.eval_tokens,  # the validation tokens, as NVIDIA's logs count them
             "tensor_model_parallel_size": layout.tensor,
             "pipeline_model_parallel_size": layout.pipeline,
         }
