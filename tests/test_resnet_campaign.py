@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
 from workloads.resnet.config import PRESETS, LarsStep, default_optimizer, lars_step
 from workloads.resnet.data import (MEAN, STD, image_folder_loaders, scan_images, shared_image_list,
-                                   to_model_input)
+                                   to_model_input, train_image)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
 
 
@@ -282,7 +283,7 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
     crop, batch, ctx = 16, 2, _ctx(rank=1)
     normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
     old_train = datasets.ImageFolder(str(tmp_path / "train"), transforms.Compose(
-        [transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), *normalize]))
+        [lambda image: train_image(image, crop, random.Random(int(torch.randint(2**62, ())))), *normalize]))
     old_eval = datasets.ImageFolder(str(tmp_path / "val"), transforms.Compose(
         [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), *normalize]))
     old_sampler = ResumableSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import transforms
+from torchvision.transforms.v2 import functional as F
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
 
 from workloads.common.cache import build_once, cache_root
@@ -31,11 +33,79 @@ IMAGENET_TRAIN_SAMPLES = 1_281_167
 IMAGENET_EVAL_SAMPLES = 50_000
 
 
-def train_transform(crop: int) -> transforms.Compose:
-    """MLPerf training preprocessing up to the pixels: random-resized crop and horizontal flip, kept uint8
-    (normalised on the device by to_model_input)."""
-    return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
-                               transforms.PILToTensor()])
+# The reference's training crop: tf.image.sample_distorted_bounding_box as _decode_crop_and_flip calls it in
+# mlcommons/training retired_benchmarks/resnet/tf2/tensorflow2/imagenet_preprocessing.py (min_object_covered 0.1,
+# aspect_ratio_range [0.75, 1.33], area_range [0.05, 1.0], max_attempts 100, use_image_if_no_bounding_boxes),
+# drawn as TensorFlow's kernel draws it (tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc).
+CROP_AREA = (0.05, 1.0)
+CROP_ASPECT = (0.75, 1.33)  # width / height
+CROP_MIN_OBJECT_COVERED = 0.1
+CROP_ATTEMPTS = 100
+
+
+def reference_crop(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """The reference's random crop of a height x width image: (top, left, crop height, crop width).
+
+    Up to CROP_ATTEMPTS tries: an aspect ratio uniform in CROP_ASPECT, then a crop height uniform (the side, not the
+    area) between the heights that give CROP_AREA's bounds, kept only if the crop covers CROP_MIN_OBJECT_COVERED of
+    the object's box. ImageFolder's JPEGs carry no boxes, so the box is the whole image (the reference's
+    use_image_if_no_bounding_boxes) and a kept crop holds at least 10% of the image: the area range's [0.05, 0.1)
+    is drawn and rejected. When no try is kept, the crop is the whole image (torchvision's fallback, a center crop
+    clamped to the aspect range, is not the reference's).
+    """
+    for _ in range(CROP_ATTEMPTS):
+        aspect = rng.random() * (CROP_ASPECT[1] - CROP_ASPECT[0]) + CROP_ASPECT[0]
+        box = _random_crop(height, width, aspect, rng)
+        if box is not None and box[2] * box[3] >= max(1.0, CROP_MIN_OBJECT_COVERED * height * width):
+            return box
+    return 0, 0, height, width
+
+
+def _random_crop(height: int, width: int, aspect: float, rng: random.Random) -> tuple[int, int, int, int] | None:
+    """TensorFlow's GenerateRandomCrop: one try at a crop of `aspect` within CROP_AREA, or None (round() is C's
+    lrintf, half to even)."""
+    min_area, max_area = CROP_AREA[0] * width * height, CROP_AREA[1] * width * height
+    crop_h, max_h = round(math.sqrt(min_area / aspect)), round(math.sqrt(max_area / aspect))
+    if round(max_h * aspect) > width:  # the tallest crop whose width still fits
+        max_h = int((width + 0.5 - 1e-7) / aspect)
+        if round(max_h * aspect) > width:
+            max_h -= 1
+    max_h = min(max_h, height)
+    crop_h = min(crop_h, max_h)
+    if crop_h < max_h:
+        crop_h += rng.randrange(max_h - crop_h + 1)
+    crop_w = round(crop_h * aspect)
+    if crop_w * crop_h < min_area:  # rounding's way out, a row taller then one shorter, as TensorFlow's
+        crop_h += 1
+        crop_w = round(crop_h * aspect)
+    if crop_w * crop_h > max_area:
+        crop_h -= 1
+        crop_w = round(crop_h * aspect)
+    area = crop_w * crop_h
+    if not (min_area <= area <= max_area and 0 < crop_w <= width and 0 < crop_h <= height):
+        return None
+    top = rng.randrange(height - crop_h) if crop_h < height else 0
+    left = rng.randrange(width - crop_w) if crop_w < width else 0
+    return top, left, crop_h, crop_w
+
+
+def train_image(image, crop: int, rng: random.Random):
+    """The reference's training augmentation of one image (PIL or uint8 tensor): its random crop (reference_crop),
+    resized to crop x crop (bilinear, antialiased), flipped left-right with probability 1/2."""
+    height, width = F.get_size(image)
+    image = F.resized_crop(image, *reference_crop(height, width, rng), [crop, crop], antialias=True)
+    return F.horizontal_flip(image) if rng.random() < 0.5 else image
+
+
+class TrainTransform:
+    """train_image to a uint8 tensor (normalised on the device by to_model_input), its draws seeded from torch's RNG."""
+
+    def __init__(self, crop: int):
+        self.crop = crop
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        rng = random.Random(int(torch.randint(2**62, ())))
+        return F.pil_to_tensor(train_image(image, self.crop, rng))
 
 
 def eval_transform(crop: int) -> transforms.Compose:
@@ -88,7 +158,7 @@ def shared_image_list(folder: Path, ctx: DistContext) -> list[tuple[str, int]]:
 class ListedImages(Dataset):
     """ImageFolder over a given image list (see scan_images): (uint8 image tensor, class index)."""
 
-    def __init__(self, folder: Path, samples: list[tuple[str, int]], transform: transforms.Compose):
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], transform):
         self.folder, self.samples, self.transform = folder, samples, transform
 
     def __len__(self) -> int:
@@ -123,7 +193,7 @@ def image_folder_loaders(root: Path, train_images: list[tuple[str, int]], eval_i
     The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
     disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
     """
-    train_set = ListedImages(root / "train", train_images, train_transform(crop))
+    train_set = ListedImages(root / "train", train_images, TrainTransform(crop))
     eval_set = ListedImages(root / "val", eval_images, eval_transform(crop))
     sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
                                                   drop_last=True))
