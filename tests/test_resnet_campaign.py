@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -22,13 +21,12 @@ from torchvision import datasets, transforms
 from harness.results import parse_file
 from harness.results.parse import iter_events
 from tests.conftest import REPO, TINY_RUNS, Completed, compliance, failed_checks, harness
-from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext
 from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
 from workloads.resnet.config import PRESETS, LarsStep, default_optimizer, lars_step
-from workloads.resnet.data import (MEAN, STD, image_folder_loaders, scan_images, shared_image_list,
-                                   to_model_input, train_image)
+from workloads.resnet.data import (MEAN, STD, EpochSampler, augmentation_rng, image_folder_loaders, scan_images,
+                                   shared_image_list, to_model_input, train_image)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
 
 
@@ -274,19 +272,34 @@ def test_a_folder_without_images_is_named_on_every_rank(tmp_path):
         f"workloads: Couldn't find any class folder in {tmp_path / 'data' / 'val'}."] * 2, output
 
 
+class _KeyedImageFolder(torch.utils.data.Dataset):
+    """An ImageFolder read by EpochSampler's (epoch, index) keys, its transform given the image and the key."""
+
+    def __init__(self, folder: datasets.ImageFolder, transform):
+        self.folder, self.transform = folder, transform
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]):
+        image, label = self.folder[key[1]]
+        return self.transform(image, key), label
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_path, workers):
     """The new loader (uint8 from the workers, to_model_input after) against the old one (ImageFolder with
     ToTensor and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from
-    the start and after a resume's skip, train and eval."""
+    the start and after a resume's skip, train and eval. Both draw each sample's crop and flip from
+    augmentation_rng, as the loader does."""
     _write_images(tmp_path)
     crop, batch, ctx = 16, 2, _ctx(rank=1)
-    normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
-    old_train = datasets.ImageFolder(str(tmp_path / "train"), transforms.Compose(
-        [lambda image: train_image(image, crop, random.Random(int(torch.randint(2**62, ())))), *normalize]))
+    normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    old_train = _KeyedImageFolder(datasets.ImageFolder(str(tmp_path / "train")), lambda image, key: normalize(
+        train_image(image, crop, augmentation_rng(3, *key))))
     old_eval = datasets.ImageFolder(str(tmp_path / "val"), transforms.Compose(
-        [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), *normalize]))
-    old_sampler = ResumableSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))
+        [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), normalize]))
+    old_sampler = EpochSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))
     common = dict(batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
     old = (DataLoader(old_train, sampler=old_sampler, drop_last=True, **common),
            DataLoader(Subset(old_eval, range(1, len(old_eval), 2)), **common))

@@ -1,4 +1,5 @@
-"""ResNet's input against the reference: the training crop's bounds and fallback, counted over seeded draws."""
+"""ResNet's input: the training crop against the reference's (bounds and fallback, counted over seeded draws),
+and a resumed run's augmentations with loader workers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import statistics
 import torch
 from torchvision.transforms.v2 import functional as F
 
-from workloads.resnet.data import CROP_ASPECT, reference_crop, train_image
+from tests.test_resnet_campaign import _ctx, _write_images
+from workloads.resnet.data import CROP_ASPECT, image_folder_loaders, reference_crop, scan_images, train_image
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
 # counts below are far from their bounds; the generator is seeded, so the counts are the same on every machine.
@@ -54,3 +56,36 @@ def test_the_training_image_is_the_crop_resized_and_flipped_half_the_time():
         flips += flipped
         assert out.dtype == torch.uint8 and torch.equal(out, expected.flip(-1) if flipped else expected)
     assert 160 < flips < 240
+
+
+def _epoch(loaders, epoch: int, skip: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch's batches after the first `skip`, as the workload asks for them (ResNetWorkload._epoch_batches)."""
+    loaders.sampler.set_epoch(epoch)
+    loaders.sampler.skip = skip * loaders.train.batch_size
+    return list(loaders.train)
+
+
+def test_a_run_resumed_with_two_workers_draws_the_batches_it_would_have(tmp_path):
+    """Resumed at step 3 of epoch 1 in a fresh loader (new worker processes, torch's RNG restored from the
+    checkpoint, as _RankRNG does), two loader workers give the uninterrupted run's batches, pixel for pixel, for
+    the rest of that epoch and the next. With the workers' own seeds they did not: a rebuilt iterator draws the
+    workers new seeds, and deals batch 3 to worker 0."""
+    _write_images(tmp_path, classes=2, per_class=12)
+    images = scan_images(tmp_path / "train"), scan_images(tmp_path / "val")
+
+    def loaders():
+        return image_folder_loaders(tmp_path, *images, 16, 2, 2, _ctx(rank=1), seed=5)
+
+    torch.manual_seed(5)
+    uninterrupted = loaders()
+    whole = [_epoch(uninterrupted, 1, 0), _epoch(uninterrupted, 2, 0)]
+    checkpointed_rng = torch.get_rng_state()
+    resumed_loaders = loaders()
+    torch.manual_seed(6)  # the fresh process's own start, then the checkpoint's state
+    torch.set_rng_state(checkpointed_rng)
+    resumed = [_epoch(resumed_loaders, 1, 3), _epoch(resumed_loaders, 2, 0)]
+    assert [len(b) for b in whole] == [6, 6] and [len(b) for b in resumed] == [3, 6]
+    for want, got in zip(whole[0][3:] + whole[1], resumed[0] + resumed[1]):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # The augmentation is what differs between epochs, not only the order: the same image is cropped anew.
+    assert not torch.equal(whole[0][0][0], whole[1][0][0])

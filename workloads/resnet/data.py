@@ -97,15 +97,14 @@ def train_image(image, crop: int, rng: random.Random):
     return F.horizontal_flip(image) if rng.random() < 0.5 else image
 
 
-class TrainTransform:
-    """train_image to a uint8 tensor (normalised on the device by to_model_input), its draws seeded from torch's RNG."""
+def augmentation_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The random draws of one training sample's augmentation, seeded by (run seed, epoch, dataset index).
 
-    def __init__(self, crop: int):
-        self.crop = crop
-
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        rng = random.Random(int(torch.randint(2**62, ())))
-        return F.pil_to_tensor(train_image(image, self.crop, rng))
+    They depend on which sample it is, never on which loader worker or rank decodes it or how many that worker
+    decoded before: a resumed run rebuilds its iterator and deals its batches to the workers afresh (batch k to
+    worker 0), and a worker seeded by (seed, epoch, worker) would still draw another batch's crops. A string seed
+    is hashed by SHA-512, the same in every process."""
+    return random.Random(f"{seed}/{epoch}/{index}")
 
 
 def eval_transform(crop: int) -> transforms.Compose:
@@ -155,18 +154,49 @@ def shared_image_list(folder: Path, ctx: DistContext) -> list[tuple[str, int]]:
     return scanned
 
 
-class ListedImages(Dataset):
-    """ImageFolder over a given image list (see scan_images): (uint8 image tensor, class index)."""
+class EpochSampler(ResumableSampler):
+    """A ResumableSampler whose items are (epoch, index) keys for TrainImages: persistent workers hold copies of
+    the dataset made once, so the epoch travels with each index rather than through the dataset."""
 
-    def __init__(self, folder: Path, samples: list[tuple[str, int]], transform):
-        self.folder, self.samples, self.transform = folder, samples, transform
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        return ((epoch, i) for i in super().__iter__())
+
+
+class ListedImages(Dataset):
+    """The images of a list from scan_images, under `folder`, with their class index."""
+
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int):
+        self.folder, self.samples, self.crop = folder, samples, crop
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def load(self, i: int) -> tuple[Image.Image, int]:
         path, label = self.samples[i]
-        return self.transform(default_loader(str(self.folder / path))), label
+        return default_loader(str(self.folder / path)), label
+
+
+class TrainImages(ListedImages):
+    """Training images by (epoch, index) key (see EpochSampler), augmented by train_image with the sample's own
+    draws (augmentation_rng): (uint8 image tensor, class index)."""
+
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int, seed: int):
+        super().__init__(folder, samples, crop)
+        self.seed = seed
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, i = key
+        image, label = self.load(i)
+        return F.pil_to_tensor(train_image(image, self.crop, augmentation_rng(self.seed, epoch, i))), label
+
+
+class EvalImages(ListedImages):
+    """Eval images by index, resized and center-cropped (eval_transform): (uint8 image tensor, class index)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = self.load(i)
+        return eval_transform(self.crop)(image), label
 
 
 @dataclass
@@ -190,13 +220,14 @@ def image_folder_loaders(root: Path, train_images: list[tuple[str, int]], eval_i
     """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...), whose images
     `train_images` and `eval_images` list (see shared_image_list). The workers decode and crop to uint8.
 
-    The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
-    disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
+    The training order and each sample's augmentation follow the run's seed (the same on every rank, so the
+    ranks' shards stay disjoint): each run of a campaign sees its own order and crops, and a resumed run, with
+    any number of workers, the order and crops it had.
     """
-    train_set = ListedImages(root / "train", train_images, TrainTransform(crop))
-    eval_set = ListedImages(root / "val", eval_images, eval_transform(crop))
-    sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
-                                                  drop_last=True))
+    train_set = TrainImages(root / "train", train_images, crop, seed)
+    eval_set = EvalImages(root / "val", eval_images, crop)
+    sampler = EpochSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
+                                              drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
     eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
