@@ -288,10 +288,16 @@ class _KeyedImageFolder(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_path, workers):
-    """The new loader (uint8 from the workers, to_model_input after) against the old one (ImageFolder with
-    ToTensor and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from
-    the start and after a resume's skip, train and eval. Both draw each sample's crop and flip from
-    augmentation_rng, as the loader does."""
+    """The new loader (libjpeg-turbo through torchvision.io, crop and resize on uint8 tensors in the workers,
+    to_model_input after) against the old one (ImageFolder's PIL decode, the same transform on PIL images, ToTensor
+    and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from the start
+    and after a resume's skip, train and eval. Both draw each sample's crop and flip from augmentation_rng, as the
+    loader does.
+
+    Tolerance: one uint8 level (1/255/std in normalised units) on any value, and at most 5% of the values off at
+    all (2.6% in the worst batch here, on noise images; 0.3% on a 500x375 photo-like JPEG to 224). The decoders
+    give the same pixels (tests/test_jpeg_decode_bench.py); the antialiased bilinear resizes of PIL and of
+    torchvision's uint8 kernel round their fixed-point sums differently."""
     _write_images(tmp_path)
     crop, batch, ctx = 16, 2, _ctx(rank=1)
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
@@ -320,7 +326,8 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
                 assert images.dtype == torch.uint8
                 model_input = to_model_input(images, torch.device("cpu"))
                 assert model_input.is_contiguous(memory_format=torch.channels_last)
-                torch.testing.assert_close(model_input, want, rtol=0, atol=1e-6)
+                levels = ((model_input - want) * torch.tensor(STD).view(1, 3, 1, 1) * 255).abs()
+                assert levels.max() <= 1 + 1e-4 and (levels > 1e-4).float().mean() <= 0.05
                 assert torch.equal(labels, want_labels)
                 compared += 1
     assert compared >= 8

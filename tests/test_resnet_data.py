@@ -1,16 +1,20 @@
 """ResNet's input: the training crop against the reference's (bounds and fallback, counted over seeded draws),
-and a resumed run's augmentations with loader workers."""
+a resumed run's augmentations with loader workers, and the decoder against PIL's."""
 
 from __future__ import annotations
 
 import random
 import statistics
 
+import numpy as np
 import torch
+from PIL import Image
+from torchvision.datasets.folder import default_loader
 from torchvision.transforms.v2 import functional as F
 
 from tests.test_resnet_campaign import _ctx, _write_images
-from workloads.resnet.data import CROP_ASPECT, image_folder_loaders, reference_crop, scan_images, train_image
+from workloads.resnet.data import (CROP_ASPECT, decode, image_folder_loaders, reference_crop, scan_images,
+                                   train_image)
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
 # counts below are far from their bounds; the generator is seeded, so the counts are the same on every machine.
@@ -89,3 +93,14 @@ def test_a_run_resumed_with_two_workers_draws_the_batches_it_would_have(tmp_path
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # The augmentation is what differs between epochs, not only the order: the same image is cropped anew.
     assert not torch.equal(whole[0][0][0], whole[1][0][0])
+
+
+def test_grayscale_cmyk_and_png_files_decode_to_the_rgb_pil_gave(tmp_path):
+    """ImageNet holds grayscale and CMYK JPEGs and a PNG named .JPEG: decode gives the RGB pixels PIL's
+    convert("RGB") gave (the loader's old path), whatever the name says."""
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)
+    for mode, fmt in (("L", "JPEG"), ("CMYK", "JPEG"), ("RGB", "JPEG"), ("RGB", "PNG")):
+        path = tmp_path / f"{mode}-{fmt}.JPEG"
+        Image.fromarray(pixels).convert(mode).save(path, fmt, quality=90)
+        ours = decode(path)
+        assert ours.shape == (3, 30, 40) and torch.equal(ours, F.pil_to_tensor(default_loader(str(path))))
