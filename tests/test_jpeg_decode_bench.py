@@ -36,6 +36,7 @@ def test_quick_mode_writes_both_rates_their_ratio_and_what_both_paths_decoded(tm
     assert figures["same_decoded_sizes"] is True and figures["decoded_sizes"] == [[3, 375, 500]]
     assert figures["decoded_max_difference"] == 0
     assert figures["output_size"] == [3, 224, 224] and figures["output_max_difference"] <= 1
+    assert abs(figures["output_mean_difference"]) < 0.05  # one level up as often as down
 
 
 def test_both_paths_decode_the_bench_images_to_the_same_size_and_pixels(tmp_path):

@@ -294,10 +294,11 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
     and after a resume's skip, train and eval. Both draw each sample's crop and flip from augmentation_rng, as the
     loader does.
 
-    Tolerance: one uint8 level (1/255/std in normalised units) on any value, and at most 5% of the values off at
-    all (2.6% in the worst batch here, on noise images; 0.3% on a 500x375 photo-like JPEG to 224). The decoders
-    give the same pixels (tests/test_jpeg_decode_bench.py); the antialiased bilinear resizes of PIL and of
-    torchvision's uint8 kernel round their fixed-point sums differently."""
+    Tolerance: one uint8 level (1/255/std in normalised units) on any value, and no bias: over all batches the
+    differences average under 0.05 of a level. The decoders give the same pixels (tests/test_jpeg_decode_bench.py);
+    the antialiased bilinear resizes of PIL and of torchvision's uint8 kernel round their fixed-point sums
+    differently, by one level up as often as down, on up to a quarter of the values for some crop shapes
+    (bench/jpeg_decode.py's output_share_differing: 5% over its 64 ImageNet-sized JPEGs)."""
     _write_images(tmp_path)
     crop, batch, ctx = 16, 2, _ctx(rank=1)
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
@@ -311,7 +312,7 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
            DataLoader(Subset(old_eval, range(1, len(old_eval), 2)), **common))
     new = image_folder_loaders(tmp_path, scan_images(tmp_path / "train"), scan_images(tmp_path / "val"), crop, batch,
                                workers, ctx, seed=3)
-    compared = 0
+    compared, differences = 0, []
     for epoch, skip in ((1, 0), (2, 1)):
         for sampler in (old_sampler, new.sampler):
             sampler.set_epoch(epoch)
@@ -326,8 +327,9 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
                 assert images.dtype == torch.uint8
                 model_input = to_model_input(images, torch.device("cpu"))
                 assert model_input.is_contiguous(memory_format=torch.channels_last)
-                levels = ((model_input - want) * torch.tensor(STD).view(1, 3, 1, 1) * 255).abs()
-                assert levels.max() <= 1 + 1e-4 and (levels > 1e-4).float().mean() <= 0.05
+                levels = (model_input - want) * torch.tensor(STD).view(1, 3, 1, 1) * 255
+                assert levels.abs().max() <= 1 + 1e-4
+                differences.append(levels.flatten())
                 assert torch.equal(labels, want_labels)
                 compared += 1
-    assert compared >= 8
+    assert compared >= 8 and torch.cat(differences).mean().abs() < 0.05
