@@ -116,8 +116,9 @@ def eval_image(image, crop: int):
 def decode(path: Path) -> torch.Tensor:
     """An image file to a uint8 RGB tensor (3, H, W): JPEG by libjpeg-turbo (torchvision.io), PNG (the tiny
     dataset's) by libpng, whatever the file's name says (ImageNet holds one PNG named .JPEG); grayscale and CMYK
-    JPEGs (ImageNet has both) converted to RGB, as PIL's convert("RGB") did, to the same pixels. With the crop
-    and resize on uint8 tensors, 1.3x PIL's rate per core here (bench/jpeg_decode.py)."""
+    JPEGs (ImageNet has both) converted to RGB, to the pixels PIL's convert("RGB") gave. With the crop and resize
+    on uint8 tensors, faster per core than PIL's decode and resize (bench/jpeg_decode.py, docs/measured.md).
+    torchvision 0.29 deprecates its decoders for TorchCodec's: this is the one place to change."""
     return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
 
 
