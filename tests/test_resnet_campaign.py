@@ -21,13 +21,12 @@ from torchvision import datasets, transforms
 from harness.results import parse_file
 from harness.results.parse import iter_events
 from tests.conftest import REPO, TINY_RUNS, Completed, compliance, failed_checks, harness
-from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext
 from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
 from workloads.resnet.config import PRESETS, default_optimizer, lars_schedule
-from workloads.resnet.data import (MEAN, STD, image_folder_loaders, scan_images, shared_image_list,
-                                   to_model_input)
+from workloads.resnet.data import (MEAN, STD, EpochSampler, augmentation_rng, image_folder_loaders, scan_images,
+                                   shared_image_list, to_model_input, train_image)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
 
 
@@ -273,25 +272,47 @@ def test_a_folder_without_images_is_named_on_every_rank(tmp_path):
         f"workloads: Couldn't find any class folder in {tmp_path / 'data' / 'val'}."] * 2, output
 
 
+class _KeyedImageFolder(torch.utils.data.Dataset):
+    """An ImageFolder read by EpochSampler's (epoch, index) keys, its transform given the image and the key."""
+
+    def __init__(self, folder: datasets.ImageFolder, transform):
+        self.folder, self.transform = folder, transform
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]):
+        image, label = self.folder[key[1]]
+        return self.transform(image, key), label
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_path, workers):
-    """The new loader (uint8 from the workers, to_model_input after) against the old one (ImageFolder with
-    ToTensor and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from
-    the start and after a resume's skip, train and eval."""
+    """The new loader (libjpeg-turbo through torchvision.io, crop and resize on uint8 tensors in the workers,
+    to_model_input after) against the old one (ImageFolder's PIL decode, the same transform on PIL images, ToTensor
+    and Normalize on the host), same seed and sampler: the same images, crops, flips and labels, from the start
+    and after a resume's skip, train and eval. Both draw each sample's crop and flip from augmentation_rng, as the
+    loader does.
+
+    Tolerance: one uint8 level (1/255/std in normalised units) on any value, and no bias: over all batches the
+    differences average under 0.05 of a level. The decoders give the same pixels (tests/test_jpeg_decode_bench.py);
+    the antialiased bilinear resizes of PIL and of torchvision's uint8 kernel round their fixed-point sums
+    differently, by one level up as often as down, on up to a quarter of the values for some crop shapes
+    (bench/jpeg_decode.py's output_share_differing: 5% over its 64 ImageNet-sized JPEGs)."""
     _write_images(tmp_path)
     crop, batch, ctx = 16, 2, _ctx(rank=1)
-    normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
-    old_train = datasets.ImageFolder(str(tmp_path / "train"), transforms.Compose(
-        [transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), *normalize]))
+    normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    old_train = _KeyedImageFolder(datasets.ImageFolder(str(tmp_path / "train")), lambda image, key: normalize(
+        train_image(image, crop, augmentation_rng(3, *key))))
     old_eval = datasets.ImageFolder(str(tmp_path / "val"), transforms.Compose(
-        [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), *normalize]))
-    old_sampler = ResumableSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))
+        [transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop), normalize]))
+    old_sampler = EpochSampler(DistributedSampler(old_train, 2, 1, shuffle=True, seed=3, drop_last=True))
     common = dict(batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
     old = (DataLoader(old_train, sampler=old_sampler, drop_last=True, **common),
            DataLoader(Subset(old_eval, range(1, len(old_eval), 2)), **common))
     new = image_folder_loaders(tmp_path, scan_images(tmp_path / "train"), scan_images(tmp_path / "val"), crop, batch,
                                workers, ctx, seed=3)
-    compared = 0
+    compared, differences = 0, []
     for epoch, skip in ((1, 0), (2, 1)):
         for sampler in (old_sampler, new.sampler):
             sampler.set_epoch(epoch)
@@ -306,7 +327,9 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_pipeline(tmp_pat
                 assert images.dtype == torch.uint8
                 model_input = to_model_input(images, torch.device("cpu"))
                 assert model_input.is_contiguous(memory_format=torch.channels_last)
-                torch.testing.assert_close(model_input, want, rtol=0, atol=1e-6)
+                levels = (model_input - want) * torch.tensor(STD).view(1, 3, 1, 1) * 255
+                assert levels.abs().max() <= 1 + 1e-4
+                differences.append(levels.flatten())
                 assert torch.equal(labels, want_labels)
                 compared += 1
-    assert compared >= 8
+    assert compared >= 8 and torch.cat(differences).mean().abs() < 0.05

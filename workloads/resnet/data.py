@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
-from torchvision import transforms
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms.v2 import functional as F
 
 from workloads.common.cache import build_once, cache_root
 from workloads.common.data import ResumableSampler
@@ -31,17 +33,93 @@ IMAGENET_TRAIN_SAMPLES = 1_281_167
 IMAGENET_EVAL_SAMPLES = 50_000
 
 
-def train_transform(crop: int) -> transforms.Compose:
-    """MLPerf training preprocessing up to the pixels: random-resized crop and horizontal flip, kept uint8
-    (normalised on the device by to_model_input)."""
-    return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
-                               transforms.PILToTensor()])
+# The reference's training crop: tf.image.sample_distorted_bounding_box as _decode_crop_and_flip calls it in
+# mlcommons/training retired_benchmarks/resnet/tf2/tensorflow2/imagenet_preprocessing.py (min_object_covered 0.1,
+# aspect_ratio_range [0.75, 1.33], area_range [0.05, 1.0], max_attempts 100, use_image_if_no_bounding_boxes),
+# drawn as TensorFlow's kernel draws it (tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc).
+CROP_AREA = (0.05, 1.0)
+CROP_ASPECT = (0.75, 1.33)  # width / height
+CROP_MIN_OBJECT_COVERED = 0.1
+CROP_ATTEMPTS = 100
 
 
-def eval_transform(crop: int) -> transforms.Compose:
-    """MLPerf eval preprocessing up to the pixels: resize to crop*256/224 (256 for 224), center crop, uint8."""
-    return transforms.Compose([transforms.Resize(round(crop * 256 / 224)), transforms.CenterCrop(crop),
-                               transforms.PILToTensor()])
+def reference_crop(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """The reference's random crop of a height x width image: (top, left, crop height, crop width).
+
+    Up to CROP_ATTEMPTS tries: an aspect ratio uniform in CROP_ASPECT, then a crop height uniform (the side, not the
+    area) between the heights that give CROP_AREA's bounds, kept only if the crop covers CROP_MIN_OBJECT_COVERED of
+    the object's box. ImageFolder's JPEGs carry no boxes, so the box is the whole image (the reference's
+    use_image_if_no_bounding_boxes) and a kept crop holds at least 10% of the image: the area range's [0.05, 0.1)
+    is drawn and rejected. When no try is kept, the crop is the whole image (torchvision's fallback, a center crop
+    clamped to the aspect range, is not the reference's).
+    """
+    for _ in range(CROP_ATTEMPTS):
+        aspect = rng.random() * (CROP_ASPECT[1] - CROP_ASPECT[0]) + CROP_ASPECT[0]
+        box = _random_crop(height, width, aspect, rng)
+        if box is not None and box[2] * box[3] >= max(1.0, CROP_MIN_OBJECT_COVERED * height * width):
+            return box
+    return 0, 0, height, width
+
+
+def _random_crop(height: int, width: int, aspect: float, rng: random.Random) -> tuple[int, int, int, int] | None:
+    """TensorFlow's GenerateRandomCrop: one try at a crop of `aspect` within CROP_AREA, or None (round() is C's
+    lrintf, half to even)."""
+    min_area, max_area = CROP_AREA[0] * width * height, CROP_AREA[1] * width * height
+    crop_h, max_h = round(math.sqrt(min_area / aspect)), round(math.sqrt(max_area / aspect))
+    if round(max_h * aspect) > width:  # the tallest crop whose width still fits
+        max_h = int((width + 0.5 - 1e-7) / aspect)
+        if round(max_h * aspect) > width:
+            max_h -= 1
+    max_h = min(max_h, height)
+    crop_h = min(crop_h, max_h)
+    if crop_h < max_h:
+        crop_h += rng.randrange(max_h - crop_h + 1)
+    crop_w = round(crop_h * aspect)
+    if crop_w * crop_h < min_area:  # rounding's way out, a row taller then one shorter, as TensorFlow's
+        crop_h += 1
+        crop_w = round(crop_h * aspect)
+    if crop_w * crop_h > max_area:
+        crop_h -= 1
+        crop_w = round(crop_h * aspect)
+    area = crop_w * crop_h
+    if not (min_area <= area <= max_area and 0 < crop_w <= width and 0 < crop_h <= height):
+        return None
+    top = rng.randrange(height - crop_h) if crop_h < height else 0
+    left = rng.randrange(width - crop_w) if crop_w < width else 0
+    return top, left, crop_h, crop_w
+
+
+def train_image(image, crop: int, rng: random.Random):
+    """The reference's training augmentation of one image (PIL or uint8 tensor): its random crop (reference_crop),
+    resized to crop x crop (bilinear, antialiased), flipped left-right with probability 1/2."""
+    height, width = F.get_size(image)
+    image = F.resized_crop(image, *reference_crop(height, width, rng), [crop, crop], antialias=True)
+    return F.horizontal_flip(image) if rng.random() < 0.5 else image
+
+
+def augmentation_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The random draws of one training sample's augmentation, seeded by (run seed, epoch, dataset index).
+
+    They depend on which sample it is, never on which loader worker or rank decodes it or how many that worker
+    decoded before: a resumed run rebuilds its iterator and deals its batches to the workers afresh (batch k to
+    worker 0), and a worker seeded by (seed, epoch, worker) would still draw another batch's crops. A string seed
+    is hashed by SHA-512, the same in every process."""
+    return random.Random(f"{seed}/{epoch}/{index}")
+
+
+def eval_image(image, crop: int):
+    """MLPerf eval preprocessing of one image (PIL or uint8 tensor): the shorter side resized to crop*256/224 (256
+    for 224; bilinear, antialiased), then the center crop x crop."""
+    return F.center_crop(F.resize(image, round(crop * 256 / 224), antialias=True), crop)
+
+
+def decode(path: Path) -> torch.Tensor:
+    """An image file to a uint8 RGB tensor (3, H, W): JPEG by libjpeg-turbo (torchvision.io), PNG (the tiny
+    dataset's) by libpng, whatever the file's name says (ImageNet holds one PNG named .JPEG); grayscale and CMYK
+    JPEGs (ImageNet has both) converted to RGB, to the pixels PIL's convert("RGB") gave. With the crop and resize
+    on uint8 tensors, faster per core than PIL's decode and resize (bench/jpeg_decode.py, docs/measured.md).
+    torchvision 0.29 deprecates its decoders for TorchCodec's: this is the one place to change."""
+    return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
 
 
 def to_model_input(images: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -85,18 +163,49 @@ def shared_image_list(folder: Path, ctx: DistContext) -> list[tuple[str, int]]:
     return scanned
 
 
-class ListedImages(Dataset):
-    """ImageFolder over a given image list (see scan_images): (uint8 image tensor, class index)."""
+class EpochSampler(ResumableSampler):
+    """A ResumableSampler whose items are (epoch, index) keys for TrainImages: persistent workers hold copies of
+    the dataset made once, so the epoch travels with each index rather than through the dataset."""
 
-    def __init__(self, folder: Path, samples: list[tuple[str, int]], transform: transforms.Compose):
-        self.folder, self.samples, self.transform = folder, samples, transform
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        return ((epoch, i) for i in super().__iter__())
+
+
+class ListedImages(Dataset):
+    """The images of a list from scan_images, under `folder`, with their class index."""
+
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int):
+        self.folder, self.samples, self.crop = folder, samples, crop
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def load(self, i: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[i]
-        return self.transform(default_loader(str(self.folder / path))), label
+        return decode(self.folder / path), label
+
+
+class TrainImages(ListedImages):
+    """Training images by (epoch, index) key (see EpochSampler), augmented by train_image with the sample's own
+    draws (augmentation_rng): (uint8 image tensor, class index)."""
+
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int, seed: int):
+        super().__init__(folder, samples, crop)
+        self.seed = seed
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, i = key
+        image, label = self.load(i)
+        return train_image(image, self.crop, augmentation_rng(self.seed, epoch, i)), label
+
+
+class EvalImages(ListedImages):
+    """Eval images by index, resized and center-cropped (eval_image): (uint8 image tensor, class index)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = self.load(i)
+        return eval_image(image, self.crop), label
 
 
 @dataclass
@@ -118,15 +227,16 @@ def check_layout(root: Path) -> None:
 def image_folder_loaders(root: Path, train_images: list[tuple[str, int]], eval_images: list[tuple[str, int]],
                          crop: int, batch_size: int, workers: int, ctx: DistContext, seed: int) -> Loaders:
     """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...), whose images
-    `train_images` and `eval_images` list (see shared_image_list). The workers decode and crop to uint8.
+    `train_images` and `eval_images` list (see shared_image_list). The workers decode and crop to uint8 tensors.
 
-    The training order is shuffled by the run's seed (the same on every rank, so the ranks' shards stay
-    disjoint): each run of a campaign sees its own order, and a resumed run the order it had.
+    The training order and each sample's augmentation follow the run's seed (the same on every rank, so the
+    ranks' shards stay disjoint): each run of a campaign sees its own order and crops, and a resumed run, with
+    any number of workers, the order and crops it had.
     """
-    train_set = ListedImages(root / "train", train_images, train_transform(crop))
-    eval_set = ListedImages(root / "val", eval_images, eval_transform(crop))
-    sampler = ResumableSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
-                                                  drop_last=True))
+    train_set = TrainImages(root / "train", train_images, crop, seed)
+    eval_set = EvalImages(root / "val", eval_images, crop)
+    sampler = EpochSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
+                                              drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
     eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
