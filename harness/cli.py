@@ -276,7 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "through the run folder's prometheus-targets.json")
         import yaml
 
-        from harness.launchers.kubernetes import pod_monitor
+        from harness.launchers.kubernetes_render import pod_monitor
 
         print(yaml.safe_dump(pod_monitor(spec), sort_keys=True, default_flow_style=False), end="")
         return 0

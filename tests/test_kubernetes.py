@@ -25,7 +25,7 @@ from harness import profiles
 from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
-from harness.launchers.kubernetes import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
+from harness.launchers.kubernetes_collect import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.results import load
 from harness.spec import JobSpec
 from tests.conftest import REPO, SHARED, harness

@@ -304,9 +304,9 @@ def test_an_api_error_in_the_blame_watch_is_printed_and_the_watch_goes_on(tmp_pa
     def refuse(what, *args, **kwargs):
         raise HarnessError(f"could not {what}: the API server answered 500")
 
-    monkeypatch.setattr(kubernetes_blame, "_api", lambda: (SimpleNamespace(), SimpleNamespace(list_namespaced_pod=None)))
-    monkeypatch.setattr(kubernetes_blame, "_call", refuse)
-    watch = kubernetes_blame.BlamedNodeWatcher(None, SimpleNamespace(exclude_nodes=()),
+    monkeypatch.setattr(kubernetes_blame, "clients", lambda: (SimpleNamespace(), SimpleNamespace(list_namespaced_pod=None)))
+    monkeypatch.setattr(kubernetes_blame, "call", refuse)
+    watch = kubernetes_blame.BlamedNodeWatcher(SimpleNamespace(exclude_nodes=()),
                                                SimpleNamespace(job_id=f"default/{JOB}", out_dir=tmp_path))
     watch()
     watch()

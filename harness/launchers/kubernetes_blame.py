@@ -29,8 +29,9 @@ from kubernetes import client as k8s
 from harness import preflight
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
+from harness.launchers.kubernetes_api import PYTORCHJOB, call, clients
+from harness.launchers.kubernetes_collect import fetch
 from harness.launchers.base import Handle
-from harness.launchers.kubernetes import PYTORCHJOB, _api, _call
 from harness.spec import JobSpec
 from workloads.common.run_record import ATTEMPTS_DIR, read_attempts
 
@@ -41,8 +42,8 @@ READ_AGAIN_S = 10.0
 class BlamedNodeWatcher:
     """A `watch` tick for one PyTorchJob (see the module's notes)."""
 
-    def __init__(self, launcher, spec: JobSpec, handle: Handle):
-        self.launcher, self.spec, self.handle = launcher, spec, handle
+    def __init__(self, spec: JobSpec, handle: Handle):
+        self.spec, self.handle = spec, handle
         self.namespace, _, self.name = handle.job_id.partition("/")
         self.excluded = set(spec.exclude_nodes)  # what the job's templates keep out now
         self.uids: dict[str, str] = {}  # pod name -> the uid last seen under it
@@ -53,7 +54,7 @@ class BlamedNodeWatcher:
         self.reread_s, self.next_read = READ_AGAIN_S, 0.0
 
     def _pods(self, core) -> list:
-        return _call("list the job's pods", core.list_namespaced_pod, self.namespace,
+        return call("list the job's pods", core.list_namespaced_pod, self.namespace,
                      label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
 
     def __call__(self) -> None:
@@ -66,7 +67,7 @@ class BlamedNodeWatcher:
                   flush=True)
 
     def _poll(self) -> None:
-        jobs, core = _api()
+        jobs, core = clients()
         seen = {p.metadata.name: p.metadata.uid for p in self._pods(core)}
         self.pending |= any(self.uids.get(name, uid) != uid for name, uid in seen.items())
         self.uids.update(seen)
@@ -74,7 +75,7 @@ class BlamedNodeWatcher:
             return
         with tempfile.TemporaryDirectory(dir=self.handle.out_dir, prefix=".attempts-") as staging:
             try:
-                self.launcher.fetch(self.handle, ATTEMPTS_DIR, Path(staging, ATTEMPTS_DIR))
+                fetch(self.handle, ATTEMPTS_DIR, Path(staging, ATTEMPTS_DIR))
             except HarnessError as exc:  # the job goes on; the next recreated pod tries again
                 self.pending = False
                 print(f"harness: could not read the attempt records to keep a failed node out: {exc}", flush=True)
@@ -96,11 +97,11 @@ class BlamedNodeWatcher:
     def _keep_out(self, jobs, core, blamed: dict[str, str]) -> None:
         self.excluded |= set(blamed)
         affinity = kubernetes_nodes.with_exclusions({}, sorted(self.excluded))["affinity"]
-        job = _call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
+        job = call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
                     self.namespace, PYTORCHJOB.plural, self.name)
         patch = {"spec": {"pytorchReplicaSpecs": {replica: {"template": {"spec": {"affinity": affinity}}}
                                                   for replica in job["spec"]["pytorchReplicaSpecs"]}}}
-        _call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
+        call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
               PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
         checks = {node: preflight.blame_check(cause) for node, cause in blamed.items()}
         reasons = {node: [preflight.reason(check)] for node, check in checks.items()}
@@ -108,11 +109,11 @@ class BlamedNodeWatcher:
         reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, name=self.name,
                                           namespace=self.namespace, uid=job["metadata"].get("uid"))
         lines = [f"{node}: kept out of the job's next attempt ({reasons[node][0]})" for node in blamed]
-        lines += kubernetes_nodes.remediate(core, _call, self.spec, record, job=reference)
+        lines += kubernetes_nodes.remediate(core, call, self.spec, record, job=reference)
         # Listed after the patch: every pod not in this list is created from the patched template.
         for pod in self._pods(core):
             if pod.spec.node_name in blamed:
-                _call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
+                call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
                 self.uids.pop(pod.metadata.name, None)  # its successor is ours, not a new failure
                 lines.append(f"{pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created elsewhere")
         preflight.record_blame(self.spec.out_dir, checks, lines)
