@@ -1,8 +1,9 @@
 """FAKE Kubernetes API server, for tests only: no real API server can be installed offline.
 
 It speaks just the endpoints the k8s launcher uses, through the official client:
-PyTorchJob and TrainJob custom objects (create, get, delete), pods (list by
-label, create, get, delete), pod logs, events (create), and Nodes (list, get, and
+PyTorchJob and TrainJob custom objects (create, get, patch, delete: a job's pods, and the pods whose
+ownerReferences name it, go with it), pods (list by label, create, get, delete; a create under a name
+already taken is refused with 409 AlreadyExists, as the API server refuses it), pod logs, events (create), and Nodes (list, get, and
 strategic-merge patches of the node and of its status). Tests move a job
 through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
 letting `reconcile` do what the training operator's controller does (below). A
@@ -387,7 +388,12 @@ class FakeKubeAPI:
                 if m := JOBS.match(url.path):
                     return self._jobs(method, m.group(3), m.group(2), m.group(4))
                 if (m := PODS.match(url.path)) and method == "POST":
-                    pod = fake._run_pod(self._body())
+                    pod = self._body()
+                    if (m.group(1), pod["metadata"]["name"]) in fake.pods:  # as the API server refuses it
+                        return self._send(409, {"kind": "Status", "status": "Failure", "reason": "AlreadyExists",
+                                                "code": 409, "message": f"pods {pod['metadata']['name']!r} already "
+                                                                        "exists"})
+                    pod = fake._run_pod(pod)
                     fake.pods[(m.group(1), pod["metadata"]["name"])] = pod
                     return self._send(201, {k: v for k, v in pod.items() if k != "log"})
                 if m := POD.match(url.path):
@@ -456,8 +462,10 @@ class FakeKubeAPI:
                     merge_patch(fake.jobs[(namespace, name)], self._body())
                     return self._send(200, fake.jobs[(namespace, name)])
                 if method == "DELETE":  # its pods go too (the garbage collector follows their ownerReferences)
-                    fake.jobs.pop((namespace, name))
-                    for pod_name in fake.job_pods(namespace, name):
+                    job = fake.jobs.pop((namespace, name))
+                    owned = [key[1] for key, pod in fake.pods.items() if key[0] == namespace and any(
+                        ref.get("uid") == job["metadata"]["uid"] for ref in pod["metadata"].get("ownerReferences", []))]
+                    for pod_name in {*fake.job_pods(namespace, name), *owned}:
                         fake._delete_pod(namespace, pod_name)
                     return self._send(200, {"kind": "Status", "status": "Success"})
                 self._send(405, {"kind": "Status", "status": "Failure", "code": 405})

@@ -430,3 +430,90 @@ def test_a_collection_far_over_10_mib_comes_back_byte_identical(fake_api, tmp_pa
     assert len(started) == 1 + 7  # the manifest, then 25 MiB and change in chunks of 4 MiB
     assert not fake_api.pods  # every results pod deleted
     assert not [p for p in handle.out_dir.iterdir() if p.name.startswith(".collect-")]
+
+
+class FakeCluster:
+    """What the nodes and the operator do with each job `harness run` submits to the fake API (operator on): a
+    health job's pods write their nodes' reports (but the nodes in `silent`) and it succeeds; a training job's
+    rank 0 writes the baseline result and it succeeds. Runs in a thread until stopped."""
+
+    def __init__(self, api: FakeKubeAPI, volume: Path, namespace: str = "default", silent: tuple[str, ...] = ()):
+        from tests.test_preflight import _report
+
+        self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
+        self.done: list[str] = []  # the jobs it finished, in order
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FakeCluster":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            for (namespace, name), job in list(self.api.jobs.items()):
+                if name in self.done or namespace != self.namespace:
+                    continue
+                folder = pod_folder(self.api, self.volume, name, namespace)
+                if name.endswith("-preflight"):
+                    for pod in self.api.job_pods(namespace, name).values():
+                        if pod["spec"]["nodeName"] not in self.silent:
+                            self.report(folder, pod["spec"]["nodeName"], 470)
+                else:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                self.done.append(name)
+                self.api.set_condition(namespace, name, "Succeeded")
+
+
+@pytest.fixture
+def cluster_api(fake_api, tmp_path):
+    """The fake API with the operator on, three Nodes and the results volume."""
+    fake_api.operator = True
+    fake_api.claims["mlperf-results"] = tmp_path / "pvc"
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        fake_api.add_node(node, taints=[])
+    return fake_api
+
+
+def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_api, tmp_path):
+    """Default job names are unique per run, and the health job (with its pods) is deleted once its reports are
+    read: the second run's creates meet no name the first run's jobs hold (the API answers 409 to a duplicate)."""
+    args = ("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--nodes", "2", "--spare-nodes", "1",
+            "--preflight")
+    env = {"KUBECONFIG": str(tmp_path / "kubeconfig")}
+    with FakeCluster(cluster_api, tmp_path / "pvc") as cluster:
+        runs = [harness(*args, "--out", str(tmp_path / f"run{i}"), env=env) for i in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+    health = [name for name in cluster.done if name.endswith("-preflight")]
+    training = [name for name in cluster.done if name not in health]
+    assert len(health) == len(set(health)) == 2 and len(training) == len(set(training)) == 2
+    assert all(re.fullmatch(r"resnet-tiny-[0-9a-f]{8}", name) for name in training)
+    # The health jobs and their pods are gone; the training jobs stay (their pods hold the logs).
+    assert sorted(name for _, name in cluster_api.jobs) == sorted(training)
+    assert not [pod for (_, pod) in cluster_api.pods if "-preflight-" in pod]
+    deletes = [path for method, path in cluster_api.requests if method == "DELETE" and "/pytorchjobs/" in path]
+    assert sorted(path.rpartition("/")[2] for path in deletes) == sorted(health)
+    # A name given with --name is kept as it is.
+    named = harness(*args, "--name", "rn", "--out", str(tmp_path / "named"), "--dry-run")
+    assert yaml.safe_load(named.stdout)["metadata"]["name"] == "rn"
+
+
+def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(cluster_api, tmp_path):
+    """A node whose health pod was bound to it but wrote nothing (hung, killed at the deadline) is judged, and
+    fails with the reason, as on Slurm; it is not left out of the allocation unseen."""
+    from harness import remediation
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, out_dir=tmp_path / "run",
+                   profile=profiles.load("h100-ib")).resolved()
+    with FakeCluster(cluster_api, tmp_path / "pvc", silent=("gpu-c",)):
+        record = remediation.run_health_job(get_launcher("k8s"), spec)
+    assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and record["kept"] == ["gpu-a", "gpu-b"]
+    assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
+                                            "run or finish the checks"]}
+    assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone

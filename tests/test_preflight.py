@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from harness.health import FAIL, PASS, SKIPPED
@@ -403,8 +405,17 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
                    profile=profiles.load("h100-ib")).resolved()
     request = get_launcher("k8s").render_preflight(spec)
     body = request.payload["body"]
-    assert body["kind"] == "PyTorchJob" and body["metadata"]["name"] == "resnet-tiny-preflight"
+    # A name of its own per run (the job's token), so that no earlier run's health job is in its way.
+    assert re.fullmatch(r"resnet-tiny-[0-9a-f]{8}-preflight", body["metadata"]["name"])
     assert body["spec"]["nprocPerNode"] == "1" and body["spec"]["runPolicy"]["backoffLimit"] == 0
+    # Its pods stay when it ends (the harness reads their Nodes, then deletes the job); the operator removes it
+    # an hour after it ended where no harness did.
+    assert body["spec"]["runPolicy"]["cleanPodPolicy"] == "None"
+    assert body["spec"]["runPolicy"]["ttlSecondsAfterFinished"] == 3600
+    from tests.test_kubernetes import CRD, pytorchjob_schema
+
+    if CRD.is_file():
+        jsonschema.validate(body, pytorchjob_schema())
     # A hung check cannot hold every node: the operator fails the job at the profile's deadline.
     assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s == 1200
     replicas = body["spec"]["pytorchReplicaSpecs"]

@@ -28,6 +28,15 @@ from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pv
 from harness.spec import JobSpec
 
 
+def _named(spec: JobSpec, token: str) -> JobSpec:
+    """The spec with its job's name on the cluster: --name as given, else the default name and the job's token,
+    so that each run's jobs (and health jobs) have names of their own in the namespace: the next run's create
+    is never refused (409) for a name an earlier run's job still holds."""
+    if spec.name != spec.default_name():
+        return spec
+    return dataclasses.replace(spec, name=f"{spec.name}-{token}")
+
+
 class KubernetesLauncher(Launcher):
     name = "k8s"
     paths_here = False  # --data and --init-checkpoint name paths inside the pods
@@ -38,20 +47,22 @@ class KubernetesLauncher(Launcher):
         return self._request(spec, render_token(spec))
 
     def _request(self, spec: JobSpec, token: str) -> Request:
+        """`spec` as given (its name the default, or --name); the request's spec carries the job's own name."""
         api = APIS[spec.profile.kubernetes.api]
-        body = build(spec, token)
+        named = _named(spec, token)
+        body = build(named, token)
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
-        return Request(backend=self.name, spec=spec, text=text, payload={"body": body, "token": token},
+        return Request(backend=self.name, spec=named, text=text, payload={"body": body, "token": token, "spec": spec},
                        notes=notes)
 
     def render_preflight(self, spec: JobSpec) -> Request:
         """The health job: a PyTorchJob with a pod on each of nodes + spare_nodes nodes (kubernetes_nodes)."""
-        checked = kubernetes_nodes.health_spec(spec)
         token = secrets.token_hex(TOKEN_HEX // 2)  # a folder of its own: an earlier check's reports never count
+        checked = kubernetes_nodes.health_spec(_named(spec, token))
         in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(pvc_folder(checked, token)))
-        body = kubernetes_nodes.health_job(excluding(pytorch_job(checked, token), spec.exclude_nodes), spec,
+        body = kubernetes_nodes.health_job(excluding(pytorch_job(checked, token), spec.exclude_nodes), checked,
                                            health_command(in_pod, "python"))
         return Request(backend=self.name, spec=checked, text=yaml.safe_dump(body, sort_keys=True),
                        payload={"body": body, "token": token, "health": True})
@@ -78,7 +89,8 @@ class KubernetesLauncher(Launcher):
         # A token of its own, so that no earlier job's folder on the volume (same --out name, same
         # arguments) is taken for this one's; the node agents also refuse a folder another job claimed.
         if not request.payload.get("health"):  # the health job keeps its own (it trains nothing)
-            request = self._request(spec, secrets.token_hex(TOKEN_HEX // 2))
+            request = self._request(request.payload["spec"], secrets.token_hex(TOKEN_HEX // 2))
+            spec = request.spec
         (spec.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         api = APIS[spec.profile.kubernetes.api]
         jobs, _ = clients()
@@ -125,7 +137,21 @@ class KubernetesLauncher(Launcher):
         job = call(f"read the {api.kind}", jobs.get_namespaced_custom_object, api.group, api.version, namespace,
                    api.plural, name)
         record_event(core, api, job, JobState.CANCELLED, "cancelled by the user")
-        call(f"delete the {api.kind}", jobs.delete_namespaced_custom_object, api.group, api.version, namespace,
+        self.delete(handle)
+
+    def checked_nodes(self, handle: Handle) -> list[str]:
+        """The Nodes the health job's pods were bound to; they stay after it ends (kubernetes_nodes.health_job)."""
+        _, api, namespace, name = handle_job(handle)
+        _, core = clients()
+        pods = call("list the health job's pods", core.list_namespaced_pod, namespace,
+                    label_selector=f"{api.pod_label}={name}").items
+        return sorted({pod.spec.node_name for pod in pods if pod.spec and pod.spec.node_name})
+
+    def delete(self, handle: Handle) -> None:
+        """The job and, through their ownerReferences, its pods (propagationPolicy Background)."""
+        _, api, namespace, name = handle_job(handle)
+        jobs, _ = clients()
+        call(f"delete the {api.kind} {name}", jobs.delete_namespaced_custom_object, api.group, api.version, namespace,
              api.plural, name, propagation_policy="Background")
 
     def collect(self, handle: Handle, poll_s: float = 1.0) -> list[Path]:

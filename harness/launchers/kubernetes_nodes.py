@@ -29,6 +29,7 @@ TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSc
 HOSTNAME = "kubernetes.io/hostname"  # the topology key of one health pod per host
 NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's matchFields)
 ROLE_LABEL = "mlperf-harness/role"
+HEALTH_JOB_TTL_S = 3600  # the operator deletes an ended health job that no harness deleted (its submitter gone)
 MESSAGE_LIMIT = 1000  # a condition message and an Event message stay readable in `kubectl describe`
 
 
@@ -55,6 +56,10 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
     # A hung check (a GPU after Xid 79) must not hold every node: the operator fails the job at the deadline,
     # and a node without a report is judged failed.
     job["spec"]["runPolicy"]["activeDeadlineSeconds"] = spec.profile.preflight.deadline_s
+    # Its pods stay when it ends, so that the harness reads which Nodes they ran on (a node that wrote no report
+    # fails); the harness then deletes the job with its pods. Were the harness gone, the operator deletes it later.
+    job["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
+    job["spec"]["runPolicy"]["ttlSecondsAfterFinished"] = HEALTH_JOB_TTL_S
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         # One pod per node: no two pods of this job on one host (the operator labels pods with the job's name).
         anti = {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {

@@ -242,15 +242,18 @@ def train_job(spec: JobSpec, token: str) -> dict:
 
 def pod_monitor(spec: JobSpec) -> dict:
     """A Prometheus Operator PodMonitor (monitoring.coreos.com/v1) that scrapes the job's pods' `metrics` port;
-    the pod's Kubernetes node becomes the `host` label (the metrics' own `node` is the pod's name)."""
+    the pod's Kubernetes node becomes the `host` label (the metrics' own `node` is the pod's name).
+    With --name it selects that job's pods; without, every run of the benchmark in the namespace, since
+    each run's job gets a name of its own (kubernetes.KubernetesLauncher)."""
     api = APIS[spec.profile.kubernetes.api]
     if not spec.metrics():
         raise HarnessError("--pod-monitor needs metrics: the profile's metrics_port or --metrics-port is 0")
+    selector = _labels(spec, job=False) if spec.name == spec.default_name() else {api.pod_label: spec.name}
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": {"name": f"{spec.name}-metrics", "namespace": spec.profile.kubernetes.namespace,
                      "labels": _labels(spec, job=False)},
-        "spec": {"selector": {"matchLabels": {api.pod_label: spec.name}},
+        "spec": {"selector": {"matchLabels": selector},
                  "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s",
                                           "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
                                                            "targetLabel": "host"}]}]}}
