@@ -40,6 +40,9 @@ class KubernetesSettings:
     results_mount: str = "/results"
     shm_size: str = "16Gi"  # the memory-backed /dev/shm that NCCL and data loaders need
     service_account: str | None = None
+    # The image of the pods that copy the run folder back (`harness collect`): they run a few lines of Python's
+    # standard library, so any small Python image does; None: the training image.
+    collect_image: str | None = None
     # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
     # --init-checkpoint must lie under one of these paths or under results_mount.
     mounts: list[str] = field(default_factory=list)

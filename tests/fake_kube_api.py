@@ -102,6 +102,9 @@ class FakeKubeAPI:
         self.events: list[dict] = []
         self.nodes: dict[str, dict] = {}  # name -> Node; add_node() adds one
         self.before_node_patch = None  # a callable(name), run before each node patch (a concurrent writer)
+        # A callable(pod), run before the fake kubelet runs a pod created through the API: a string it returns
+        # fails the pod, with that string as its log (a results pod that cannot read the volume).
+        self.before_pod_run = None
         self.patches: list[tuple[str, str]] = []  # (path, Content-Type) of every PATCH
         self.requests: list[tuple[str, str]] = []
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
@@ -220,6 +223,9 @@ class FakeKubeAPI:
 
     def _run_pod(self, pod: dict) -> dict:
         """The fake kubelet: run the pod's one container here, claims mapped to local folders."""
+        if self.before_pod_run and (refused := self.before_pod_run(pod)) is not None:
+            self._ended(pod, 1, refused)
+            return pod
         spec = pod["spec"]
         [container] = spec["containers"]
         claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]] for v in spec.get("volumes", [])

@@ -517,3 +517,43 @@ def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(clus
     assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
                                             "run or finish the checks"]}
     assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone
+
+
+def test_a_collection_that_fails_for_one_pod_leaves_a_successful_run_at_0_and_says_what_failed(fake_api, tmp_path):
+    """The chunk pods run side by side (two of them meet at a barrier: one after the other, they never would), and
+    one that fails costs only its files: the run's exit code stays the job's, the failure is said on the terminal
+    and recorded in job.json, and the other files come back."""
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    together = threading.Barrier(2, timeout=60)
+
+    def kubelet(pod: dict) -> str | None:
+        name = pod["metadata"]["name"]
+        if name.endswith("-0") or name.endswith("-2"):  # chunks 0 and 2 run at the same time, or neither goes on
+            together.wait()
+        return "OSError: [Errno 5] Input/output error" if name.endswith("-1") else None
+
+    fake_api.before_pod_run = kubelet
+
+    def operator():
+        deadline = time.monotonic() + 120
+        while ("default", "rn") not in fake_api.jobs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        folder = pod_folder(fake_api, volume, "rn")
+        (folder / "logs").mkdir(parents=True)
+        shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+        (folder / "logs" / "rank_0.log").write_bytes(b"r" * (9 * 2**20))  # three chunks of 4 MiB
+        fake_api.set_condition("default", "rn", "Succeeded")
+
+    thread = threading.Thread(target=operator)
+    thread.start()
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--name", "rn",
+                     "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    thread.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 of 2 file(s) did not come back from the results volume (logs/rank_0.log)" in result.stderr
+    assert "-collect-" in result.stderr and "Input/output error" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "run" / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+    assert not (tmp_path / "run" / "logs" / "rank_0.log").exists()  # no torn copy
+    assert "logs/rank_0.log" in json.loads((tmp_path / "run" / "job.json").read_text())["collect_error"]
+    assert "time-to-train (min)" in result.stdout

@@ -75,7 +75,7 @@ class BlamedNodeWatcher:
             return
         with tempfile.TemporaryDirectory(dir=self.handle.out_dir, prefix=".attempts-") as staging:
             try:
-                fetch(self.handle, ATTEMPTS_DIR, Path(staging, ATTEMPTS_DIR))
+                fetch(self.handle, ATTEMPTS_DIR, Path(staging, ATTEMPTS_DIR))  # a file not whole: read later
             except HarnessError as exc:  # the job goes on; the next recreated pod tries again
                 self.pending = False
                 print(f"harness: could not read the attempt records to keep a failed node out: {exc}", flush=True)

@@ -18,6 +18,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -60,6 +61,7 @@ sys.stdout.write(base64.b64encode(bytes(out)).decode())
 CHUNK_BYTES = 4 * 2**20  # 5.3 MiB of base64 per pod log, well under the kubelet's 10 MiB rotation
 ARG_BYTES = 64 * 2**10  # a chunk's pieces, as one argument: Linux takes at most 128 KiB in one
 COLLECT_TIMEOUT_S = 300
+COLLECT_PODS = 16  # chunk pods at once: ~7,000 rank logs at 448 nodes are some 60 pods' work, not 60 in a row
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,19 @@ def write_pieces(staging: Path, pieces: list[tuple[str, int, int]], log: str) ->
                            f"{sum(length for _, _, length in pieces)} asked for; was its log cut?", 1)
     at = 0
     for name, offset, length in pieces:
-        path = staging / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "r+b" if path.exists() else "wb") as f:
+        with open(staging / name, "r+b") as f:  # made by `stage`: chunks of one file are written side by side
             f.seek(offset)
             f.write(data[at:at + length])
         at += length
+
+
+def stage(staging: Path, files: list[RemoteFile]) -> None:
+    """Every file of the manifest at its size in the staging folder, before any chunk is written into it."""
+    for remote in files:
+        path = staging / remote.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(remote.size)
 
 
 def merge_run_folder(staging: Path, files: list[RemoteFile], out_dir: Path) -> tuple[list[Path], list[str]]:
@@ -158,14 +167,16 @@ def merge_run_folder(staging: Path, files: list[RemoteFile], out_dir: Path) -> t
 
 
 def collector_pod(spec: JobSpec, name: str, script: str, args: list[str]) -> k8s.V1Pod:
-    """A one-shot pod that runs `script` on the results volume, read-only and unprivileged."""
+    """A one-shot pod that runs `script` on the results volume, read-only and unprivileged. Its image is the
+    profile's kubernetes.collect_image (the scripts need only a Python, any small one), else the training image."""
     kube = spec.profile.kubernetes
     container = k8s.V1Container(
-        name="collect", image=spec.profile.image, command=["python", "-c", script, *args],
+        name="collect", image=kube.collect_image or spec.profile.image, command=["python", "-c", script, *args],
         volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}),
         security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
-                                               read_only_root_filesystem=True))
+                                               read_only_root_filesystem=True,
+                                               capabilities=k8s.V1Capabilities(drop=["ALL"])))
     return k8s.V1Pod(
         api_version="v1", kind="Pod",
         metadata=k8s.V1ObjectMeta(name=name, namespace=kube.namespace,
@@ -177,21 +188,28 @@ def collector_pod(spec: JobSpec, name: str, script: str, args: list[str]) -> k8s
 
 def collect(handle: Handle, poll_s: float = 1.0) -> list[Path]:
     """Copy the job's run folder from the results volume: a manifest, then the files in chunks, each
-    through a one-shot pod and its log; checked against the manifest's checksums before use."""
+    through a one-shot pod and its log; checked against the manifest's checksums before use. The files whose
+    chunks came back are kept even when some did not; those are then named in one error."""
     with tempfile.TemporaryDirectory(dir=handle.out_dir, prefix=".collect-") as staging:
-        files = fetch(handle, "", Path(staging), poll_s)
-        fetched, kept = merge_run_folder(Path(staging), files, handle.out_dir)
+        files, failed = fetch(handle, "", Path(staging), poll_s)
+        fetched, kept = merge_run_folder(Path(staging), [f for f in files if f.name not in failed], handle.out_dir)
     if kept:
         print(f"harness: kept the local copies of {', '.join(kept)}, which differ from the results volume's",
               file=sys.stderr)
+    if failed:
+        why = "; ".join(sorted(set(failed.values())))
+        raise HarnessError(f"{len(failed)} of {len(files)} file(s) did not come back from the results volume "
+                           f"({', '.join(sorted(failed))}): {why}; they stay there (`harness collect "
+                           f"{handle.out_dir}` tries again)", 1)
     return fetched
 
 
-def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> list[RemoteFile]:
+def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[list[RemoteFile], dict[str, str]]:
     """Copy the folder `sub` of the job's run folder on the results volume ("": all of it) into `into`:
-    a manifest, then the files in chunks, each through a one-shot pod and its log. Returns the manifest:
-    `collect` checks every file against its checksum before use; the blame watch reads attempt records,
-    whose reader skips a torn last line, so a torn copy at worst delays its judgement to a later poll."""
+    a manifest, then the files in chunks, each through a one-shot pod and its log, up to COLLECT_PODS at once.
+    Returns the manifest and {file: why} for the files a failed chunk pod left incomplete. `collect` checks
+    every file against its checksum before use; the blame watch reads attempt records, whose reader skips a
+    torn last line, so a torn copy at worst delays its judgement to a later poll."""
     spec, _, namespace, name = handle_job(handle)
     folder = handle.record().get("pvc_folder")
     if not folder:
@@ -205,9 +223,20 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> list[Rem
         return _run_collector(core, spec, namespace, f"{name}-collect-{nonce}-{step}", script, args, folder, poll_s)
 
     files = parse_manifest(run_pod("m", MANIFEST_SCRIPT, [folder]))
-    for index, pieces in enumerate(plan_chunks(files)):
+    stage(into, files)
+
+    def run_chunk(index: int, pieces: list[tuple[str, int, int]]) -> None:
         write_pieces(into, pieces, run_pod(str(index), CHUNK_SCRIPT, [folder, json.dumps(pieces)]))
-    return files
+
+    failed: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=COLLECT_PODS) as pool:
+        chunks = {pool.submit(run_chunk, index, pieces): pieces for index, pieces in enumerate(plan_chunks(files))}
+        for done in as_completed(chunks):
+            if done.exception() is not None:
+                if not isinstance(done.exception(), HarnessError):
+                    raise done.exception()
+                failed.update({piece[0]: str(done.exception()) for piece in chunks[done]})
+    return files, failed
 
 
 def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: str, args: list[str],
@@ -227,7 +256,7 @@ def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: s
         log = call("read a results pod's log", core.read_namespaced_pod_log, pod_name, namespace,
                    _preload_content=False).data.decode(errors="replace")
         if phase == "Failed":
-            raise HarnessError(f"the results pod could not read {folder} on "
+            raise HarnessError(f"the results pod {pod_name} could not read {folder} on "
                                f"{spec.profile.kubernetes.results_pvc}: {log.strip()[-500:]}", 1)
         return log
     finally:
