@@ -10,7 +10,8 @@ letting `reconcile` do what the training operator's controller does (below). A
 pod created through the API (the harness's results pods), or a job's pod passed
 to `run_pod`, is "run" as a fake kubelet would: its command runs here, with the
 pod's environment, $(VAR) expanded in its arguments, each volume claim named in
-`claims` standing for a local folder, and its output as its log. The log API
+`claims` standing for a local folder, and its output as its log; a long-running pod (restartPolicy
+other than Never) is left Running, for the test to start as a process of its own (`start_pod`). The log API
 serves what the kubelet would after rotating the container log at 10 MiB: only
 the part written since the newest rotation.
 
@@ -222,10 +223,30 @@ class FakeKubeAPI:
         return node
 
     def _run_pod(self, pod: dict) -> dict:
-        """The fake kubelet: run the pod's one container here, claims mapped to local folders."""
+        """The fake kubelet: run the pod's one container here, claims mapped to local folders. Only a one-shot
+        pod (restartPolicy Never) runs to its end; any other is left Running, for a test to start as its own
+        process (start_pod)."""
+        if pod["spec"].get("restartPolicy", "Always") != "Never":
+            pod["status"] = {"phase": "Running", "containerStatuses": [_container_status(pod, {"running": {}})]}
+            return pod
         if self.before_pod_run and (refused := self.before_pod_run(pod)) is not None:
             self._ended(pod, 1, refused)
             return pod
+        command, env = self._command(pod)
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+        self._ended(pod, done.returncode, done.stdout + done.stderr)
+        return pod
+
+    def start_pod(self, namespace: str, name: str, *extra_args: str) -> subprocess.Popen:
+        """Start a long-running pod (one the fake kubelet left Running) as a process of its own, as the kubelet
+        would: its command, environment and volumes as in _run_pod, `extra_args` after its arguments."""
+        command, env = self._command(self.pods[(namespace, name)])
+        return subprocess.Popen([*command, *extra_args], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def _command(self, pod: dict) -> tuple[list[str], dict[str, str]]:
+        """A pod's command line and environment here: $(VAR) expanded, `python` this Python, each mount of a
+        claim in `claims` its local folder."""
         spec = pod["spec"]
         [container] = spec["containers"]
         claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]] for v in spec.get("volumes", [])
@@ -238,9 +259,7 @@ class FakeKubeAPI:
         command = [sys.executable if part == "python" else part for part in command]
         for mount, folder in mounts.items():
             command = [str(folder) + part[len(mount):] if part.startswith(mount) else part for part in command]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
-        self._ended(pod, done.returncode, done.stdout + done.stderr)
-        return pod
+        return command, env
 
     @staticmethod
     def _ended(pod: dict, exit_code: int, log: str = "") -> None:

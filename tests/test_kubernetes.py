@@ -435,12 +435,14 @@ def test_a_collection_far_over_10_mib_comes_back_byte_identical(fake_api, tmp_pa
 class FakeCluster:
     """What the nodes and the operator do with each job `harness run` submits to the fake API (operator on): a
     health job's pods write their nodes' reports (but the nodes in `silent`) and it succeeds; a training job's
-    rank 0 writes the baseline result and it succeeds. Runs in a thread until stopped."""
+    rank 0 writes the baseline result and it succeeds (unless `train` is False). Runs in a thread until stopped."""
 
-    def __init__(self, api: FakeKubeAPI, volume: Path, namespace: str = "default", silent: tuple[str, ...] = ()):
+    def __init__(self, api: FakeKubeAPI, volume: Path, namespace: str = "default", silent: tuple[str, ...] = (),
+                 train: bool = True):
         from tests.test_preflight import _report
 
         self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
+        self.train = train  # False: training jobs are left to the test
         self.done: list[str] = []  # the jobs it finished, in order
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -456,7 +458,7 @@ class FakeCluster:
     def _run(self) -> None:
         while not self.stop.wait(0.05):
             for (namespace, name), job in list(self.api.jobs.items()):
-                if name in self.done or namespace != self.namespace:
+                if name in self.done or namespace != self.namespace or not (self.train or name.endswith("-preflight")):
                     continue
                 folder = pod_folder(self.api, self.volume, name, namespace)
                 if name.endswith("-preflight"):

@@ -5,7 +5,8 @@ The backend is a few small modules, each with one job, imported one way (no cycl
 - kubernetes_render: the job a spec asks for (what a dry run prints);
 - kubernetes_nodes: the health job, and the verdicts written on the Nodes (condition, taint, Events);
 - kubernetes_collect: the run folder brought back from the results volume through short-lived pods;
-- kubernetes_blame: the node a failed attempt points at, kept out of the next one;
+- kubernetes_blame: the watcher pod that keeps a failed attempt's node out of the next one, in the
+  cluster beside the job, and the reader of what it decided;
 - this module: the launcher, which puts them together. The cluster is the system of record: each state
   change the harness sees is also recorded as a Kubernetes Event on the job.
 """
@@ -22,9 +23,10 @@ from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
                                     workload_plan)
-from harness.launchers.kubernetes_api import APIS, PYTORCHJOB, TRAINJOB, call, clients, handle_job, record_event
+from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
+from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
-                                                 render_token, trainjob_notes)
+                                                 render_token, trainjob_notes, watcher_pod, watches_failures)
 from harness.spec import JobSpec
 
 
@@ -54,6 +56,10 @@ class KubernetesLauncher(Launcher):
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
+        if watches_failures(spec):
+            notes += (f"note: with the job, a watcher pod in the same image keeps the nodes a failed attempt points "
+                      f"at out of the next one (ServiceAccount {spec.profile.kubernetes.watcher_service_account}, "
+                      "manifests/rbac/watcher.yaml)",)
         return Request(backend=self.name, spec=named, text=text, payload={"body": body, "token": token, "spec": spec},
                        notes=notes)
 
@@ -69,16 +75,12 @@ class KubernetesLauncher(Launcher):
 
     def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
         _, core = clients()
-        return kubernetes_nodes.remediate(core, call, spec, preflight)
+        return kubernetes_nodes.remediate(core, preflight, kubernetes_nodes.health_job_reference(spec),
+                                          spec.taint_bad_nodes)
 
     def restart_watcher(self, spec: JobSpec, handle: Handle):
-        """With preflight and restarts, on a PyTorchJob: harness.launchers.kubernetes_blame. A TrainJob's
-        restarts are its runtime's (JobSet failurePolicy), outside --max-restarts."""
-        if not (spec.preflight and spec.max_restarts and APIS[spec.profile.kubernetes.api] is PYTORCHJOB):
-            return None
-        from harness.launchers.kubernetes_blame import BlamedNodeWatcher
-
-        return BlamedNodeWatcher(spec, handle)
+        """Where the job has a watcher pod (kubernetes_render.watches_failures): the reader of what it decided."""
+        return BlameReader(spec, handle) if watches_failures(spec) else None
 
     def submit(self, request: Request) -> Handle:
         spec = request.spec
@@ -98,8 +100,12 @@ class KubernetesLauncher(Launcher):
         created = call(f"create the {api.kind}", jobs.create_namespaced_custom_object, api.group, api.version,
                        namespace, api.plural, request.payload["body"])
         handle = Handle(backend=self.name, job_id=f"{namespace}/{created['metadata']['name']}", out_dir=spec.out_dir)
-        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"),
-                    pvc_folder=pvc_folder(spec, request.payload["token"]))
+        folder = pvc_folder(spec, request.payload["token"])
+        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder)
+        if watches_failures(spec):  # the job's own, in the cluster: it goes on without this process
+            _, core = clients()
+            call("start the job's watcher pod", core.create_namespaced_pod, namespace,
+                 watcher_pod(spec, created, folder))
         return handle
 
     def status(self, handle: Handle) -> JobState:

@@ -293,3 +293,46 @@ BUILDERS = {PYTORCHJOB.kind: pytorch_job, TRAINJOB.kind: train_job}
 def build(spec: JobSpec, token: str) -> dict:
     """The job the profile's API (kubernetes.api) asks for, without the nodes spec.exclude_nodes keeps out."""
     return excluding(BUILDERS[APIS[spec.profile.kubernetes.api].kind](spec, token), spec.exclude_nodes)
+
+
+WATCHER_MODULE = "harness.launchers.kubernetes_blame"
+WATCHER_UID = 65534  # nobody: the watcher writes nothing, and reads the run folder, which is world-readable
+
+
+def watches_failures(spec: JobSpec) -> bool:
+    """Whether a job gets the watcher pod: with preflight (it keeps out what preflight would) and restarts, on a
+    PyTorchJob. A TrainJob's restarts are its runtime's (JobSet failurePolicy), outside --max-restarts."""
+    return bool(spec.preflight and spec.max_restarts and APIS[spec.profile.kubernetes.api] is PYTORCHJOB)
+
+
+def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
+    """The pod that keeps a failed attempt's nodes out of the next attempt (kubernetes_blame), beside `job` (as
+    the API server returned it: its uid makes the job the pod's owner, so the pod goes when the job goes). It runs
+    as nobody, read-only, with no capability and no way to gain one; it mounts the results volume read-only and
+    the token of the ServiceAccount the preflight ClusterRole is bound to (kubernetes.watcher_service_account)."""
+    kube, meta = spec.profile.kubernetes, job["metadata"]
+    command = ["python", "-m", WATCHER_MODULE, "--namespace", meta["namespace"], "--job", meta["name"],
+               "--folder", folder] + (["--taint"] if spec.taint_bad_nodes else [])
+    container = k8s.V1Container(
+        name="watch", image=spec.profile.image, command=command[:1], args=command[1:],
+        env=[k8s.V1EnvVar(name="PYTHONDONTWRITEBYTECODE", value="1")],
+        volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
+        resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "256Mi"}, limits={"memory": "1Gi"}),
+        security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
+                                               read_only_root_filesystem=True,
+                                               capabilities=k8s.V1Capabilities(drop=["ALL"])))
+    owner = k8s.V1OwnerReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, name=meta["name"],
+                                 uid=meta["uid"])
+    pod = k8s.V1Pod(
+        api_version="v1", kind="Pod",
+        metadata=k8s.V1ObjectMeta(name=f"{meta['name']}-watch", namespace=meta["namespace"], owner_references=[owner],
+                                  labels={**_labels(spec, job=False), kubernetes_nodes.ROLE_LABEL: "watch"}),
+        spec=k8s.V1PodSpec(
+            containers=[container], volumes=[results_volume(kube.results_pvc)],
+            # A crash restarts it in place; what it decided is on the job, where it reads it back.
+            restart_policy="OnFailure", service_account_name=kube.watcher_service_account,
+            automount_service_account_token=True, tolerations=tolerations(kube),
+            security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=WATCHER_UID,
+                                                      run_as_group=WATCHER_UID,
+                                                      seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"))))
+    return to_dict(pod)
