@@ -559,3 +559,33 @@ def test_a_collection_that_fails_for_one_pod_leaves_a_successful_run_at_0_and_sa
     assert not (tmp_path / "run" / "logs" / "rank_0.log").exists()  # no torn copy
     assert "logs/rank_0.log" in json.loads((tmp_path / "run" / "job.json").read_text())["collect_error"]
     assert "time-to-train (min)" in result.stdout
+
+
+@needs_crd
+def test_the_pods_the_harness_starts_itself_match_the_pod_schema_and_ask_for_no_privilege():
+    """The results pods and the watcher pod, against the Pod schema the PyTorchJob CRD carries for its templates,
+    and read back by the client's own models; neither can run privileged, escalate or keep a capability."""
+    from harness.launchers.kubernetes_collect import MANIFEST_SCRIPT, collector_pod
+    from harness.launchers.kubernetes_render import to_dict, watcher_pod
+
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["kubernetes.collect_image=python:3.12-slim"])
+    spec = JobSpec("resnet", nodes=2, preflight=True, max_restarts=2, taint_bad_nodes=True, profile=profile,
+                   out_dir=Path("/x/run")).resolved()
+    job = {"metadata": {"name": "rn", "namespace": "default", "uid": "1234"}}
+    template = pytorchjob_schema()["properties"]["spec"]["properties"]["pytorchReplicaSpecs"][
+        "additionalProperties"]["properties"]["template"]
+    collector = to_dict(collector_pod(spec, "rn-collect-abc-m", MANIFEST_SCRIPT, ["/results/run-1"]))
+    watcher = watcher_pod(spec, job, "/results/run-1")
+    for pod in (collector, watcher):
+        jsonschema.validate({"metadata": pod["metadata"], "spec": pod["spec"]}, template)
+        model = k8s.ApiClient().deserialize(SimpleNamespace(data=json.dumps(pod)), "V1Pod")
+        assert k8s.ApiClient().sanitize_for_serialization(model) == pod
+        [container] = pod["spec"]["containers"]
+        security = container["securityContext"]
+        assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]} and security["readOnlyRootFilesystem"] is True
+        assert all(mount["readOnly"] for mount in container["volumeMounts"])
+    assert collector["spec"]["containers"][0]["image"] == "python:3.12-slim"  # a small image, where named
+    assert collector["spec"]["automountServiceAccountToken"] is False
+    assert watcher["spec"]["containers"][0]["image"] == profile.image  # the harness image: it runs the harness
+    assert watcher["spec"]["securityContext"]["runAsNonRoot"] is True
