@@ -488,6 +488,8 @@ def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_a
     args = ("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--nodes", "2", "--spare-nodes", "1",
             "--preflight")
     env = {"KUBECONFIG": str(tmp_path / "kubeconfig")}
+    results_pods = []
+    cluster_api.before_pod_run = results_pods.append  # returns None: each runs as usual
     with FakeCluster(cluster_api, tmp_path / "pvc") as cluster:
         runs = [harness(*args, "--out", str(tmp_path / f"run{i}"), env=env) for i in (1, 2)]
     for run in runs:
@@ -501,6 +503,10 @@ def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_a
     assert not [pod for (_, pod) in cluster_api.pods if "-preflight-" in pod]
     deletes = [path for method, path in cluster_api.requests if method == "DELETE" and "/pytorchjobs/" in path]
     assert sorted(path.rpartition("/")[2] for path in deletes) == sorted(health)
+    # The results pods prefer the Nodes the job ran on (its image is there): the health job's three, training's two.
+    preferred = sorted(tuple(pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][
+        0]["preference"]["matchFields"][0]["values"]) for pod in results_pods)
+    assert set(preferred) == {("gpu-a", "gpu-b", "gpu-c"), ("gpu-a", "gpu-b")}
     # A name given with --name is kept as it is.
     named = harness(*args, "--name", "rn", "--out", str(tmp_path / "named"), "--dry-run")
     assert yaml.safe_load(named.stdout)["metadata"]["name"] == "rn"

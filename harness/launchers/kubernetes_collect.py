@@ -27,6 +27,7 @@ from kubernetes import client as k8s
 from harness.errors import HarnessError
 from harness.launchers.base import Handle
 from harness.launchers.kubernetes_api import call, clients, handle_job
+from harness.launchers.kubernetes_nodes import NODE_NAME_FIELD
 from harness.launchers.kubernetes_render import results_volume, tolerations
 from harness.spec import JobSpec
 
@@ -166,10 +167,16 @@ def merge_run_folder(staging: Path, files: list[RemoteFile], out_dir: Path) -> t
     return fetched, kept
 
 
-def collector_pod(spec: JobSpec, name: str, script: str, args: list[str]) -> k8s.V1Pod:
+def collector_pod(spec: JobSpec, name: str, script: str, args: list[str], near: list[str] = ()) -> k8s.V1Pod:
     """A one-shot pod that runs `script` on the results volume, read-only and unprivileged. Its image is the
-    profile's kubernetes.collect_image (the scripts need only a Python, any small one), else the training image."""
+    profile's kubernetes.collect_image (the scripts need only a Python, any small one), else the training image;
+    the scheduler is asked to prefer the Nodes in `near` (those the job ran on: the training image is there
+    already, and so is the volume's client)."""
     kube = spec.profile.kubernetes
+    affinity = k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
+        preferred_during_scheduling_ignored_during_execution=[k8s.V1PreferredSchedulingTerm(
+            weight=100, preference=k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
+                key=NODE_NAME_FIELD, operator="In", values=sorted(near))]))])) if near else None
     container = k8s.V1Container(
         name="collect", image=kube.collect_image or spec.profile.image, command=["python", "-c", script, *args],
         volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
@@ -183,7 +190,7 @@ def collector_pod(spec: JobSpec, name: str, script: str, args: list[str]) -> k8s
                                   labels={"app.kubernetes.io/name": "mlperf-harness", "mlperf-harness/role": "collect"}),
         spec=k8s.V1PodSpec(containers=[container], volumes=[results_volume(kube.results_pvc)],
                            restart_policy="Never", automount_service_account_token=False,
-                           tolerations=tolerations(kube)))
+                           tolerations=tolerations(kube), affinity=affinity))
 
 
 def collect(handle: Handle, poll_s: float = 1.0) -> list[Path]:
@@ -210,7 +217,7 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[li
     Returns the manifest and {file: why} for the files a failed chunk pod left incomplete. `collect` checks
     every file against its checksum before use; the blame watch reads attempt records, whose reader skips a
     torn last line, so a torn copy at worst delays its judgement to a later poll."""
-    spec, _, namespace, name = handle_job(handle)
+    spec, api, namespace, name = handle_job(handle)
     folder = handle.record().get("pvc_folder")
     if not folder:
         raise HarnessError(f"{handle.out_dir}/job.json names no folder on the results volume (pvc_folder); "
@@ -218,9 +225,12 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[li
     folder = str(PurePosixPath(folder, sub)) if sub else folder
     _, core = clients()
     nonce = secrets.token_hex(3)
+    pods = call("list the job's pods", core.list_namespaced_pod, namespace, label_selector=f"{api.pod_label}={name}")
+    near = sorted({pod.spec.node_name for pod in pods.items if pod.spec and pod.spec.node_name})
 
     def run_pod(step: str, script: str, args: list[str]) -> str:
-        return _run_collector(core, spec, namespace, f"{name}-collect-{nonce}-{step}", script, args, folder, poll_s)
+        return _run_collector(core, spec, namespace, f"{name}-collect-{nonce}-{step}", script, args, folder, poll_s,
+                              near)
 
     files = parse_manifest(run_pod("m", MANIFEST_SCRIPT, [folder]))
     stage(into, files)
@@ -240,9 +250,10 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[li
 
 
 def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: str, args: list[str],
-                   folder: str, poll_s: float) -> str:
+                   folder: str, poll_s: float, near: list[str]) -> str:
     """Run one collector pod to its end and return its log; the pod is deleted either way."""
-    call("start a results pod", core.create_namespaced_pod, namespace, collector_pod(spec, pod_name, script, args))
+    call("start a results pod", core.create_namespaced_pod, namespace,
+         collector_pod(spec, pod_name, script, args, near))
     try:
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         while (phase := call("read a results pod", core.read_namespaced_pod, pod_name,
