@@ -44,6 +44,12 @@ class KubernetesSettings:
     # A privileged init container per pod that flushes its node's page cache before the run (MLPerf's rules);
     # opt-in, since the pods ask for no privilege otherwise (harness.cache_flush).
     flush_page_cache: bool = False
+    # The image of the pods that copy the run folder back (`harness collect`): they run a few lines of Python's
+    # standard library, so any small Python image does; None: the training image.
+    collect_image: str | None = None
+    # The ServiceAccount of the watcher pod that keeps a failed attempt's nodes out of the next (with --preflight
+    # and --max-restarts): bound to the preflight ClusterRole and the job's Role (manifests/rbac/watcher.yaml).
+    watcher_service_account: str = "mlperf-harness"
     # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
     # --init-checkpoint must lie under one of these paths or under results_mount.
     mounts: list[str] = field(default_factory=list)

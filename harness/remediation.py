@@ -40,7 +40,7 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
     preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
-    watcher = PreflightWatcher(launcher, spec)
+    watcher = PreflightWatcher(launcher, request.spec)  # the health job's spec: its remediation names that job
     handle = launcher.submit(request)
     print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
           flush=True)
@@ -48,9 +48,14 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
         if launcher.name != "local":
             print(f"harness: preflight job {handle.job_id} {state.value}", flush=True)
     if not launcher.preflight_in_allocation:
-        launcher.collect(handle)
-        reports = sorted(p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json"))
-        preflight.decide(spec.out_dir, reports, spec.nodes)
+        try:
+            ran = launcher.checked_nodes(handle)
+            launcher.collect(handle)
+        finally:
+            launcher.delete(handle)  # read: the next run's health job must not meet it (or its pods)
+        reports = [p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json")]
+        # A node the job ran on that wrote no report is judged (and fails: health_report missing), not skipped.
+        preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes)
     watcher()
     record = preflight.read(spec.out_dir)
     if record is None:

@@ -85,13 +85,17 @@ class JobSpec:
     node_verdicts: dict = field(default_factory=dict)
     profile: Profile = field(default_factory=lambda: profiles.load(profiles.DEFAULT_PROFILE))
 
+    def default_name(self) -> str:
+        """The job's name without --name. MLPerf's names hold underscores (llama31_8b), which Kubernetes object
+        names may not. A cluster backend may make it unique per job (Kubernetes appends the job's token)."""
+        return f"{self.benchmark}-{self.preset}".replace("_", "-")
+
     def resolved(self, runs_root: Path | None = None) -> "JobSpec":
         """Fill in defaults that depend on the time or the machine, once, before rendering.
         `runs_root`: where run folders go without --out (the backend's shared file system)."""
         spec = dataclasses.replace(self)
         if spec.name is None:
-            # MLPerf's names hold underscores (llama31_8b), which Kubernetes object names may not.
-            spec.name = f"{spec.benchmark}-{spec.preset}".replace("_", "-")
+            spec.name = spec.default_name()
         if spec.checkpoint_every is None:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:

@@ -1,15 +1,17 @@
 """FAKE Kubernetes API server, for tests only: no real API server can be installed offline.
 
 It speaks just the endpoints the k8s launcher uses, through the official client:
-PyTorchJob and TrainJob custom objects (create, get, delete), pods (list by
-label, create, get, delete), pod logs, events (create), and Nodes (list, get, and
+PyTorchJob and TrainJob custom objects (create, get, patch, delete: a job's pods, and the pods whose
+ownerReferences name it, go with it), pods (list by label, create, get, delete; a create under a name
+already taken is refused with 409 AlreadyExists, as the API server refuses it), pod logs, events (create), and Nodes (list, get, and
 strategic-merge patches of the node and of its status). Tests move a job
 through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
 letting `reconcile` do what the training operator's controller does (below). A
 pod created through the API (the harness's results pods), or a job's pod passed
 to `run_pod`, is "run" as a fake kubelet would: its command runs here, with the
 pod's environment, $(VAR) expanded in its arguments, each volume claim named in
-`claims` standing for a local folder, and its output as its log. The log API
+`claims` standing for a local folder, and its output as its log; a long-running pod (restartPolicy
+other than Never) is left Running, for the test to start as a process of its own (`start_pod`). The log API
 serves what the kubelet would after rotating the container log at 10 MiB: only
 the part written since the newest rotation.
 
@@ -101,6 +103,9 @@ class FakeKubeAPI:
         self.events: list[dict] = []
         self.nodes: dict[str, dict] = {}  # name -> Node; add_node() adds one
         self.before_node_patch = None  # a callable(name), run before each node patch (a concurrent writer)
+        # A callable(pod), run before the fake kubelet runs a pod created through the API: a string it returns
+        # fails the pod, with that string as its log (a results pod that cannot read the volume).
+        self.before_pod_run = None
         self.patches: list[tuple[str, str]] = []  # (path, Content-Type) of every PATCH
         self.requests: list[tuple[str, str]] = []
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
@@ -218,7 +223,30 @@ class FakeKubeAPI:
         return node
 
     def _run_pod(self, pod: dict) -> dict:
-        """The fake kubelet: run the pod's one container here, claims mapped to local folders."""
+        """The fake kubelet: run the pod's one container here, claims mapped to local folders. Only a one-shot
+        pod (restartPolicy Never) runs to its end; any other is left Running, for a test to start as its own
+        process (start_pod)."""
+        if pod["spec"].get("restartPolicy", "Always") != "Never":
+            pod["status"] = {"phase": "Running", "containerStatuses": [_container_status(pod, {"running": {}})]}
+            return pod
+        if self.before_pod_run and (refused := self.before_pod_run(pod)) is not None:
+            self._ended(pod, 1, refused)
+            return pod
+        command, env = self._command(pod)
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+        self._ended(pod, done.returncode, done.stdout + done.stderr)
+        return pod
+
+    def start_pod(self, namespace: str, name: str, *extra_args: str) -> subprocess.Popen:
+        """Start a long-running pod (one the fake kubelet left Running) as a process of its own, as the kubelet
+        would: its command, environment and volumes as in _run_pod, `extra_args` after its arguments."""
+        command, env = self._command(self.pods[(namespace, name)])
+        return subprocess.Popen([*command, *extra_args], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def _command(self, pod: dict) -> tuple[list[str], dict[str, str]]:
+        """A pod's command line and environment here: $(VAR) expanded, `python` this Python, each mount of a
+        claim in `claims` its local folder."""
         spec = pod["spec"]
         [container] = spec["containers"]
         claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]] for v in spec.get("volumes", [])
@@ -231,9 +259,7 @@ class FakeKubeAPI:
         command = [sys.executable if part == "python" else part for part in command]
         for mount, folder in mounts.items():
             command = [str(folder) + part[len(mount):] if part.startswith(mount) else part for part in command]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
-        self._ended(pod, done.returncode, done.stdout + done.stderr)
-        return pod
+        return command, env
 
     @staticmethod
     def _ended(pod: dict, exit_code: int, log: str = "") -> None:
@@ -387,7 +413,12 @@ class FakeKubeAPI:
                 if m := JOBS.match(url.path):
                     return self._jobs(method, m.group(3), m.group(2), m.group(4))
                 if (m := PODS.match(url.path)) and method == "POST":
-                    pod = fake._run_pod(self._body())
+                    pod = self._body()
+                    if (m.group(1), pod["metadata"]["name"]) in fake.pods:  # as the API server refuses it
+                        return self._send(409, {"kind": "Status", "status": "Failure", "reason": "AlreadyExists",
+                                                "code": 409, "message": f"pods {pod['metadata']['name']!r} already "
+                                                                        "exists"})
+                    pod = fake._run_pod(pod)
                     fake.pods[(m.group(1), pod["metadata"]["name"])] = pod
                     return self._send(201, {k: v for k, v in pod.items() if k != "log"})
                 if m := POD.match(url.path):
@@ -456,8 +487,10 @@ class FakeKubeAPI:
                     merge_patch(fake.jobs[(namespace, name)], self._body())
                     return self._send(200, fake.jobs[(namespace, name)])
                 if method == "DELETE":  # its pods go too (the garbage collector follows their ownerReferences)
-                    fake.jobs.pop((namespace, name))
-                    for pod_name in fake.job_pods(namespace, name):
+                    job = fake.jobs.pop((namespace, name))
+                    owned = [key[1] for key, pod in fake.pods.items() if key[0] == namespace and any(
+                        ref.get("uid") == job["metadata"]["uid"] for ref in pod["metadata"].get("ownerReferences", []))]
+                    for pod_name in {*fake.job_pods(namespace, name), *owned}:
                         fake._delete_pod(namespace, pod_name)
                     return self._send(200, {"kind": "Status", "status": "Success"})
                 self._send(405, {"kind": "Status", "status": "Failure", "code": 405})

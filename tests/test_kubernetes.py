@@ -25,7 +25,7 @@ from harness import profiles
 from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
-from harness.launchers.kubernetes import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
+from harness.launchers.kubernetes_collect import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.results import load
 from harness.spec import JobSpec
 from tests.conftest import REPO, SHARED, harness
@@ -457,3 +457,168 @@ def test_the_opt_in_page_cache_flush_is_a_privileged_init_container(tmp_path):
                       "--set", "kubernetes.results_pvc=")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "kubernetes.flush_page_cache needs kubernetes.results_pvc" in refused.stderr
+
+
+class FakeCluster:
+    """What the nodes and the operator do with each job `harness run` submits to the fake API (operator on): a
+    health job's pods write their nodes' reports (but the nodes in `silent`) and it succeeds; a training job's
+    rank 0 writes the baseline result and it succeeds (unless `train` is False). Runs in a thread until stopped."""
+
+    def __init__(self, api: FakeKubeAPI, volume: Path, namespace: str = "default", silent: tuple[str, ...] = (),
+                 train: bool = True):
+        from tests.test_preflight import _report
+
+        self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
+        self.train = train  # False: training jobs are left to the test
+        self.done: list[str] = []  # the jobs it finished, in order
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FakeCluster":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            for (namespace, name), job in list(self.api.jobs.items()):
+                if name in self.done or namespace != self.namespace or not (self.train or name.endswith("-preflight")):
+                    continue
+                folder = pod_folder(self.api, self.volume, name, namespace)
+                if name.endswith("-preflight"):
+                    for pod in self.api.job_pods(namespace, name).values():
+                        if pod["spec"]["nodeName"] not in self.silent:
+                            self.report(folder, pod["spec"]["nodeName"], 470)
+                else:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                self.done.append(name)
+                self.api.set_condition(namespace, name, "Succeeded")
+
+
+@pytest.fixture
+def cluster_api(fake_api, tmp_path):
+    """The fake API with the operator on, three Nodes and the results volume."""
+    fake_api.operator = True
+    fake_api.claims["mlperf-results"] = tmp_path / "pvc"
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        fake_api.add_node(node, taints=[])
+    return fake_api
+
+
+def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_api, tmp_path):
+    """Default job names are unique per run, and the health job (with its pods) is deleted once its reports are
+    read: the second run's creates meet no name the first run's jobs hold (the API answers 409 to a duplicate)."""
+    args = ("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--nodes", "2", "--spare-nodes", "1",
+            "--preflight")
+    env = {"KUBECONFIG": str(tmp_path / "kubeconfig")}
+    results_pods = []
+    cluster_api.before_pod_run = results_pods.append  # returns None: each runs as usual
+    with FakeCluster(cluster_api, tmp_path / "pvc") as cluster:
+        runs = [harness(*args, "--out", str(tmp_path / f"run{i}"), env=env) for i in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+    health = [name for name in cluster.done if name.endswith("-preflight")]
+    training = [name for name in cluster.done if name not in health]
+    assert len(health) == len(set(health)) == 2 and len(training) == len(set(training)) == 2
+    assert all(re.fullmatch(r"resnet-tiny-[0-9a-f]{8}", name) for name in training)
+    # The health jobs and their pods are gone; the training jobs stay (their pods hold the logs).
+    assert sorted(name for _, name in cluster_api.jobs) == sorted(training)
+    assert not [pod for (_, pod) in cluster_api.pods if "-preflight-" in pod]
+    deletes = [path for method, path in cluster_api.requests if method == "DELETE" and "/pytorchjobs/" in path]
+    assert sorted(path.rpartition("/")[2] for path in deletes) == sorted(health)
+    # The results pods prefer the Nodes the job ran on (its image is there): the health job's three, training's two.
+    preferred = sorted(tuple(pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][
+        0]["preference"]["matchFields"][0]["values"]) for pod in results_pods)
+    assert set(preferred) == {("gpu-a", "gpu-b", "gpu-c"), ("gpu-a", "gpu-b")}
+    # A name given with --name is kept as it is.
+    named = harness(*args, "--name", "rn", "--out", str(tmp_path / "named"), "--dry-run")
+    assert yaml.safe_load(named.stdout)["metadata"]["name"] == "rn"
+
+
+def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(cluster_api, tmp_path):
+    """A node whose health pod was bound to it but wrote nothing (hung, killed at the deadline) is judged, and
+    fails with the reason, as on Slurm; it is not left out of the allocation unseen."""
+    from harness import remediation
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, out_dir=tmp_path / "run",
+                   profile=profiles.load("h100-ib")).resolved()
+    with FakeCluster(cluster_api, tmp_path / "pvc", silent=("gpu-c",)):
+        record = remediation.run_health_job(get_launcher("k8s"), spec)
+    assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and record["kept"] == ["gpu-a", "gpu-b"]
+    assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
+                                            "run or finish the checks"]}
+    assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone
+
+
+def test_a_collection_that_fails_for_one_pod_leaves_a_successful_run_at_0_and_says_what_failed(fake_api, tmp_path):
+    """The chunk pods run side by side (two of them meet at a barrier: one after the other, they never would), and
+    one that fails costs only its files: the run's exit code stays the job's, the failure is said on the terminal
+    and recorded in job.json, and the other files come back."""
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    together = threading.Barrier(2, timeout=60)
+
+    def kubelet(pod: dict) -> str | None:
+        name = pod["metadata"]["name"]
+        if name.endswith("-0") or name.endswith("-2"):  # chunks 0 and 2 run at the same time, or neither goes on
+            together.wait()
+        return "OSError: [Errno 5] Input/output error" if name.endswith("-1") else None
+
+    fake_api.before_pod_run = kubelet
+
+    def operator():
+        deadline = time.monotonic() + 120
+        while ("default", "rn") not in fake_api.jobs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        folder = pod_folder(fake_api, volume, "rn")
+        (folder / "logs").mkdir(parents=True)
+        shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+        (folder / "logs" / "rank_0.log").write_bytes(b"r" * (9 * 2**20))  # three chunks of 4 MiB
+        fake_api.set_condition("default", "rn", "Succeeded")
+
+    thread = threading.Thread(target=operator)
+    thread.start()
+    result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--name", "rn",
+                     "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    thread.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 of 2 file(s) did not come back from the results volume (logs/rank_0.log)" in result.stderr
+    assert "-collect-" in result.stderr and "Input/output error" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "run" / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+    assert not (tmp_path / "run" / "logs" / "rank_0.log").exists()  # no torn copy
+    assert "logs/rank_0.log" in json.loads((tmp_path / "run" / "job.json").read_text())["collect_error"]
+    assert "time-to-train (min)" in result.stdout
+
+
+@needs_crd
+def test_the_pods_the_harness_starts_itself_match_the_pod_schema_and_ask_for_no_privilege():
+    """The results pods and the watcher pod, against the Pod schema the PyTorchJob CRD carries for its templates,
+    and read back by the client's own models; neither can run privileged, escalate or keep a capability."""
+    from harness.launchers.kubernetes_collect import MANIFEST_SCRIPT, collector_pod
+    from harness.launchers.kubernetes_render import to_dict, watcher_pod
+
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["kubernetes.collect_image=python:3.12-slim"])
+    spec = JobSpec("resnet", nodes=2, preflight=True, max_restarts=2, taint_bad_nodes=True, profile=profile,
+                   out_dir=Path("/x/run")).resolved()
+    job = {"metadata": {"name": "rn", "namespace": "default", "uid": "1234"}}
+    template = pytorchjob_schema()["properties"]["spec"]["properties"]["pytorchReplicaSpecs"][
+        "additionalProperties"]["properties"]["template"]
+    collector = to_dict(collector_pod(spec, "rn-collect-abc-m", MANIFEST_SCRIPT, ["/results/run-1"]))
+    watcher = watcher_pod(spec, job, "/results/run-1")
+    for pod in (collector, watcher):
+        jsonschema.validate({"metadata": pod["metadata"], "spec": pod["spec"]}, template)
+        model = k8s.ApiClient().deserialize(SimpleNamespace(data=json.dumps(pod)), "V1Pod")
+        assert k8s.ApiClient().sanitize_for_serialization(model) == pod
+        [container] = pod["spec"]["containers"]
+        security = container["securityContext"]
+        assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]} and security["readOnlyRootFilesystem"] is True
+        assert all(mount["readOnly"] for mount in container["volumeMounts"])
+    assert collector["spec"]["containers"][0]["image"] == "python:3.12-slim"  # a small image, where named
+    assert collector["spec"]["automountServiceAccountToken"] is False
+    assert watcher["spec"]["containers"][0]["image"] == profile.image  # the harness image: it runs the harness
+    assert watcher["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -8,11 +8,13 @@ runs to a refusal before torch (the fake kubelet runs it)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from kubernetes import client as k8s
 
 from harness import profiles
 from harness.agent import (EXIT_BUDGET_SPENT, EXIT_RETRY, INFRASTRUCTURE, Failure, NewerAttemptWatch,
@@ -213,9 +215,11 @@ def test_the_run_folder_is_claimed_once(tmp_path):
 
 def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, tmp_path, capsys):
     """A rank killed on gpu-b: the operator recreates its pod from the same template, on gpu-b again; the
-    harness's watch patches the template (NotIn gpu-b), marks the node, and moves the pod, which lands on the
-    spare gpu-c. The operator's pods are created from the template as the job holds it (fake_kube_api)."""
+    watcher (here one poll at a time, in this process) patches the template (NotIn gpu-b), marks the node, and
+    moves the pod, which lands on the spare gpu-c; `harness run`'s side only reads what it decided. The
+    operator's pods are created from the template as the job holds it (fake_kube_api)."""
     from harness import preflight
+    from harness.launchers.kubernetes_blame import BLAME_ANNOTATION, BlamedNodeWatcher
     from harness.launchers.kubernetes_nodes import CONDITION, TAINT
     from tests.test_preflight import _report
 
@@ -228,15 +232,16 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
                    preflight=True, spare_nodes=1, taint_bad_nodes=True).resolved()
     launcher = get_launcher("k8s")
     handle = launcher.submit(launcher.render(spec))
-    watch = launcher.restart_watcher(spec, handle)
+    reader = launcher.restart_watcher(spec, handle)
     for without in ({"max_restarts": 0}, {"preflight": False, "spare_nodes": 0}):
         assert launcher.restart_watcher(dataclasses.replace(spec, **without), handle) is None
     trainjob = profiles.apply_overrides(profile, ["kubernetes.api=trainjob"])
     assert launcher.restart_watcher(dataclasses.replace(spec, profile=trainjob), handle) is None
     host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
     assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
-    watch()
     out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    assert watch() is JobState.RUNNING
     agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod, host[pod]) for pod in host}
     assert [agent.start() for agent in agents.values()] == [0, 0]
 
@@ -246,10 +251,6 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
     watch()  # the master still runs attempt 0: not judged yet
     assert ("gpu-b" not in str(operator.jobs[(NS, JOB)]["spec"]) and
             operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-b")
-    reads = operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods"))  # each read is a results pod
-    watch()
-    assert operator.requests.count(("POST", f"/api/v1/namespaces/{NS}/pods")) == reads  # not again for a while
-    watch.next_read = 0  # the while is over
     code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
     operator.exit_pod(NS, "rn-master-0", code)
     watch()
@@ -267,14 +268,21 @@ def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, t
     told = {(e["involvedObject"]["kind"], e["involvedObject"]["name"]) for e in operator.events
             if e["reason"] == "PreflightFailed"}
     assert told == {("Node", "gpu-b"), ("PyTorchJob", JOB)}
+    decided = json.loads(operator.jobs[(NS, JOB)]["metadata"]["annotations"][BLAME_ANNOTATION])
+    assert decided["judged"] == [0] and list(decided["blamed"]) == ["gpu-b"]
+    assert "gpu-b" not in preflight.read(tmp_path / JOB)["excluded"]  # the submitting side decided nothing
+
+    reader()  # `harness run`'s poll: it reads what the watcher decided
     record = preflight.read(tmp_path / JOB)
     assert record["excluded"] == {"gpu-b": [why]} and "gpu-b" not in record["kept"]
     assert "harness: gpu-b: kept out of the job's next attempt" in capsys.readouterr().out
+    reader()
+    assert preflight.read(tmp_path / JOB)["excluded"] == {"gpu-b": [why]}  # once
 
     agents["rn-worker-0"].host = "gpu-c"
     assert [agent.start() for agent in agents.values()] == [1, 1]
     patches = len(operator.patches)
-    watch()  # nothing recreated since: nothing read, nothing patched
+    watch()  # nothing new has ended: nothing patched
     assert len(operator.patches) == patches and "rn-worker-0" in operator.job_pods(NS, JOB)
 
 
@@ -294,21 +302,94 @@ def test_an_agent_in_a_pod_records_the_machine_under_it(tmp_path, monkeypatch):
 
 
 def test_an_api_error_in_the_blame_watch_is_printed_and_the_watch_goes_on(tmp_path, monkeypatch, capsys):
-    """A transient API error must not end `harness run`'s watch: the job would run on, unwatched and
-    uncollected."""
+    """A transient API error must not end the watcher: the job would run on, unwatched."""
     from types import SimpleNamespace
 
-    from harness.errors import HarnessError
     from harness.launchers import kubernetes_blame
 
-    def refuse(what, *args, **kwargs):
-        raise HarnessError(f"could not {what}: the API server answered 500")
+    def refuse(*args, **kwargs):
+        raise k8s.ApiException(status=500, reason="Internal Server Error")
 
-    monkeypatch.setattr(kubernetes_blame, "_api", lambda: (SimpleNamespace(), SimpleNamespace(list_namespaced_pod=None)))
-    monkeypatch.setattr(kubernetes_blame, "_call", refuse)
-    watch = kubernetes_blame.BlamedNodeWatcher(None, SimpleNamespace(exclude_nodes=()),
-                                               SimpleNamespace(job_id=f"default/{JOB}", out_dir=tmp_path))
-    watch()
-    watch()
+    monkeypatch.setattr(kubernetes_blame, "clients", lambda: (SimpleNamespace(get_namespaced_custom_object=refuse),
+                                                              SimpleNamespace()))
+    watch = kubernetes_blame.BlamedNodeWatcher("default", JOB, tmp_path, taint=False)
+    assert watch() is JobState.UNKNOWN and watch() is JobState.UNKNOWN
     out = capsys.readouterr().out
-    assert out.count("could not list the job's pods: the API server answered 500") == 2
+    assert out.count("refused to read the PyTorchJob: 500 Internal Server Error") == 2
+
+
+def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(operator, tmp_path):
+    """`harness run --preflight --max-restarts` creates, with the PyTorchJob, a watcher pod the job owns; the
+    submitting process is then killed (a closed laptop), and the watcher, run as its own process against the
+    fake API as the kubelet would run it, keeps the node of the next failure out of the job: nothing of it
+    depends on the submitter. It ends when the job ends, and goes when the job is deleted."""
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    from harness.launchers.base import Handle
+    from harness.launchers.kubernetes_nodes import TAINT
+    from tests.conftest import REPO
+    from tests.test_kubernetes import CRD, FakeCluster, pytorchjob_schema
+
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        operator.add_node(node, taints=[])
+    watcher_pod = (NS, f"{JOB}-watch")
+    with FakeCluster(operator, tmp_path / "pvc", namespace=NS, train=False):
+        submitter = subprocess.Popen(
+            [sys.executable, "-m", "harness", "run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--set",
+             f"kubernetes.namespace={NS}", "--name", JOB, "--nodes", "2", "--spare-nodes", "1", "--preflight",
+             "--max-restarts", str(BUDGET), "--taint-bad-nodes", "--out", str(tmp_path / JOB)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while watcher_pod not in operator.pods and submitter.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    submitter.kill()  # SIGKILL: no cancel, no clean-up; the job runs on
+    assert submitter.wait() == -9 and watcher_pod in operator.pods
+
+    job, pod = operator.jobs[(NS, JOB)], operator.pods[watcher_pod]
+    assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                                   "name": JOB, "uid": job["metadata"]["uid"]}]
+    assert pod["spec"]["serviceAccountName"] == "mlperf-harness" and pod["spec"]["restartPolicy"] == "OnFailure"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["securityContext"]["runAsUser"] > 0
+    [container] = pod["spec"]["containers"]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                            "privileged": False, "readOnlyRootFilesystem": True}
+    assert container["volumeMounts"] == [{"mountPath": "/results", "name": "results", "readOnly": True}]
+    assert container["args"][:2] == ["-m", "harness.launchers.kubernetes_blame"] and "--taint" in container["args"]
+    if CRD.is_file():  # the pod spec against the Pod schema the PyTorchJob CRD carries for its templates
+        template = pytorchjob_schema()["properties"]["spec"]["properties"]["pytorchReplicaSpecs"][
+            "additionalProperties"]["properties"]["template"]
+        jsonschema.validate({"metadata": pod["metadata"], "spec": pod["spec"]}, template)
+
+    watcher = operator.start_pod(NS, f"{JOB}-watch", "--poll-s", "0.05")
+    try:
+        host = {name: operator.pods[(NS, name)]["spec"]["nodeName"] for name in ("rn-master-0", "rn-worker-0")}
+        assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
+        out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+        agents = {name: NodeAgent(out, pod_arg(operator, "--job-token"), name, host[name]) for name in host}
+        assert [agent.start() for agent in agents.values()] == [0, 0]
+        code = agents["rn-worker-0"].end(Failure(INFRASTRUCTURE, "rank 1 killed by SIGKILL", 1, -9, "SIGKILL"))
+        operator.exit_pod(NS, "rn-worker-0", code)
+        code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
+        operator.exit_pod(NS, "rn-master-0", code)
+        deadline = time.monotonic() + 120
+        while operator.pods[(NS, "rn-worker-0")]["spec"].get("nodeName") != "gpu-c" and watcher.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
+        [term] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term == {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-b"]}]}
+        assert [t["key"] for t in operator.nodes["gpu-b"]["spec"]["taints"]] == [TAINT.key]
+        operator.set_condition(NS, JOB, "Succeeded")  # the job ends: so does its watcher
+        log, _ = watcher.communicate(timeout=120)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, log
+    assert "gpu-b: kept out of the job's next attempt (training_failure rank 1 killed by SIGKILL" in log
+    assert f"{JOB} SUCCEEDED; done" in log
+    get_launcher("k8s").delete(Handle.load(tmp_path / JOB))
+    assert watcher_pod not in operator.pods  # the garbage collector follows its ownerReference

@@ -188,7 +188,11 @@ def test_kubernetes_pods_expose_the_metrics_port_and_a_pod_monitor_scrapes_it(tm
         assert "--metrics-port" in container["args"]
     monitor = yaml.safe_load(harness("run", *args, "--pod-monitor").stdout)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
-    assert monitor["spec"]["selector"]["matchLabels"] == {"training.kubeflow.org/job-name": "resnet-tiny"}
+    # Each run's job has a name of its own: without --name every resnet job's pods are scraped, with it that job's
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "mlperf-harness",
+                                                          "mlperf-harness/benchmark": "resnet"}
+    named = yaml.safe_load(harness("run", *args, "--pod-monitor", "--name", "rn").stdout)
+    assert named["spec"]["selector"]["matchLabels"] == {"training.kubeflow.org/job-name": "rn"}
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     off = harness("run", *args, "--pod-monitor", "--metrics-port", "0")
     assert off.returncode == 2 and "--pod-monitor needs metrics" in off.stderr

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from harness.health import FAIL, NO_THRESHOLD, PASS, SKIPPED
@@ -413,6 +415,19 @@ def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apar
     assert {("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get"), ("events", "create")} <= granted
     job_role = yaml.safe_load((rbac / "harness-role.yaml").read_text())
     assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
+    # The watcher pod's ServiceAccount has both: the job's Role in its namespace, the ClusterRole for the Nodes.
+    account, role_binding = yaml.safe_load_all((rbac / "watcher.yaml").read_text())
+    subject = {"kind": "ServiceAccount", "name": account["metadata"]["name"],
+               "namespace": account["metadata"]["namespace"]}
+    from harness.profiles import KubernetesSettings
+
+    assert account["kind"] == "ServiceAccount" and subject["name"] == KubernetesSettings().watcher_service_account
+    assert subject in binding["subjects"] and subject in role_binding["subjects"]
+    assert role_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                       "name": job_role["metadata"]["name"]}
+    in_namespace = {(r, v) for rule in job_role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert {("pytorchjobs", "get"), ("pytorchjobs", "patch"), ("pods", "list"), ("pods", "delete"),
+            ("events", "create")} <= in_namespace
 
 
 def test_the_slurm_health_step_has_a_deadline_from_the_profile():
@@ -438,8 +453,17 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
                    profile=profiles.load("h100-ib")).resolved()
     request = get_launcher("k8s").render_preflight(spec)
     body = request.payload["body"]
-    assert body["kind"] == "PyTorchJob" and body["metadata"]["name"] == "resnet-tiny-preflight"
+    # A name of its own per run (the job's token), so that no earlier run's health job is in its way.
+    assert re.fullmatch(r"resnet-tiny-[0-9a-f]{8}-preflight", body["metadata"]["name"])
     assert body["spec"]["nprocPerNode"] == "1" and body["spec"]["runPolicy"]["backoffLimit"] == 0
+    # Its pods stay when it ends (the harness reads their Nodes, then deletes the job); the operator removes it
+    # an hour after it ended where no harness did.
+    assert body["spec"]["runPolicy"]["cleanPodPolicy"] == "None"
+    assert body["spec"]["runPolicy"]["ttlSecondsAfterFinished"] == 3600
+    from tests.test_kubernetes import CRD, pytorchjob_schema
+
+    if CRD.is_file():
+        jsonschema.validate(body, pytorchjob_schema())
     # A hung check cannot hold every node: the operator fails the job at the profile's deadline.
     assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s == 1200
     replicas = body["spec"]["pytorchReplicaSpecs"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shlex
 import sys
 import time
@@ -152,3 +153,58 @@ def test_submit_watch_logs_cancel_a_real_job(tmp_path):
     assert get_launcher("local").status(handle) is JobState.CANCELLED
     assert not Path(f"/proc/{handle.job_id}").exists() or b"harness.agent" not in \
         Path(f"/proc/{handle.job_id}/cmdline").read_bytes()
+
+
+def launcher_imports() -> dict[str, set[str]]:
+    """{module: the harness/launchers modules it imports} for every module there, from the source (ast), lazy
+    imports inside functions included: a cycle through one is still a cycle."""
+    from tests.conftest import REPO
+
+    folder = REPO / "harness" / "launchers"
+    modules = {path.stem for path in folder.glob("*.py")}
+    graph = {}
+    for module in modules:
+        edges = set()
+        for node in ast.walk(ast.parse((folder / f"{module}.py").read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness.launchers"):
+                # `from harness.launchers import kubernetes_nodes` imports that module; `import Handle`, the package
+                names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}".rpartition(".")[2] in modules
+                         and node.module == "harness.launchers" else node.module for alias in node.names]
+            for name in names:
+                if name == "harness.launchers":
+                    edges.add("__init__")
+                elif name.startswith("harness.launchers."):
+                    edges.add(name.split(".")[2])
+        graph[module] = edges - {module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if cycle := visit(target):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((cycle for module in sorted(graph) if (cycle := visit(module))), None)
+
+
+def test_the_launchers_import_one_another_without_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check finds one
+    graph = launcher_imports()
+    assert {"kubernetes_api", "kubernetes_render", "kubernetes_collect"} <= set(graph)
+    assert "kubernetes_blame" in graph["kubernetes"] and "kubernetes_api" in graph["kubernetes_blame"]
+    assert find_cycle(graph) is None

@@ -133,6 +133,15 @@ class Launcher(ABC):
         """
         return []
 
+    def checked_nodes(self, handle: Handle) -> list[str]:
+        """The nodes a finished health job ran on, a report or not: a node that wrote none is judged failed
+        (harness.preflight.judge) rather than left out unseen. Empty where the reports name every node (local)."""
+        return []
+
+    def delete(self, handle: Handle) -> None:
+        """Remove a finished job from the cluster once what it wrote is read (the Kubernetes health job and its
+        pods), so that nothing of it is left behind; nothing to do where a job leaves nothing (local, Slurm)."""
+
     def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
         """Tell the cluster about the nodes preflight judged (`preflight`: preflight.json), in the cluster's own
         terms (a Slurm drain, a Kubernetes node condition and taint); returns what was done, one line each.

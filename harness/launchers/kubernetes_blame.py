@@ -1,26 +1,37 @@
-"""Kubernetes: a node that a failed training attempt points at is kept out of the next attempt.
+"""Kubernetes: a node that a failed training attempt points at is kept out of the next attempt, by a watcher that
+runs in the cluster beside the job, so that it goes on when the submitting machine is gone.
 
 On Slurm the job goes back into the queue and its preflight step judges the nodes again, the failure's node
 included (harness.preflight.blamed_nodes). A PyTorchJob instead goes on: the training operator deletes a pod
 that failed with a retryable code and creates it again from the replica's pod template as the job holds it
 at that moment (createNewPod copies spec.Template at each pass), so the exclusion has to reach that template
 (the operator's webhook checks an update as it checks a create, only runPolicy being held to the old one).
-While `harness run` watches, at every poll it lists the job's pods; a pod the operator recreated (a new uid
-under a known name) means an attempt failed. The harness then reads the attempt records from the results
-volume (a results pod, as `collect` does), waits until every node is done with that attempt, and for each
-machine the failure points at:
+
+With --preflight and --max-restarts, `harness run` creates, with the PyTorchJob, a small pod in the harness image
+(kubernetes_render.watcher_pod: `python -m harness.launchers.kubernetes_blame`), owned by the job (the garbage
+collector deletes it with the job) and run under the ServiceAccount the preflight ClusterRole is bound to
+(manifests/rbac/). It mounts the results volume read-only and, every --poll-s seconds, reads the job and its
+attempt records. Once every node is done with a failed attempt (preflight.settled), it judges it with the one
+failure policy (preflight.blamed_nodes: harness.blame's culprits and the stragglers), and for each machine the
+failure points at:
 - patches every replica's pod template with the node affinity `metadata.name NotIn [...]`;
 - conditions the Node (MLPerfPreflight=True), taints it with --taint-bad-nodes, and records Events on the Node
   and on the job, as preflight does (kubernetes_nodes.remediate);
 - deletes the job's pods already bound to it: the operator creates them again from the patched template, on
   another node (a free node of the cluster, the spares that preflight checked among them).
+What it decided goes on the job as the annotation BLAME_ANNOTATION (the attempts it judged, the nodes it blamed
+and why, what it did), in the same patch as the template: a watcher that restarts reads where it was, and
+`harness run`, while it watches, only reads it (BlameReader) into preflight.json and onto the terminal.
+It ends with the job (exit 0 once the job succeeded or failed, or is gone).
 A pod the operator recreated on the blamed node before the patch, whose agent had already begun the next
 attempt, leaves that attempt short of a node: it counts against --max-restarts like any failed attempt.
 """
 
 from __future__ import annotations
 
-import tempfile
+import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,92 +40,153 @@ from kubernetes import client as k8s
 from harness import preflight
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
-from harness.launchers.base import Handle
-from harness.launchers.kubernetes import PYTORCHJOB, _api, _call
+from harness.launchers.base import Handle, JobState
+from harness.launchers.kubernetes_api import PYTORCHJOB, call, clients
 from harness.spec import JobSpec
-from workloads.common.run_record import ATTEMPTS_DIR, read_attempts
+from workloads.common.run_record import read_attempts
+
+BLAME_ANNOTATION = "mlperf-harness/blame"
+POLL_S = 10.0  # between two reads of the job and its attempt records
 
 
-READ_AGAIN_S = 10.0
+def decision(job: dict) -> dict:
+    """What the watcher decided so far, from the job's annotation: {"judged": [attempts], "blamed": {node: cause},
+    "lines": [what it did]}."""
+    text = ((job.get("metadata") or {}).get("annotations") or {}).get(BLAME_ANNOTATION)
+    try:
+        found = json.loads(text) if text else {}
+    except ValueError:
+        found = {}
+    return {"judged": list(found.get("judged", [])), "blamed": dict(found.get("blamed", {})),
+            "lines": list(found.get("lines", []))}
+
+
+def excluded_nodes(job: dict) -> set[str]:
+    """The nodes the job's pod templates keep out now (preflight's, and those blamed since)."""
+    kept_out = set()
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        terms = ((((replica["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
+        kept_out |= {node for term in terms for field in term.get("matchFields", [])
+                     if field["key"] == kubernetes_nodes.NODE_NAME_FIELD and field["operator"] == "NotIn"
+                     for node in field["values"]}
+    return kept_out
 
 
 class BlamedNodeWatcher:
-    """A `watch` tick for one PyTorchJob (see the module's notes)."""
+    """One PyTorchJob, watched from inside the cluster (see the module's notes); each call is one poll."""
 
-    def __init__(self, launcher, spec: JobSpec, handle: Handle):
-        self.launcher, self.spec, self.handle = launcher, spec, handle
+    def __init__(self, namespace: str, name: str, folder: Path, taint: bool):
+        self.namespace, self.name, self.folder, self.taint = namespace, name, Path(folder), taint
+
+    def __call__(self) -> JobState | None:
+        """One poll: the job's state (None: the job is gone). An API error (a transient 500, a refused patch) is
+        printed and the watch goes on: the job keeps running either way."""
+        try:
+            return self._poll()
+        except HarnessError as exc:
+            print(f"harness watcher: keeping failed nodes out of {self.name}: {exc} (tried again at the next poll)",
+                  flush=True)
+            return JobState.UNKNOWN
+
+    def _poll(self) -> JobState | None:
+        jobs, core = clients()
+        try:
+            job = jobs.get_namespaced_custom_object(PYTORCHJOB.group, PYTORCHJOB.version, self.namespace,
+                                                    PYTORCHJOB.plural, self.name)
+        except k8s.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise HarnessError(f"Kubernetes refused to read the PyTorchJob: {exc.status} {exc.reason}", 1) from None
+        state, _ = PYTORCHJOB.state(job)
+        records = read_attempts(self.folder)
+        attempt = preflight.newest_ended(records)
+        done = decision(job)
+        if attempt is None or attempt in done["judged"] or not preflight.settled(records):
+            return state  # nothing failed yet, judged already, or a node still runs it: a later poll
+        kept_out = excluded_nodes(job)
+        blamed = {node: cause for node, cause in preflight.blamed_nodes(self.folder, attempt).items()
+                  if node not in kept_out}
+        self._keep_out(jobs, core, job, attempt, blamed, kept_out | set(blamed))
+        return state
+
+    def _keep_out(self, jobs, core, job: dict, attempt: int, blamed: dict[str, str], kept_out: set[str]) -> None:
+        done = decision(job)
+        reasons = {node: preflight.reason(preflight.blame_check(cause)) for node, cause in blamed.items()}
+        lines = [f"{node}: kept out of the job's next attempt ({reasons[node]})" for node in blamed]
+        patch: dict = {"spec": {"pytorchReplicaSpecs": {}}}
+        if blamed:
+            affinity = kubernetes_nodes.with_exclusions({}, sorted(kept_out))["affinity"]
+            patch["spec"]["pytorchReplicaSpecs"] = {replica: {"template": {"spec": {"affinity": affinity}}}
+                                                    for replica in job["spec"]["pytorchReplicaSpecs"]}
+            reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
+                                              name=self.name, namespace=self.namespace, uid=job["metadata"].get("uid"))
+            record = {"nodes": {node: {"ok": False} for node in blamed},
+                      "excluded": {node: [why] for node, why in reasons.items()}}
+            lines += kubernetes_nodes.remediate(core, record, reference, self.taint)
+        decided = {"judged": sorted({*done["judged"], attempt}), "blamed": {**done["blamed"], **blamed},
+                   "lines": done["lines"] + lines}
+        patch["metadata"] = {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}
+        call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
+             PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
+        # Listed after the patch: every pod not in this list is created from the patched template.
+        pods = call("list the job's pods", core.list_namespaced_pod, self.namespace,
+                    label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
+        for pod in pods:
+            if pod.spec.node_name in blamed:
+                call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
+                print(f"harness watcher: {pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created "
+                      "elsewhere", flush=True)
+        for line in lines:
+            print(f"harness watcher: {line}", flush=True)
+
+
+class BlameReader:
+    """`harness run`'s side, at every poll of its watch: what the watcher decided (the job's annotation), recorded
+    in preflight.json (preflight.record_blame) and printed, once per node. It decides nothing itself."""
+
+    def __init__(self, spec: JobSpec, handle: Handle):
+        self.spec, self.handle = spec, handle
         self.namespace, _, self.name = handle.job_id.partition("/")
-        self.excluded = set(spec.exclude_nodes)  # what the job's templates keep out now
-        self.uids: dict[str, str] = {}  # pod name -> the uid last seen under it
-        self.pending = False  # a pod was recreated and its failed attempt is not judged yet
-        self.judged: set[int] = set()
-        # Between two reads of an attempt still running somewhere: each read is a pod, and a lost node's
-        # replacement can wait long for a free node.
-        self.reread_s, self.next_read = READ_AGAIN_S, 0.0
-
-    def _pods(self, core) -> list:
-        return _call("list the job's pods", core.list_namespaced_pod, self.namespace,
-                     label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
+        self.recorded = set((preflight.read(spec.out_dir) or {}).get("excluded", {}))
 
     def __call__(self) -> None:
-        """One poll. An API error (a transient 500, a refused patch) is printed and the watch goes on: the
-        job keeps running either way, and `harness run` must keep watching and collecting it."""
+        jobs, _ = clients()
         try:
-            self._poll()
-        except HarnessError as exc:
-            print(f"harness: keeping failed nodes out of {self.name}: {exc} (tried again at the next poll)",
-                  flush=True)
-
-    def _poll(self) -> None:
-        jobs, core = _api()
-        seen = {p.metadata.name: p.metadata.uid for p in self._pods(core)}
-        self.pending |= any(self.uids.get(name, uid) != uid for name, uid in seen.items())
-        self.uids.update(seen)
-        if not self.pending or time.monotonic() < self.next_read:
+            job = call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group,
+                       PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name)
+        except HarnessError as exc:  # the watch's own status read says what is wrong, if it stays wrong
+            print(f"harness: reading what the watcher decided: {exc}", flush=True)
             return
-        with tempfile.TemporaryDirectory(dir=self.handle.out_dir, prefix=".attempts-") as staging:
-            try:
-                self.launcher.fetch(self.handle, ATTEMPTS_DIR, Path(staging, ATTEMPTS_DIR))
-            except HarnessError as exc:  # the job goes on; the next recreated pod tries again
-                self.pending = False
-                print(f"harness: could not read the attempt records to keep a failed node out: {exc}", flush=True)
-                return
-            records = read_attempts(Path(staging))
-            if not preflight.settled(records):
-                self.next_read = time.monotonic() + self.reread_s
-                return  # a node still runs the failed attempt: judged at a later poll
-            attempt = preflight.newest_ended(records)
-            self.pending = False
-            if attempt in self.judged:
-                return
-            self.judged.add(attempt)
-            blamed = {node: cause for node, cause in preflight.blamed_nodes(Path(staging), attempt).items()
-                      if node not in self.excluded}
-        if blamed:
-            self._keep_out(jobs, core, blamed)
-
-    def _keep_out(self, jobs, core, blamed: dict[str, str]) -> None:
-        self.excluded |= set(blamed)
-        affinity = kubernetes_nodes.with_exclusions({}, sorted(self.excluded))["affinity"]
-        job = _call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
-                    self.namespace, PYTORCHJOB.plural, self.name)
-        patch = {"spec": {"pytorchReplicaSpecs": {replica: {"template": {"spec": {"affinity": affinity}}}
-                                                  for replica in job["spec"]["pytorchReplicaSpecs"]}}}
-        _call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
-              PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
-        checks = {node: preflight.blame_check(cause) for node, cause in blamed.items()}
-        reasons = {node: [preflight.reason(check)] for node, check in checks.items()}
-        record = {"nodes": {node: {"ok": False} for node in blamed}, "excluded": reasons}
-        reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, name=self.name,
-                                          namespace=self.namespace, uid=job["metadata"].get("uid"))
-        lines = [f"{node}: kept out of the job's next attempt ({reasons[node][0]})" for node in blamed]
-        lines += kubernetes_nodes.remediate(core, _call, self.spec, record, job=reference)
-        # Listed after the patch: every pod not in this list is created from the patched template.
-        for pod in self._pods(core):
-            if pod.spec.node_name in blamed:
-                _call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
-                self.uids.pop(pod.metadata.name, None)  # its successor is ours, not a new failure
-                lines.append(f"{pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created elsewhere")
-        preflight.record_blame(self.spec.out_dir, checks, lines)
+        new = {node: cause for node, cause in decision(job)["blamed"].items() if node not in self.recorded}
+        if not new:
+            return
+        self.recorded |= set(new)
+        lines = [line for line in decision(job)["lines"] if line.split(":", 1)[0] in new]
+        preflight.record_blame(self.spec.out_dir, {node: preflight.blame_check(c) for node, c in new.items()}, lines)
         for line in lines:
             print(f"harness: {line}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.launchers.kubernetes_blame",
+                                     description="Keep the nodes a failed attempt of a PyTorchJob points at out of "
+                                                 "its next attempt; runs in the cluster beside the job.")
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--job", required=True, help="the PyTorchJob's name")
+    parser.add_argument("--folder", required=True, type=Path, help="the job's run folder on the results volume")
+    parser.add_argument("--taint", action="store_true", help="taint the blamed nodes (--taint-bad-nodes)")
+    parser.add_argument("--poll-s", type=float, default=POLL_S)
+    args = parser.parse_args(argv)
+    watcher = BlamedNodeWatcher(args.namespace, args.job, args.folder, args.taint)
+    print(f"harness watcher: watching {args.namespace}/{args.job} ({args.folder})", flush=True)
+    while True:
+        state = watcher()
+        if state is None or state.terminal:
+            print(f"harness watcher: {args.job} {'is gone' if state is None else state.value}; done", flush=True)
+            return 0
+        time.sleep(args.poll_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,12 +23,14 @@ from datetime import datetime, timezone
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
+from harness.launchers.kubernetes_api import call
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
 HOSTNAME = "kubernetes.io/hostname"  # the topology key of one health pod per host
 NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's matchFields)
 ROLE_LABEL = "mlperf-harness/role"
+HEALTH_JOB_TTL_S = 3600  # the operator deletes an ended health job that no harness deleted (its submitter gone)
 MESSAGE_LIMIT = 1000  # a condition message and an Event message stay readable in `kubectl describe`
 
 
@@ -55,6 +57,10 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
     # A hung check (a GPU after Xid 79) must not hold every node: the operator fails the job at the deadline,
     # and a node without a report is judged failed.
     job["spec"]["runPolicy"]["activeDeadlineSeconds"] = spec.profile.preflight.deadline_s
+    # Its pods stay when it ends, so that the harness reads which Nodes they ran on (a node that wrote no report
+    # fails); the harness then deletes the job with its pods. Were the harness gone, the operator deletes it later.
+    job["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
+    job["spec"]["runPolicy"]["ttlSecondsAfterFinished"] = HEALTH_JOB_TTL_S
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         # One pod per node: no two pods of this job on one host (the operator labels pods with the job's name).
         anti = {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {
@@ -79,14 +85,19 @@ def _event(namespace: str, involved: k8s.V1ObjectReference, reason: str, message
         first_timestamp=now, last_timestamp=now, count=1, source=k8s.V1EventSource(component="mlperf-harness"))
 
 
-def remediate(core: k8s.CoreV1Api, call, spec, record: dict, job: k8s.V1ObjectReference | None = None) -> list[str]:
-    """Condition every checked Node, taint the failed ones (with spec.taint_bad_nodes), and record Events on the
-    failed Nodes and on `job` (by default the health job). `call(what, fn, *args)` turns API errors into
-    one-line HarnessErrors."""
-    namespace = spec.profile.kubernetes.namespace
+def health_job_reference(spec) -> k8s.V1ObjectReference:
+    """The health job of `spec` (as the health job's own spec names it), for the Events about its verdicts."""
+    return k8s.V1ObjectReference(api_version="kubeflow.org/v1", kind="PyTorchJob", name=preflight_name(spec),
+                                 namespace=spec.profile.kubernetes.namespace)
+
+
+def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, taint: bool) -> list[str]:
+    """Condition every Node `record` (preflight.json's shape) judged, taint the failed ones (with `taint`:
+    --taint-bad-nodes), and record Events on the failed Nodes and on `job` (the health job, or the training job
+    a failed attempt blamed the node in). The one remediation code for both, whoever runs it: `harness run` after
+    preflight, the watcher pod after a failed attempt (kubernetes_blame)."""
+    namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
-    job = job or k8s.V1ObjectReference(api_version="kubeflow.org/v1", kind="PyTorchJob", name=preflight_name(spec),
-                                       namespace=namespace)
     done = []
     for node, verdict in record["nodes"].items():
         reasons = record["excluded"].get(node, [])
@@ -100,8 +111,8 @@ def remediate(core: k8s.CoreV1Api, call, spec, record: dict, job: k8s.V1ObjectRe
         if not failed:
             continue
         lines = [f"{node}: condition {CONDITION}=True ({message})"]
-        if spec.taint_bad_nodes:
-            _taint(core, call, node)
+        if taint:
+            _taint(core, node)
             lines.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
         node_ref = k8s.V1ObjectReference(api_version="v1", kind="Node", name=node)
         for target, where in ((node_ref, "default"), (job, namespace)):
@@ -111,7 +122,7 @@ def remediate(core: k8s.CoreV1Api, call, spec, record: dict, job: k8s.V1ObjectRe
     return done
 
 
-def _taint(core: k8s.CoreV1Api, call, node: str, tries: int = 5) -> None:
+def _taint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> None:
     """Add TAINT to the node's taints. The list has no merge key, so a patch replaces it whole: the patch names
     the resourceVersion it was read at, and a taint another controller added meanwhile (the node lifecycle
     controller's `unreachable`, say) makes it a 409 Conflict, after which the list is read again."""

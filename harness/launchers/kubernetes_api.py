@@ -1,0 +1,131 @@
+"""Kubernetes: the API client, and the Kubeflow job resources as the API serves them.
+
+The official client, configured from KUBECONFIG or in-cluster (`clients`); every call goes through `call`,
+which turns a refusal or an unreachable server into one line. A job resource (`JobApi`) says where it lives,
+how its state reads from its status, and how its pods are found; kubernetes_render builds it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+from kubernetes import client as k8s
+
+from harness.errors import HarnessError
+from harness.launchers.base import Handle, JobState
+from harness.spec import JobSpec
+
+
+def to_dict(obj) -> dict:
+    """A kubernetes-client model as the plain dict the API server receives (None fields dropped)."""
+    return k8s.ApiClient().sanitize_for_serialization(obj)
+
+
+def _last_true_condition(job: dict) -> dict | None:
+    conditions = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"]
+    return conditions[-1] if conditions else None
+
+
+# PyTorchJob conditions (the last one whose status is "True" wins) -> ours.
+PYTORCHJOB_CONDITIONS = {"Created": JobState.PENDING, "Running": JobState.RUNNING, "Restarting": JobState.RUNNING,
+                         "Succeeded": JobState.SUCCEEDED, "Failed": JobState.FAILED, "Suspended": JobState.PENDING}
+
+
+def pytorchjob_state(job: dict) -> tuple[JobState, str]:
+    """Our state and the operator's reason, from a PyTorchJob's status conditions."""
+    last = _last_true_condition(job)
+    if last is None:
+        return JobState.PENDING, "no conditions yet"
+    return PYTORCHJOB_CONDITIONS.get(last.get("type"), JobState.UNKNOWN), last.get("message") or last.get("type", "")
+
+
+TRAINJOB_CONDITIONS = {"Complete": JobState.SUCCEEDED, "Failed": JobState.FAILED, "Suspended": JobState.PENDING}
+
+
+def trainjob_state(job: dict) -> tuple[JobState, str]:
+    """A TrainJob has conditions only at the ends (and when suspended); in between, its child Jobs say."""
+    last = _last_true_condition(job)
+    if last is not None and last.get("type") in TRAINJOB_CONDITIONS:
+        return TRAINJOB_CONDITIONS[last["type"]], last.get("message") or last["type"]
+    jobs = (job.get("status") or {}).get("jobsStatus") or []
+    if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
+        return JobState.RUNNING, ", ".join(f"{j.get('name')}: {j.get('active') or 0} active" for j in jobs)
+    return JobState.PENDING, last.get("type", "") if last else "no child jobs running yet"
+
+
+@dataclass(frozen=True)
+class JobApi:
+    """One Kubeflow job resource: where it lives, how its state reads, how its pods are found
+    (kubernetes_render builds it)."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    pod_label: str  # the label the operator puts on the job's pods, valued with the job's name
+    container: str  # the training container's name, which the operator looks for
+    state: Callable[[dict], tuple[JobState, str]]
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+
+PYTORCHJOB = JobApi("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob", "training.kubeflow.org/job-name", "pytorch",
+                    pytorchjob_state)
+TRAINJOB = JobApi("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob", "jobset.sigs.k8s.io/jobset-name",
+                  "node", trainjob_state)
+APIS = {"pytorchjob": PYTORCHJOB, "trainjob": TRAINJOB}
+
+
+def handle_job(handle: Handle) -> tuple[JobSpec, JobApi, str, str]:
+    """(spec, job resource, namespace, name) of a submitted job, from its handle."""
+    spec = JobSpec.from_dict(handle.record()["spec"])
+    namespace, _, name = handle.job_id.partition("/")
+    return spec, APIS[spec.profile.kubernetes.api], namespace, name
+
+
+def clients() -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
+    """The official client, configured from KUBECONFIG / ~/.kube/config, or in-cluster."""
+    from kubernetes import config
+
+    try:
+        # Read KUBECONFIG now: the client reads it once, at import.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    except (config.ConfigException, OSError):  # no kubeconfig: maybe we run inside a pod
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            raise HarnessError("no Kubernetes configuration found: set KUBECONFIG or run inside the cluster") \
+                from None
+    api = k8s.ApiClient()
+    return k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
+
+
+def call(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError)."""
+    try:
+        return fn(*args, **kwargs)
+    except k8s.ApiException as exc:
+        hint = "; pick another --name or delete the old job" if exc.status == 409 else ""
+        raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", 1) from None
+    except OSError as exc:  # urllib3's connection errors
+        raise HarnessError(f"cannot reach the Kubernetes API to {what}: {exc}", 1) from None
+
+
+
+def record_event(core: k8s.CoreV1Api, api: JobApi, job: dict, state: JobState, reason: str) -> None:
+    """A Kubernetes Event on the job, so the cluster's own tools show what the harness saw."""
+    meta = job["metadata"]
+    now = datetime.now(timezone.utc)
+    event = k8s.CoreV1Event(
+        metadata=k8s.V1ObjectMeta(generate_name=f"{meta['name']}-", namespace=meta["namespace"]),
+        involved_object=k8s.V1ObjectReference(api_version=api.api_version, kind=api.kind, name=meta["name"],
+                                              namespace=meta["namespace"], uid=meta.get("uid")),
+        reason=f"Harness{state.value.title()}", message=f"mlperf-harness: job {state.value}: {reason}",
+        type="Warning" if state is JobState.FAILED else "Normal", first_timestamp=now, last_timestamp=now,
+        count=1, source=k8s.V1EventSource(component="mlperf-harness"))
+    call("record an event", core.create_namespaced_event, meta["namespace"], event)
