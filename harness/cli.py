@@ -19,7 +19,7 @@ from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
-from workloads.llama.config import RCP_BATCHES
+from workloads.llama.config import RCP_GLOBAL_BATCHES
 from workloads.registry import BENCHMARKS
 
 
@@ -117,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     run.add_argument("--global-batch", type=int,
-                     help="llama31_8b: sequences per optimizer step, one of the batches MLPerf's RCPs were measured "
-                          f"at ({', '.join(map(str, RCP_BATCHES))}), which also sets the peak LR and warmup "
-                          "(default: the preset's)")
+                     help="llama31_8b and llama2_70b_lora: sequences per optimizer step, one of the batches MLPerf's "
+                          "RCPs were measured at ("
+                          + "; ".join(f"{name}: {', '.join(map(str, batches))}"
+                                      for name, batches in RCP_GLOBAL_BATCHES.items())
+                          + "), which also sets the peak LR (and llama31_8b's warmup) (default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
-                     help="llama31_8b: accept a --global-batch with no RCP (its runs cannot pass the RCP check)")
+                     help="llama31_8b, llama2_70b_lora: accept a --global-batch with no RCP (its runs cannot pass the "
+                          "RCP check)")
     run.add_argument("--submitter", default="harness", help="organisation logged as submission_org")
     run.add_argument("--system", help="system name logged as submission_platform (default: e.g. cpu_n1x2)")
     run.add_argument("--name", help="job name on the cluster (default: <benchmark>-<preset>); lowercase "

@@ -30,4 +30,6 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
               init_checkpoint="DIR (a torch.distributed.checkpoint folder)"),
     Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0"),
+    Benchmark("llama2_70b_lora", "workloads.llama.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
+              init_checkpoint="DIR (a checkpoint `python -m workloads.llama.convert` wrote from Hugging Face's)"),
 )}

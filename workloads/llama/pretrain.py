@@ -26,7 +26,7 @@ from workloads.common.language_model import DecoderSteps, next_token_split, opti
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
-from workloads.llama.config import plan_layout, preset_config
+from workloads.llama.config import Layout, plan_layout, preset_config
 from workloads.llama.data import c4_loaders, ensure_tiny_corpus
 from workloads.llama.model import Llama
 from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
@@ -42,6 +42,22 @@ def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / (max_steps - warmup))
     return end_ratio + (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def parallel_disclosures(layout: Layout, on_gpu: bool, preset: str) -> dict[str, Any]:
+    """The disclosures the 6.1 rules ask of every run (compliance_checker/training_6.1.0/common.yaml)."""
+    precision = "bfloat16" if on_gpu else "fp32"
+    return {
+        C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: precision,
+        C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
+        C.LOWEST_NUMERICAL_PRECISION_IN_COMM: precision,  # FSDP's gathers
+        C.TENSOR_PARALLELISM: layout.tensor,
+        C.PIPELINE_PARALLELISM: 1,
+        C.CONTEXT_PARALLELISM: layout.context,
+        C.EXPERT_PARALLELISM: 1,
+        C.MICRO_BATCH_SIZE: layout.micro_batch,
+        C.CONFIG_FILENAME: f"workloads/llama/config.py:{preset}",
+    }
 
 
 class LlamaPretrainWorkload(DecoderSteps, Workload):
@@ -129,16 +145,7 @@ class LlamaPretrainWorkload(DecoderSteps, Workload):
             C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
             C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             C.MAX_STEPS: cfg.max_steps,
-            # The disclosures the 6.1 rules ask of every run (compliance_checker/training_6.1.0/common.yaml).
-            C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: "bfloat16" if on_gpu else "fp32",
-            C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: "bfloat16" if on_gpu else "fp32",
-            C.LOWEST_NUMERICAL_PRECISION_IN_COMM: "bfloat16" if on_gpu else "fp32",  # FSDP's gathers
-            C.TENSOR_PARALLELISM: layout.tensor,
-            C.PIPELINE_PARALLELISM: 1,
-            C.CONTEXT_PARALLELISM: layout.context,
-            C.EXPERT_PARALLELISM: 1,
-            C.MICRO_BATCH_SIZE: layout.micro_batch,
-            C.CONFIG_FILENAME: f"workloads/llama/config.py:PRESETS[{self.opts.preset!r}]",
+            **parallel_disclosures(layout, on_gpu, f"PRESETS[{self.opts.preset!r}]"),
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
