@@ -46,14 +46,10 @@ def cosine_factor(step: int, max_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(step, max_steps) / max_steps))
 
 
-def freeze_base(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Only the adapters train; returns them."""
-    trained = []
+def freeze_base(model: torch.nn.Module) -> None:
+    """Only the adapters train."""
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
-        if param.requires_grad:
-            trained.append(param)
-    return trained
 
 
 class LlamaLoraWorkload(DecoderSteps, Workload):
@@ -88,8 +84,8 @@ class LlamaLoraWorkload(DecoderSteps, Workload):
             for name, param in model.named_parameters():
                 if name not in trained_names:
                     param.data = param.data.to(torch.bfloat16)
-        freeze_base(model)
         parallelize(model, self.mesh, ctx.device, self.compiled)
+        freeze_base(model)  # after tensor parallelism, whose styles register new parameters (trainable ones)
         model.to_empty(device=ctx.device)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             torch.manual_seed(seed)
