@@ -105,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data", type=Path,
                      help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's BERT HDF5 shards for "
                           "bert (train/*.hdf5, eval/*.hdf5; fixed, varlength or packed); MLPerf's C4 .bin/.idx files "
-                          "for gpt3")
+                          "for gpt3 and llama31_8b; MLCommons' GovReport parquet files for llama2_70b_lora")
     run.add_argument("--init-checkpoint", type=Path, metavar="PATH",
                      help="starting weights, as MLPerf starts from its reference checkpoints: for bert a PyTorch "
                           "state dict file (the reference's parameter names are understood), for gpt3 a "
-                          "torch.distributed.checkpoint folder; default for the tiny presets: one the harness "
-                          "trains once")
+                          "torch.distributed.checkpoint folder, for llama2_70b_lora one `python -m "
+                          "workloads.llama.convert` wrote from Hugging Face's safetensors; default for the tiny "
+                          "presets: one the harness trains once")
     run.add_argument("--synthetic", action="store_true",
                      help="train on generated input instead of a dataset (from random weights for bert and gpt3): "
                           "measures throughput only")
