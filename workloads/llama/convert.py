@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -122,7 +123,9 @@ def convert(hf_folder: Path, out: Path, cfg: LlamaConfig) -> None:
 def write_checkpoint(state: dict[str, torch.Tensor], out: Path) -> None:
     """Whole tensors from one process, as DCP writes them; any layout can load its shards of them."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    with warnings.catch_warnings():  # that one process writes it is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
 
 
 def load_base(model: nn.Module, folder: Path) -> None:

@@ -25,19 +25,18 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common import mlperf as K
-from workloads.common.campaign import RunOptions, Workload
+from workloads.common.campaign import RunOptions
 from workloads.common.distributed import DistContext, all_sum
-from workloads.common.language_model import DecoderSteps, scored_loss_sum
+from workloads.common.language_model import scored_loss_sum
 from workloads.common.loop import Target
 from workloads.common.megatron_data import token_loaders
 from workloads.common.resilience import Block
-from workloads.llama.config import lora_preset_config, plan_layout
 from workloads.llama.convert import load_base
 from workloads.llama.govreport import PackedSamples, Sequences, ensure_tiny_govreport, govreport_loaders, \
     labelled_split
 from workloads.llama.model import Llama
-from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
-from workloads.llama.pretrain import parallel_disclosures
+from workloads.llama.parallelize import parallelize
+from workloads.llama.workload import LlamaWorkload
 
 
 def cosine_factor(step: int, max_steps: int) -> float:
@@ -52,37 +51,24 @@ def freeze_base(model: torch.nn.Module) -> None:
         param.requires_grad_(".lora_" in name)
 
 
-class LlamaLoraWorkload(DecoderSteps, Workload):
-    eval_count_key = C.SAMPLES_COUNT  # closed_llama2_70b_lora.yaml: 'samples_count' in eval_accuracy's metadata
+class LlamaLoraWorkload(LlamaWorkload):
     rate_shown = ("seq/s", "throughput")
     checkpoint_frozen = False  # checkpoints keep the adapters and their optimizer state, not the frozen base
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
-        super().__init__(opts, ctx, seed)
-        try:
-            cfg = lora_preset_config(opts.preset, opts.global_batch, opts.force_batch)
-            self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
-        self.cfg = cfg
-        self.clip_norm = cfg.clip_norm
-        self.mesh = build_mesh(layout, ctx.device)
+        super().__init__(opts, ctx, seed, whole=labelled_split)
+        cfg = self.cfg
         self.eval_every = cfg.eval_every
         self.first_eval = (cfg.skipped_evals + 1) * cfg.eval_every  # steps
-        self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
         self.target = Target("eval loss", "loss", cfg.target, higher_is_better=False)
-        context = self.mesh["context"]
-        self.split = ContextSplit(context.get_local_rank(), context.size(), labelled_split) if layout.context > 1 \
-            else labelled_split
         self.loaders = self._loaders(seed)  # a missing or malformed file is named before a 70B model is built
         base = self._base_checkpoint()
 
         with torch.device("meta"):
             model = Llama(cfg.model, activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora)
-        trained_names = {name for name, _ in model.named_parameters() if ".lora_" in name}
         if ctx.device.type == "cuda":  # the frozen base is held in bf16, as the reference loads it
             for name, param in model.named_parameters():
-                if name not in trained_names:
+                if ".lora_" not in name:
                     param.data = param.data.to(torch.bfloat16)
         parallelize(model, self.mesh, ctx.device, self.compiled)
         freeze_base(model)  # after tensor parallelism, whose styles register new parameters (trainable ones)
@@ -92,7 +78,8 @@ class LlamaLoraWorkload(DecoderSteps, Workload):
             model.init_weights()  # the adapters: A drawn from the seed, B zero; the base is overwritten next
         load_base(model, base)
         self.model = model
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.base_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+        adapters = [param for param in model.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.AdamW(adapters, lr=cfg.base_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: cosine_factor(step, cfg.max_steps))
@@ -105,11 +92,12 @@ class LlamaLoraWorkload(DecoderSteps, Workload):
         if self.opts.synthetic:
             m = cfg.model
             random = torch.Generator().manual_seed(seed)
-            tokens = torch.randint(0, m.vocab_size, (16, m.seq_len), generator=random)
-            sequences = torch.stack((tokens, tokens), dim=1).numpy()
-            return token_loaders(PackedSamples(sequences, samples, seed), Sequences(sequences[:cfg.eval_sequences]),
-                                 cfg.micro_batch, data_rank, layout.data, **reading)
-        root = self.opts.data or self._local_once(lambda: ensure_tiny_govreport(cfg.model.seq_len), "--data DIR")
+            tokens = torch.randint(0, m.vocab_size, (cfg.eval_sequences, m.seq_len), generator=random)
+            sequences = torch.stack((tokens, tokens), dim=1).numpy()  # labels: the inputs
+            return token_loaders(PackedSamples(sequences, samples, seed), Sequences(sequences), cfg.micro_batch,
+                                 data_rank, layout.data, **reading)
+        root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(cfg.model.seq_len),
+                                                 "reads MLCommons' GovReport: give --data DIR")
         try:
             return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
                                      data_rank, layout.data, **reading)
@@ -124,17 +112,9 @@ class LlamaLoraWorkload(DecoderSteps, Workload):
                              "(a checkpoint `python -m workloads.llama.convert` wrote), also with --synthetic")
         from workloads.llama.warm_start import ensure_tiny_base
 
-        return self._local_once(lambda: ensure_tiny_base(self.cfg.model), "--init-checkpoint DIR")
-
-    def _local_once(self, build, flag: str) -> Path:
-        """A tiny input the harness generates: built by each node's first rank while the others wait."""
-        if self.opts.preset != "tiny":
-            raise SystemExit(f"workloads: llama2_70b_lora's full preset reads MLCommons' files: give {flag} "
-                             "(see docs/benchmarks/llama2_70b_lora.md)")
-        if self.ctx.local_rank == 0:
-            build()
-        dist.barrier()
-        return build()
+        return self.built_once(lambda: ensure_tiny_base(self.cfg.model),
+                               "starts from MLCommons' Llama 2 70B: give --init-checkpoint DIR (a checkpoint `python "
+                               "-m workloads.llama.convert` wrote)")
 
     def hyperparameters(self) -> dict[str, Any]:
         cfg, layout = self.cfg, self.layout
@@ -155,13 +135,10 @@ class LlamaLoraWorkload(DecoderSteps, Workload):
             C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             K.LORA_RANK: cfg.lora.rank,
             C.LORA_ALPHA: cfg.lora.alpha,
-            **parallel_disclosures(layout, self.ctx.device.type == "cuda", f"LORA_PRESETS[{self.opts.preset!r}]"),
+            **self.disclosures("LORA_PRESETS"),
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
-
-    def epoch_num(self, step: int) -> int:
-        return step * self.layout.global_batch  # sequences trained: the log's samples_count
 
     def block_ends(self, step: int) -> bool:
         return step % self.eval_every == 0 and step >= self.first_eval
