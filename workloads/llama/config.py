@@ -235,8 +235,8 @@ LORA_PRESETS = {
     "tiny": LoraFinetuneConfig(
         model=LlamaConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                           ffn_hidden=192, rope_theta=10_000.0, rope_scaling=None),
-        lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8, base_lr=2e-2, max_steps=160,
-        eval_interval=32, eval_sequences=16, target=0.9, micro_batch=4, eval_batch=4, loader_workers=0),
+        lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8, base_lr=2e-2, max_steps=200,
+        eval_interval=32, eval_sequences=16, target=0.95, micro_batch=4, eval_batch=4, loader_workers=0),
 }
 
 

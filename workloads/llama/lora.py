@@ -85,10 +85,8 @@ class LlamaLoraWorkload(LlamaWorkload):
                                                            lambda step: cosine_factor(step, cfg.max_steps))
 
     def _loaders(self, seed: int):
-        cfg, layout, ctx = self.cfg, self.layout, self.ctx
-        data_rank = self.mesh["data"].get_local_rank()
-        samples = self.total_steps * layout.global_batch
-        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda", eval_batch=cfg.eval_batch)
+        cfg, layout = self.cfg, self.layout
+        data_rank, samples, reading = self.reading()
         if self.opts.synthetic:
             m = cfg.model
             random = torch.Generator().manual_seed(seed)
@@ -117,25 +115,14 @@ class LlamaLoraWorkload(LlamaWorkload):
                                "-m workloads.llama.convert` wrote)")
 
     def hyperparameters(self) -> dict[str, Any]:
-        cfg, layout = self.cfg, self.layout
+        cfg = self.cfg
         return {
-            C.GLOBAL_BATCH_SIZE: layout.global_batch,
-            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
-            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
-            C.EVAL_SAMPLES: cfg.eval_sequences,
-            C.OPT_NAME: C.ADAMW,
-            C.OPT_BASE_LR: cfg.base_lr,
+            **self.shared_hyperparameters("LORA_PRESETS"),
             C.OPT_LR_WARMUP_FACTOR: 0.0,
             C.OPT_LR_TRAINING_STEPS: cfg.max_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine",
-            C.OPT_ADAMW_BETA_1: cfg.adam_betas[0],
-            C.OPT_ADAMW_BETA_2: cfg.adam_betas[1],
-            C.OPT_ADAMW_EPSILON: cfg.adam_eps,
-            C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
-            C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             K.LORA_RANK: cfg.lora.rank,
             C.LORA_ALPHA: cfg.lora.alpha,
-            **self.disclosures("LORA_PRESETS"),
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------

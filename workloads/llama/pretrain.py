@@ -61,10 +61,8 @@ class LlamaPretrainWorkload(LlamaWorkload):
             self.optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.end_lr_ratio))
 
     def _loaders(self, seed: int):
-        cfg, layout, ctx = self.cfg, self.layout, self.ctx
-        data_rank = self.mesh["data"].get_local_rank()
-        samples = self.total_steps * layout.global_batch
-        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda", eval_batch=cfg.eval_batch)
+        cfg, layout = self.cfg, self.layout
+        data_rank, samples, reading = self.reading()
         if self.opts.synthetic:
             m = cfg.model
             return token_loaders(RandomTokens(m.vocab_size, m.seq_len, samples, seed),
@@ -79,26 +77,15 @@ class LlamaPretrainWorkload(LlamaWorkload):
             raise SystemExit(f"workloads: {exc}") from None
 
     def hyperparameters(self) -> dict[str, Any]:
-        cfg, layout = self.cfg, self.layout
+        cfg = self.cfg
         return {
-            C.GLOBAL_BATCH_SIZE: layout.global_batch,
-            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
-            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
-            C.EVAL_SAMPLES: cfg.eval_sequences,
+            **self.shared_hyperparameters("PRESETS"),
             C.INIT_CHECKPOINT_STEP: 0,  # from scratch
-            C.OPT_NAME: C.ADAMW,
-            C.OPT_BASE_LR: cfg.base_lr,
             C.OPT_END_LR: cfg.base_lr * cfg.end_lr_ratio,
             C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
             C.OPT_LR_DECAY_STEPS: cfg.max_steps - cfg.warmup_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
-            C.OPT_ADAMW_BETA_1: cfg.adam_betas[0],
-            C.OPT_ADAMW_BETA_2: cfg.adam_betas[1],
-            C.OPT_ADAMW_EPSILON: cfg.adam_eps,
-            C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
-            C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             C.MAX_STEPS: cfg.max_steps,
-            **self.disclosures("PRESETS"),
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------

@@ -41,6 +41,12 @@ class LlamaWorkload(DecoderSteps, Workload):
         context = self.mesh["context"]
         self.split = ContextSplit(context.get_local_rank(), context.size(), whole) if layout.context > 1 else whole
 
+    def reading(self) -> tuple[int, int, dict[str, Any]]:
+        """This rank's data rank, the training samples the run reads, and how its loaders read them."""
+        cfg = self.cfg
+        return (self.mesh["data"].get_local_rank(), self.total_steps * self.layout.global_batch,
+                dict(workers=cfg.loader_workers, pin_memory=self.ctx.device.type == "cuda", eval_batch=cfg.eval_batch))
+
     def built_once(self, build: Callable[[], Path], needs: str) -> Path:
         """A tiny preset's generated input: built by each node's first rank while the others wait; the full preset
         is told what it `needs` instead."""
@@ -51,12 +57,24 @@ class LlamaWorkload(DecoderSteps, Workload):
         dist.barrier()
         return build()
 
-    def disclosures(self, preset_table: str) -> dict[str, Any]:
-        """The disclosures the 6.1 rules ask of every run (compliance_checker/training_6.1.0/common.yaml), from the
-        layout the run really uses."""
-        layout = self.layout
+    def shared_hyperparameters(self, preset_table: str) -> dict[str, Any]:
+        """The keys both log alike: the batch, sequence and eval set, AdamW and clipping, and the disclosures the 6.1
+        rules ask of every run (compliance_checker/training_6.1.0/common.yaml), from the layout the run really
+        uses."""
+        cfg, layout = self.cfg, self.layout
         precision = "bfloat16" if self.ctx.device.type == "cuda" else "fp32"
         return {
+            C.GLOBAL_BATCH_SIZE: layout.global_batch,
+            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
+            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
+            C.EVAL_SAMPLES: cfg.eval_sequences,
+            C.OPT_NAME: C.ADAMW,
+            C.OPT_BASE_LR: cfg.base_lr,
+            C.OPT_ADAMW_BETA_1: cfg.adam_betas[0],
+            C.OPT_ADAMW_BETA_2: cfg.adam_betas[1],
+            C.OPT_ADAMW_EPSILON: cfg.adam_eps,
+            C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
+            C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: precision,
             C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
             C.LOWEST_NUMERICAL_PRECISION_IN_COMM: precision,  # FSDP's gathers
