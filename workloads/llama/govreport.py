@@ -115,12 +115,12 @@ def govreport_loaders(root: Path, seq_len: int, micro_batch: int, train_samples:
 #
 # A report is on one of four subjects: a walk of that subject's Markov chain over its own 27 tokens (of 20..127)
 # after a prompt token. Its summary, after a separator, names the subject: the subject's token (one of 4..7),
-# SUMMARY_LENGTH times. A model pretrained on reports alone (warm_start.py) has never seen a summary; the adapters
-# learn to read the subject off the report (attention pools it) and write it. The eval scores the summaries
-# only (prompt and report masked, the end token too), which the report determines: a model that learned them
-# scores near 0.
+# SUMMARY_LENGTH times. Each example fills one sequence, as a GovReport report fills most of its 8,192 tokens.
+# A model pretrained on reports alone (warm_start.py) has never seen a summary; the adapters learn to read the
+# subject off the report (attention pools it) and write it. The eval scores the summaries only (prompt and
+# report masked, the end token too), which the report determines: a model that learned them scores near 0.
 
-TINY_VERSION = 2
+TINY_VERSION = 3
 TINY_VOCAB = 128
 PROMPT, SEPARATOR, EOS = 1, 2, 3  # "### Summarize the following text:", "### Summary:", </s>
 SUBJECT_FIRST, SUBJECTS, SUMMARY_LENGTH = 4, 4, 8
@@ -128,41 +128,34 @@ REPORT_FIRST, SUBJECT_TOKENS = 20, 27
 TINY_TRAIN_SEQUENCES, TINY_VALIDATION_SEQUENCES = 256, 16
 
 
-def tiny_report(rng: np.random.Generator, subject: int) -> np.ndarray:
-    """A prompt token and a report of 20 to 60 tokens on `subject`."""
+def tiny_report(rng: np.random.Generator, subject: int, length: int) -> np.ndarray:
+    """A prompt token and a report of `length` tokens on `subject`."""
     chain = tiny_text.transitions(SUBJECT_TOKENS, 3, first=0, seed=27 + subject)
-    body = tiny_text.walk(chain, int(rng.integers(SUBJECT_TOKENS)), int(rng.integers(20, 61)), rng)
+    body = tiny_text.walk(chain, int(rng.integers(SUBJECT_TOKENS)), length, rng)
     return np.concatenate(([PROMPT], REPORT_FIRST + subject * SUBJECT_TOKENS + body))
 
 
-def tiny_summary(subject: int) -> np.ndarray:
-    return np.full(SUMMARY_LENGTH, SUBJECT_FIRST + subject)
-
-
-def tiny_examples(count_tokens: int, seq_len: int, seed: int, masked: bool) -> np.ndarray:
-    """Examples (prompt + report, separator, summary, end) packed back to back into (n, 2, seq_len) as the
-    reference packs them (group_texts: concatenated, cut into seq_len, the remainder dropped)."""
+def tiny_examples(count: int, seq_len: int, seed: int, masked: bool) -> np.ndarray:
+    """`count` examples (prompt + report, separator, summary, end), each exactly seq_len tokens, as
+    (count, 2, seq_len) input ids and labels."""
     rng = np.random.default_rng(seed)
-    ids, labels = [], []
-    while len(ids) < count_tokens:
+    report_length = seq_len - SUMMARY_LENGTH - 3
+    rows = []
+    for _ in range(count):
         subject = int(rng.integers(SUBJECTS))
-        report = tiny_report(rng, subject)
-        example = np.concatenate((report, [SEPARATOR], tiny_summary(subject), [EOS]))
-        label = example.copy()
+        report = tiny_report(rng, subject, report_length)
+        example = np.concatenate((report, [SEPARATOR], np.full(SUMMARY_LENGTH, SUBJECT_FIRST + subject), [EOS]))
+        labels = example.copy()
         if masked:
-            label[:len(report) + 1] = IGNORED
-            label[-1] = IGNORED
-        ids.extend(example.tolist())
-        labels.extend(label.tolist())
-    n = count_tokens // seq_len
-    return np.stack([np.array(ids[:n * seq_len]).reshape(n, seq_len),
-                     np.array(labels[:n * seq_len]).reshape(n, seq_len)], axis=1)
+            labels[:len(report) + 1] = IGNORED
+            labels[-1] = IGNORED
+        rows.append((example, labels))
+    return np.array(rows)
 
 
 def write_tiny_govreport(folder: Path, seq_len: int) -> None:
-    write_split(folder / TRAIN, tiny_examples(TINY_TRAIN_SEQUENCES * seq_len, seq_len, seed=1, masked=False))
-    write_split(folder / VALIDATION, tiny_examples(TINY_VALIDATION_SEQUENCES * seq_len, seq_len, seed=2,
-                                                   masked=True))
+    write_split(folder / TRAIN, tiny_examples(TINY_TRAIN_SEQUENCES, seq_len, seed=1, masked=False))
+    write_split(folder / VALIDATION, tiny_examples(TINY_VALIDATION_SEQUENCES, seq_len, seed=2, masked=True))
 
 
 def ensure_tiny_govreport(seq_len: int) -> Path:

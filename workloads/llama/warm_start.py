@@ -20,7 +20,7 @@ from workloads.llama.convert import write_checkpoint
 from workloads.llama.govreport import EOS, SUBJECT_FIRST, SUBJECTS, tiny_report
 from workloads.llama.model import Llama
 
-TINY_BASE_VERSION = 3
+TINY_BASE_VERSION = 4
 TINY_BASE_STEPS = 100
 TINY_BASE_BATCH = 8
 TINY_BASE_LR = 1e-2
@@ -37,7 +37,8 @@ def report_stream(seq_len: int, batch: int, seed: int):
     while True:
         while len(buffer) < batch * (seq_len + 1):
             subject = int(rng.integers(SUBJECTS))
-            buffer.extend([SUBJECT_FIRST + subject, *tiny_report(rng, subject).tolist(), EOS])
+            buffer.extend([SUBJECT_FIRST + subject, *tiny_report(rng, subject, int(rng.integers(20, 121))).tolist(),
+                           EOS])
         chunk, buffer = buffer[:batch * (seq_len + 1)], buffer[batch * (seq_len + 1):]
         yield torch.tensor(chunk).view(batch, seq_len + 1)
 
