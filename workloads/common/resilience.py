@@ -150,8 +150,8 @@ class Resilience:
         return step
 
     def _state(self, manifest: dict | None = None) -> dict[str, Any]:
-        state: dict[str, Any] = {"train": _ModelAndOptimizer(self.workload.model, self.workload.optimizer,
-                                                          self.workload.checkpoint_frozen)}
+        state: dict[str, Any] = {"train": _ModelAndOptimizer(
+            self.workload.model, self.workload.optimizer, getattr(self.workload, "checkpoint_frozen", True))}
         # RNG states are per rank: restorable only onto the same world size.
         if manifest is None or manifest.get("world_size") == self.ctx.world_size:
             state[f"rng_rank{self.ctx.rank}"] = _RankRNG(self.ctx.device)
