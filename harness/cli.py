@@ -19,7 +19,7 @@ from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
-from workloads.llama.config import RCP_BATCHES
+from workloads.llama.config import RCP_GLOBAL_BATCHES
 from workloads.registry import BENCHMARKS
 
 
@@ -105,23 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data", type=Path,
                      help="dataset folder: ImageNet layout for resnet (train/, val/); MLPerf's BERT HDF5 shards for "
                           "bert (train/*.hdf5, eval/*.hdf5; fixed, varlength or packed); MLPerf's C4 .bin/.idx files "
-                          "for gpt3")
+                          "for gpt3 and llama31_8b; MLCommons' GovReport parquet files for llama2_70b_lora")
     run.add_argument("--init-checkpoint", type=Path, metavar="PATH",
                      help="starting weights, as MLPerf starts from its reference checkpoints: for bert a PyTorch "
                           "state dict file (the reference's parameter names are understood), for gpt3 a "
-                          "torch.distributed.checkpoint folder; default for the tiny presets: one the harness "
-                          "trains once")
+                          "torch.distributed.checkpoint folder, for llama2_70b_lora one `python -m "
+                          "workloads.llama.convert` wrote from Hugging Face's safetensors; default for the tiny "
+                          "presets: one the harness trains once")
     run.add_argument("--synthetic", action="store_true",
                      help="train on generated input instead of a dataset (from random weights for bert and gpt3): "
                           "measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
     run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     run.add_argument("--global-batch", type=int,
-                     help="llama31_8b: sequences per optimizer step, one of the batches MLPerf's RCPs were measured "
-                          f"at ({', '.join(map(str, RCP_BATCHES))}), which also sets the peak LR and warmup "
-                          "(default: the preset's)")
+                     help="llama31_8b and llama2_70b_lora: sequences per optimizer step, one of the batches MLPerf's "
+                          "RCPs were measured at ("
+                          + "; ".join(f"{name}: {', '.join(map(str, batches))}"
+                                      for name, batches in RCP_GLOBAL_BATCHES.items())
+                          + "), which also sets the peak LR (and llama31_8b's warmup) (default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
-                     help="llama31_8b: accept a --global-batch with no RCP (its runs cannot pass the RCP check)")
+                     help="llama31_8b, llama2_70b_lora: accept a --global-batch with no RCP (its runs cannot pass the "
+                          "RCP check)")
     run.add_argument("--allow-unflushed-cache", action="store_true",
                      help="let a closed run go ahead when its page cache could not be flushed before it (the log "
                           "keeps cache_clear false); without it such a run stops with the reason")

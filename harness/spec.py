@@ -20,7 +20,7 @@ from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
-from workloads.llama.config import RCP_BATCHES  # torch-free
+from workloads.llama.config import RCP_GLOBAL_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS  # torch-free
 
 # Presets that read a real dataset unless --synthetic is given.
@@ -68,8 +68,8 @@ class JobSpec:
     synthetic: bool = False
     max_steps: int | None = None  # stop early (smoke tests, throughput runs)
     batch_size: int | None = None  # per-process batch; None: the preset's
-    global_batch: int | None = None  # llama31_8b: sequences per optimizer step; None: the preset's
-    force_batch: bool = False  # llama31_8b: accept a global batch that has no RCP
+    global_batch: int | None = None  # the Llamas: sequences per optimizer step; None: the preset's
+    force_batch: bool = False  # the Llamas: accept a global batch that has no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
@@ -242,13 +242,13 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     for name in ("nodes", "runs"):
         if getattr(spec, name) < 1:
             raise HarnessError(f"--{name} must be at least 1, got {getattr(spec, name)}")
-    if (spec.global_batch is not None or spec.force_batch) and spec.benchmark != "llama31_8b":
-        raise HarnessError(f"--global-batch and --force-batch apply to llama31_8b only, not {spec.benchmark} (its "
-                           "global batch follows --batch-size and the process count)")
-    if spec.benchmark == "llama31_8b" and spec.batch_size is not None:
-        raise HarnessError("llama31_8b takes its batch as --global-batch (sequences per step, one of the RCP "
-                           f"batches: {', '.join(map(str, RCP_BATCHES))}), not --batch-size; the layout decides "
-                           "each process's share")
+    if (spec.global_batch is not None or spec.force_batch) and spec.benchmark not in RCP_GLOBAL_BATCHES:
+        raise HarnessError(f"--global-batch and --force-batch apply to {' and '.join(RCP_GLOBAL_BATCHES)} only, not "
+                           f"{spec.benchmark} (its global batch follows --batch-size and the process count)")
+    if spec.benchmark in RCP_GLOBAL_BATCHES and spec.batch_size is not None:
+        raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (sequences per step, one of the RCP "
+                           f"batches: {', '.join(map(str, RCP_GLOBAL_BATCHES[spec.benchmark]))}), not --batch-size; "
+                           "the layout decides each process's share")
     if spec.force_batch and spec.global_batch is None:
         raise HarnessError("--force-batch accepts a --global-batch with no RCP: give --global-batch too")
     for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):

@@ -1,11 +1,12 @@
-"""One rank of a closed (full-preset) campaign with a small model in place of BERT-large, GPT-3 175B or Llama 3.1 8B,
-which no CPU trains even for one step. Used only by tests, through torchrun.
+"""One rank of a closed (full-preset) campaign with a small model in place of BERT-large, GPT-3 175B, Llama 3.1 8B
+or Llama 2 70B, which no CPU trains even for one step. Used only by tests, through torchrun.
 
 Only the model's size changes. Everything the closed rules look at stays the full preset's: the
 hyperparameters (for bert, those of an MLPerf reference point), the schedule, the sequence length,
 the eval cadence and the logging. GPT-3 also keeps its global batch of 1536 sequences, llama31_8b its 64
 and its 1,024 eval sequences of 8,192 tokens (its proxy is the narrowest Llama: attention over 8,192
-positions costs in proportion to its heads: one per tensor rank, of 16 dimensions, the fastest on CPU).
+positions costs in proportion to its heads: one per tensor rank, of 16 dimensions, the fastest on CPU),
+llama2_70b_lora its 8 and its 173, with the same Llama at Llama 2's RoPE.
 
 ResNet keeps ResNet-50; its synthetic images shrink to 8 px, so that one process can hold the global batch of a
 real submission (57,344 for NVIDIA+CoreWeave: 11 MB, not 8.6 GB at 224 px). No key the rules read depends on the
@@ -26,6 +27,7 @@ BERT_MODEL = bert.BertConfig(vocab_size=128, max_seq_len=512, n_layer=1, n_head=
 GPT3_MODEL = gpt3.GPTConfig(vocab_size=128, seq_len=2048, n_layer=1, n_head=2, d_model=32)
 LLAMA_MODEL = llama.LlamaConfig(vocab_size=128, seq_len=8192, n_layer=1, n_head=2, n_kv_head=2, d_model=32,
                                 ffn_hidden=32)
+LLAMA2_MODEL = dataclasses.replace(LLAMA_MODEL, rope_theta=10_000.0, rope_scaling=None)  # llama2_70b_lora's
 RESNET_CROP = 8
 UNTIL_RUN_START = "--until-run-start"
 
@@ -33,6 +35,7 @@ if __name__ == "__main__":
     bert.PRESETS["full"] = dataclasses.replace(bert.PRESETS["full"], model=BERT_MODEL)
     gpt3.PRESETS["full"] = dataclasses.replace(gpt3.PRESETS["full"], model=GPT3_MODEL)
     llama.PRESETS["full"] = dataclasses.replace(llama.PRESETS["full"], model=LLAMA_MODEL)
+    llama.LORA_PRESETS["full"] = dataclasses.replace(llama.LORA_PRESETS["full"], model=LLAMA2_MODEL)
     resnet.PRESETS["full"] = dataclasses.replace(resnet.PRESETS["full"], crop=RESNET_CROP)
     if UNTIL_RUN_START in sys.argv:
         sys.argv.remove(UNTIL_RUN_START)

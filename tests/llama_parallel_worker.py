@@ -1,11 +1,12 @@
 """One rank of tests/test_llama_parallel.py, started by torchrun: a small Llama on a (replicate, shard, context,
 tensor) mesh against the whole model in this process, for each layout named on the command line:
 
-    llama_parallel_worker.py R,S,C,T [R,S,C,T ...]
+    llama_parallel_worker.py [lora:]R,S,C,T [[lora:]R,S,C,T ...]
 
 For each layout: the loss over 2 accumulated micro batches, every gradient, the clipped gradients (one norm
-over the whole mesh) and the eval's scored loss sum must match the whole model's. Prints "parity ok R,S,C,T"
-per layout and rank.
+over the whole mesh) and the eval's scored loss sum must match the whole model's. With `lora:`, the model
+carries llama2_70b_lora's adapters (made non-zero, so every adapter has a gradient) on a frozen base, whose
+parameters must get no gradient. Prints "parity ok [lora:]R,S,C,T" per layout and rank.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from torch.testing import assert_close
 
 from tests.gpt3_parallel_worker import gradients_and_clipping_match, say
 from workloads.common.language_model import accumulate_gradients, next_token_split, scored_loss_sum
-from workloads.llama.config import Layout, LlamaConfig, RopeScaling
+from workloads.llama.config import Layout, LlamaConfig, LoraConfig, RopeScaling
+from workloads.llama.lora import freeze_base
 from workloads.llama.model import Llama
 from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
 
+LORA = LoraConfig(rank=4, alpha=8, dropout=0.0)  # no dropout: the ranks' masks could not match one process's
 CONFIG = LlamaConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
                      rope_scaling=RopeScaling(original_context=8))
 MICRO_BATCH = 2
@@ -30,13 +33,21 @@ ACCUMULATE = 2
 CPU = torch.device("cpu")
 
 
-def parity(layout: Layout) -> None:
+def parity(layout: Layout, lora: LoraConfig | None = None) -> None:
     torch.manual_seed(0)
-    reference = Llama(CONFIG)
+    reference = Llama(CONFIG, lora=lora)
     with torch.device("meta"):
-        model = Llama(CONFIG)
+        model = Llama(CONFIG, lora=lora)
+    if lora:
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if ".lora_" in name:
+                    param.normal_(0, 0.1)
+        freeze_base(reference)
     mesh = build_mesh(layout, CPU)
     parallelize(model, mesh, CPU)
+    if lora:
+        freeze_base(model)  # after tensor parallelism, whose styles make new (trainable) parameters
     model.to_empty(device=CPU)
     model.rope_freqs.copy_(reference.rope_freqs)
     set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -67,13 +78,16 @@ def parity(layout: Layout) -> None:
     dist.all_reduce(sums)
     # Every tensor rank holds the same sums: the whole world counts each scored token `tensor` times.
     assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64))
-    say(f"rank {dist.get_rank()}: parity ok {layout.replicate},{layout.shard},{layout.context},{layout.tensor}")
+    say(f"rank {dist.get_rank()}: parity ok {'lora:' if lora else ''}"
+        f"{layout.replicate},{layout.shard},{layout.context},{layout.tensor}")
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     for spec in sys.argv[1:]:
-        replicate, shard, context, tensor = map(int, spec.split(","))
+        adapters, _, shape = spec.rpartition(":")
+        replicate, shard, context, tensor = map(int, shape.split(","))
         parity(Layout(world=dist.get_world_size(), procs_per_node=dist.get_world_size(), replicate=replicate,
-                      shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE))
+                      shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE),
+               LORA if adapters == "lora" else None)
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Llama's parallel layouts on CPU (gloo), each against the whole model in one process
 (tests/llama_parallel_worker.py): tensor parallel 2, context parallel 2 (the all-gather path the GPUs take
-too), HSDP (replicate 2 x shard 2), and context x tensor together."""
+too), HSDP (replicate 2 x shard 2), and context x tensor together; and llama2_70b_lora's adapters on a frozen
+base under FSDP 2 x tensor 2 and context 2 x tensor 2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow  # real multi-process training steps
 
 # (replicate, shard, context, tensor) over 4 processes; "2,1,2,1" is the full preset's shape at scale (replicas
 # of context groups), on the smallest world
-LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2", "2,1,2,1")
+LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2", "2,1,2,1", "lora:1,2,1,2", "lora:1,1,2,2")
 
 
 def test_every_layout_matches_the_whole_model():

@@ -42,4 +42,6 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               init_checkpoint="DIR (a torch.distributed.checkpoint folder)", config="workloads.gpt3.config"),
     Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
               config="workloads.llama.config"),
+    Benchmark("llama2_70b_lora", "workloads.llama.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
+              init_checkpoint="DIR (a checkpoint `python -m workloads.llama.convert` wrote from Hugging Face's)"),
 )}

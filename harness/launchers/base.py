@@ -185,8 +185,8 @@ def show_files(files: list[Path]) -> str:
 
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
     """What the workload will make of this many processes, shown with the request: for bert the batch plan
-    (an MLPerf reference batch and its split), for gpt3 and llama31_8b the parallel layout and the memory
-    estimate per GPU (and for llama31_8b the bytes each GPU sends per step).
+    (an MLPerf reference batch and its split), for gpt3 and the Llama benchmarks the parallel layout and the
+    memory estimate per GPU (and for the Llamas the bytes each GPU sends per step).
     A world that cannot take the batch, or a config that cannot fit, is refused here, with the numbers."""
     world = spec.nodes * nproc_per_node
     try:
@@ -205,14 +205,14 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             if gpu_memory_gib:
                 gpt3.check_fits(cfg, layout, gpu_memory_gib)
             return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
-        if spec.benchmark == "llama31_8b":
+        if spec.benchmark in ("llama31_8b", "llama2_70b_lora"):
             from workloads.llama import config as llama
 
-            cfg = llama.preset_config(spec.preset, spec.global_batch, spec.force_batch)
+            cfg = llama.run_config(spec.benchmark, spec.preset, spec.global_batch, spec.force_batch)
             layout = llama.plan_layout(cfg, world, nproc_per_node)
             if gpu_memory_gib:
-                llama.check_fits(cfg, layout, gpu_memory_gib)
-            return tuple(llama.describe(cfg, layout, gpu_memory_gib))
+                llama.check_fits(spec.benchmark, cfg, layout, gpu_memory_gib)
+            return tuple(llama.describe(spec.benchmark, cfg, layout, gpu_memory_gib))
     except ValueError as exc:
         raise HarnessError(str(exc)) from None
     return ()

@@ -62,8 +62,8 @@ class RunOptions:
     straggler_threshold: float = 0.75
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
-    global_batch: int | None = None  # llama31_8b: sequences per optimizer step (default: the preset's)
-    force_batch: bool = False  # llama31_8b: accept a global batch with no RCP
+    global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
+    force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
 
     @classmethod
@@ -120,6 +120,7 @@ class Workload(ABC):
     target: Target
     rate_shown: tuple[str, str] = ("samples/s", "throughput")
     logs_trained_samples = False  # log train_samples (the epoch_num trained) when the run stops
+    checkpoint_frozen = True  # checkpoints hold the parameters that do not train too (False: LoRA's frozen base)
     eval_count_key = C.EPOCH_NUM  # the eval events' metadata key for epoch_num(step) (newer rules: samples_count)
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):

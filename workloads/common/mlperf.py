@@ -20,6 +20,7 @@ from workloads.common.metrics_feed import FEED
 from workloads.common.mllog_reader import iter_events
 
 TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
+LORA_RANK = "lora_rank"  # closed_llama2_70b_lora.yaml (mllog's constants have LORA_ALPHA only)
 # ResNet's SGD keys (compliance_checker/training_*/closed_resnet_sgd.yaml).
 SGD_OPT_BASE_LR = "sgd_opt_base_learning_rate"
 SGD_OPT_END_LR = "sgd_opt_end_learning_rate"

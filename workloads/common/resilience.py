@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from workloads import STARTED
@@ -71,15 +71,20 @@ class InjectedFault(RuntimeError):
 
 
 class _ModelAndOptimizer(Stateful):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """The model and its optimizer; with `frozen` False, only the parameters that train (LoRA's adapters: the
+    frozen base comes back from its own checkpoint when the workload is built again)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True):
         self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
 
     def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.model, self.optimizer)
+        model, optim = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.options)
 
 
 class _RankRNG(Stateful):
@@ -145,7 +150,8 @@ class Resilience:
         return step
 
     def _state(self, manifest: dict | None = None) -> dict[str, Any]:
-        state: dict[str, Any] = {"train": _ModelAndOptimizer(self.workload.model, self.workload.optimizer)}
+        state: dict[str, Any] = {"train": _ModelAndOptimizer(
+            self.workload.model, self.workload.optimizer, getattr(self.workload, "checkpoint_frozen", True))}
         # RNG states are per rank: restorable only onto the same world size.
         if manifest is None or manifest.get("world_size") == self.ctx.world_size:
             state[f"rng_rank{self.ctx.rank}"] = _RankRNG(self.ctx.device)

@@ -34,13 +34,15 @@ def _ring(n: int) -> float:
 
 def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int, kv_dim: int, tensor: int,
                      context: int, shard: int, replicate: int, micro_batch: int, grad_accum: int, procs_per_node: int,
-                     recompute: bool, compute_bytes: int = 2) -> Traffic:
-    """FSDP shards over shard x context; `recompute` (activation checkpointing) runs each block's forward twice."""
+                     recompute: bool, compute_bytes: int = 2, reduced_params: float | None = None) -> Traffic:
+    """FSDP shards over shard x context; `recompute` (activation checkpointing) runs each block's forward twice.
+    `reduced_params`: the parameters that have gradients, when fewer than all (LoRA's adapters)."""
     fsdp = shard * context
     per_tensor_rank = params / tensor
+    reduced = (params if reduced_params is None else reduced_params) / tensor
     fsdp_gather = grad_accum * 2 * compute_bytes * per_tensor_rank * _ring(fsdp)
-    fsdp_reduce = grad_accum * 4 * per_tensor_rank * _ring(fsdp)
-    replicate_reduce = grad_accum * 2 * 4 * per_tensor_rank / fsdp * _ring(replicate)
+    fsdp_reduce = grad_accum * 4 * reduced * _ring(fsdp)
+    replicate_reduce = grad_accum * 2 * 4 * reduced / fsdp * _ring(replicate)
     passes = 3 if recompute else 2
     positions = micro_batch * seq_len / context
     tensor_bytes = grad_accum * n_layer * passes * 4 * positions * d_model * compute_bytes * _ring(tensor)

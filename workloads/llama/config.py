@@ -1,11 +1,14 @@
-"""llama31_8b presets, the RCP batch table, the parallel layout, and its memory and traffic per GPU.
+"""The Llama benchmarks' presets (llama31_8b's pretraining, llama2_70b_lora's fine-tuning), their RCP batch
+tables, the parallel layout, and memory and traffic per GPU.
 
 No torch here: `harness run --dry-run` imports this to show the layout, refuse a batch with no RCP or a
 config that cannot fit, and print the bytes each GPU sends per step, before anything starts.
 
-The full preset is MLCommons' reference (mlcommons/training `small_language_model_pretraining/nemo/`,
+llama31_8b's full preset is MLCommons' reference (mlcommons/training `small_language_model_pretraining/nemo/`,
 `pretrain_llama31.py`) under the 6.1.0 rules (mlperf-logging `compliance_checker/training_6.1.0/
-closed_llama31_8b.yaml`) and RCPs (`rcp_checker/training_6.1.0/rcps_llama31_8b.json`).
+closed_llama31_8b.yaml`) and RCPs (`rcp_checker/training_6.1.0/rcps_llama31_8b.json`). llama2_70b_lora's is
+mlcommons/training `llama2_70b_lora/` (`run_llama_70B_scrolls_r16.sh`, `scripts/train.py`, `scripts/utils.py`)
+under `closed_llama2_70b_lora.yaml` and `rcps_llama2_70b_lora.json`.
 """
 
 from __future__ import annotations
@@ -114,6 +117,10 @@ class LlamaPretrainConfig:
 
 LLAMA31_8B = LlamaConfig(vocab_size=128_256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
                          ffn_hidden=14_336)
+# Llama 2 70B as the llama2_70b_lora reference loads it (mlcommons/training `llama2_70b_lora/scripts/
+# regiss_llama_70b_model_config/config.json`): RoPE theta 10,000 without frequency scaling, 32,000 tokens, untied.
+LLAMA2_70B = LlamaConfig(vocab_size=32_000, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+                         ffn_hidden=28_672, rope_theta=10_000.0, rope_scaling=None)
 
 PRESETS = {
     # MLPerf closed: Llama 3.1 8B from scratch on C4 to validation log perplexity 3.3, at global batch 64 (NVIDIA's
@@ -140,13 +147,120 @@ def preset_config(preset: str, global_batch: int | None = None, force: bool = Fa
     if global_batch is None or global_batch == cfg.global_batch:
         return cfg
     if preset == "full" and global_batch not in RCP_BATCHES and not force:
-        table = "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples" for batch, (lr, warmup)
-                          in RCP_BATCHES.items())
-        raise ValueError(f"llama31_8b has no reference convergence point (RCP) at global batch {global_batch}, so "
-                         f"its runs could not pass the RCP check; choose one of {table} (or add --force-batch)")
+        _refuse("llama31_8b", global_batch, "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples"
+                                                       for batch, (lr, warmup) in RCP_BATCHES.items()))
     lr, warmup = RCP_BATCHES.get(global_batch, (cfg.base_lr, cfg.warmup_samples)) if preset == "full" \
         else (cfg.base_lr, cfg.warmup_samples)
     return replace(cfg, global_batch=global_batch, base_lr=lr, warmup_samples=warmup)
+
+
+def _refuse(benchmark: str, global_batch: int, table: str) -> None:
+    raise ValueError(f"{benchmark} has no reference convergence point (RCP) at global batch {global_batch}, so "
+                     f"its runs could not pass the RCP check; choose one of {table} (or add --force-batch)")
+
+
+# --- llama2_70b_lora: LoRA fine-tuning of Llama 2 70B on SCROLLS GovReport -----------------------------------
+
+LORA_MAX_STEPS = 1024  # run_llama_70B_scrolls_r16.sh: --max_steps 1024 (every RCP row's max_steps too)
+LORA_EVAL_INTERVAL = 384  # sequences: the reference's --eval_steps 48 at its batch of 8 (8 GPUs x 1 sequence)
+LORA_EVAL_SEQUENCES = 173  # the GovReport validation set, whole (NVIDIA's v5.1 logs: eval_samples 173)
+# rcps_llama2_70b_lora.json: global batch -> peak LR; every row: no warmup, clipping 0.3, rank 16, alpha 32.
+LORA_RCP_BATCHES: dict[int, float] = {8: 4e-4, 16: 4e-4, 32: 4e-4, 128: 1e-3}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The adapters: rank, alpha (the update is scaled by alpha / rank) and dropout on their input, as peft's
+    LoraConfig takes them (mlcommons/training `llama2_70b_lora/scripts/utils.py`)."""
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.1
+
+    def params(self, m: LlamaConfig) -> int:
+        """Per block: qkv's adapter (one A of d x r, B rows for q, k and v) and o's (A of d x r, B of r x d)."""
+        q_dim = m.n_head * m.head_dim
+        return m.n_layer * self.rank * (m.d_model + q_dim + 2 * m.kv_dim + q_dim + m.d_model)
+
+
+@dataclass(frozen=True)
+class LoraFinetuneConfig:
+    """A frozen pretrained Llama with trained adapters. The closed values are the reference's
+    (`run_llama_70B_scrolls_r16.sh`): AdamW (torch's, HF's default betas and eps), weight decay 1e-4, clipping
+    0.3, cosine decay to 0 over max_steps 1,024 without warmup (`--warmup_ratio 0`), LoRA on qkv_proj and
+    o_proj; the target eval loss 0.925 is the rules' (`closed_llama2_70b_lora.yaml`)."""
+
+    model: LlamaConfig
+    lora: LoraConfig
+    global_batch: int  # sequences per optimizer step
+    base_lr: float
+    max_steps: int  # the cosine's length
+    eval_interval: int  # sequences between evaluations
+    eval_sequences: int
+    target: float  # eval loss that ends the run
+    weight_decay: float = 1e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # HF TrainingArguments' defaults (optim adamw_torch)
+    adam_eps: float = 1e-8
+    clip_norm: float = 0.3
+    micro_batch: int = 1  # sequences per data rank per forward pass (--per_device_train_batch_size 1)
+    eval_batch: int = 1
+    tensor_parallel: int = 1
+    shard_nodes: int = 1  # HSDP: FSDP within groups of this many nodes
+    activation_checkpointing: bool = False
+    loader_workers: int = 2
+    step_limit: int | None = None  # stop after this many steps whatever the schedule
+
+    @property
+    def eval_every(self) -> int:
+        """Steps between evaluations: ceil(384 / global batch), the reference's eval_steps at any batch."""
+        return math.ceil(self.eval_interval / self.global_batch)
+
+    @property
+    def skipped_evals(self) -> int:
+        """The evaluations not run at the start: the reference's eval_delay of int(0.125 x GBS + 2) x eval_steps
+        (`scripts/train.py`), which NVIDIA's v5.1 logs follow too (GBS 64: the first eval after 66 steps)."""
+        return int(0.125 * self.global_batch + 2)
+
+
+LORA_PRESETS = {
+    # MLPerf closed: Llama 2 70B from MLCommons' checkpoint (--init-checkpoint), batch 8 on 8 x 8 GPUs: FSDP over
+    # context 8 inside each node (the only split of batch 8 over 64 GPUs), as NVIDIA runs context 8 at 72 GPUs up.
+    "full": LoraFinetuneConfig(
+        model=LLAMA2_70B, lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8,
+        base_lr=LORA_RCP_BATCHES[8], max_steps=LORA_MAX_STEPS, eval_interval=LORA_EVAL_INTERVAL,
+        eval_sequences=LORA_EVAL_SEQUENCES, target=0.925, activation_checkpointing=True),
+    # A 2-layer Llama 2 (RoPE theta 10,000 unscaled) warm-started from a checkpoint the harness pretrains once
+    # (workloads/llama/warm_start.py), then LoRA-tuned on generated prompt + summary sequences to an eval loss
+    # on the summaries under the open rules' 1.0 (open_llama2_70b_lora.yaml).
+    "tiny": LoraFinetuneConfig(
+        model=LlamaConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                          ffn_hidden=192, rope_theta=10_000.0, rope_scaling=None),
+        lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8, base_lr=2e-2, max_steps=200,
+        eval_interval=32, eval_sequences=16, target=0.95, micro_batch=4, eval_batch=4, loader_workers=0),
+}
+
+
+def lora_preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> LoraFinetuneConfig:
+    """As preset_config, for llama2_70b_lora: the full preset takes a batch's peak LR from the RCP table."""
+    cfg = LORA_PRESETS[preset]
+    if global_batch is None or global_batch == cfg.global_batch:
+        return cfg
+    if preset == "full" and global_batch not in LORA_RCP_BATCHES and not force:
+        _refuse("llama2_70b_lora", global_batch, "; ".join(f"{batch}: LR {lr:g}" for batch, lr
+                                                            in LORA_RCP_BATCHES.items()))
+    lr = LORA_RCP_BATCHES.get(global_batch, cfg.base_lr) if preset == "full" else cfg.base_lr
+    return replace(cfg, global_batch=global_batch, base_lr=lr)
+
+
+# The batches each Llama benchmark's RCPs were measured at: what --global-batch may be without --force-batch.
+RCP_GLOBAL_BATCHES: dict[str, tuple[int, ...]] = {"llama31_8b": tuple(RCP_BATCHES),
+                                                  "llama2_70b_lora": tuple(LORA_RCP_BATCHES)}
+
+
+def run_config(benchmark: str, preset: str, global_batch: int | None = None, force: bool = False
+               ) -> LlamaPretrainConfig | LoraFinetuneConfig:
+    """Either Llama benchmark's preset, by name."""
+    return (lora_preset_config if benchmark == "llama2_70b_lora" else preset_config)(preset, global_batch, force)
 
 
 @dataclass(frozen=True)
@@ -180,7 +294,7 @@ class Layout:
         return self.data * self.micro_batch * self.grad_accum
 
 
-def plan_layout(cfg: LlamaPretrainConfig, world: int, procs_per_node: int) -> Layout:
+def plan_layout(cfg: LlamaPretrainConfig | LoraFinetuneConfig, world: int, procs_per_node: int) -> Layout:
     """Tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
     sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP)."""
     m = cfg.model
@@ -214,9 +328,10 @@ def plan_layout(cfg: LlamaPretrainConfig, world: int, procs_per_node: int) -> La
 class MemoryEstimate:
     """Bytes per process at the peak of a training step."""
 
-    weights: float  # fp32 master weights: this rank's FSDP shard of its tensor-parallel share
-    gradients: float  # fp32 gradients, the same shard
-    optimizer: float  # AdamW's two fp32 moments, the same shard
+    weights: float  # this rank's FSDP shard of its tensor-parallel share: fp32 master weights, or for LoRA the frozen
+    #                 base in the compute dtype and the adapters in fp32
+    gradients: float  # fp32 gradients of what trains (every weight, or only the adapters), the same shard
+    optimizer: float  # AdamW's two fp32 moments of what trains, the same shard
     gathered: float  # what FSDP unshards at once: two blocks, the root (embeddings, output), one block's grads
     activations: float  # what backward keeps for this rank's share of the sequence
     logits: float  # this rank's vocabulary shard of its positions' logits, and what the loss keeps
@@ -229,12 +344,16 @@ class MemoryEstimate:
         return sum(getattr(self, term) for term in self.TERMS)
 
 
-def estimate_memory(cfg: LlamaPretrainConfig, layout: Layout, on_gpu: bool = True) -> MemoryEstimate:
+def estimate_memory(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout, on_gpu: bool = True
+                    ) -> MemoryEstimate:
     """Per-rank bytes, term by term; bf16 compute on GPUs (2 bytes), fp32 on CPU (4).
 
+    Pretraining trains every weight (fp32 master, gradient and two moments: 16 bytes each); LoRA keeps the base
+    frozen in the compute dtype, without gradients or moments, and trains only the adapters (16 bytes each).
     Activations per block follow Korthikanti et al. (2022) with sequence parallelism and flash attention
     (no s^2 term), for SwiGLU's wider MLP: this rank holds s / context positions, split again by tensor
-    between the blocks."""
+    between the blocks. LoRA's backward needs the same ones: gradients flow through every frozen block to the
+    adapters beneath it."""
     m, tp, cp = cfg.model, layout.tensor, layout.context
     s, b, h = m.seq_len // cp, layout.micro_batch, m.d_model
     compute = 2 if on_gpu else 4
@@ -243,6 +362,13 @@ def estimate_memory(cfg: LlamaPretrainConfig, layout: Layout, on_gpu: bool = Tru
     block = (m.block_params() - 2 * h) / tp + 2 * h
     root = 2 * m.vocab_size * h / tp + h
     unsharded_grad = compute + (4 if compute != 4 else 0)
+    if isinstance(cfg, LoraFinetuneConfig):
+        adapters = cfg.lora.params(m) / (tp * layout.fsdp)
+        weights, trained = compute * shard + 4 * adapters, adapters
+        gathered = compute * (2 * block + root)  # no gradient of a frozen block is ever whole
+    else:
+        weights, trained = 4 * shard, shard
+        gathered = compute * (2 * block + root) + unsharded_grad * max(block, root)
     # Per block, per position: the norms' inputs and outputs, q, k, v, attention output, SwiGLU's three
     # intermediates (in bytes at 16 bits: 2 x (4h + 2 kv + 3 ffn)), with everything between norms split by tp.
     per_position = 2 * (2 * h + (2 * h + 2 * m.kv_dim + 3 * m.ffn_hidden) / tp)
@@ -252,44 +378,55 @@ def estimate_memory(cfg: LlamaPretrainConfig, layout: Layout, on_gpu: bool = Tru
     else:
         activations = m.n_layer * block_activations
     logits = s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
-    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
-                          gathered=compute * (2 * block + root) + unsharded_grad * max(block, root),
+    return MemoryEstimate(weights=weights, gradients=4 * trained, optimizer=8 * trained, gathered=gathered,
                           activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 
 
-def estimate_traffic(cfg: LlamaPretrainConfig, layout: Layout) -> Traffic:
-    """The bytes each GPU sends per step (workloads.common.traffic)."""
+def estimate_traffic(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout) -> Traffic:
+    """The bytes each GPU sends per step (workloads.common.traffic). For LoRA only the adapters' gradients are
+    reduced: the frozen base's parameters are gathered, never its gradients."""
     m = cfg.model
+    lora = isinstance(cfg, LoraFinetuneConfig)
     return traffic.estimate_traffic(params=m.params, n_layer=m.n_layer, seq_len=m.seq_len, d_model=m.d_model,
                                     kv_dim=m.kv_dim, tensor=layout.tensor, context=layout.context, shard=layout.shard,
                                     replicate=layout.replicate, micro_batch=layout.micro_batch,
                                     grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
-                                    recompute=cfg.activation_checkpointing)
+                                    recompute=cfg.activation_checkpointing,
+                                    reduced_params=cfg.lora.params(m) if lora else None)
 
 
-def describe(cfg: LlamaPretrainConfig, layout: Layout, gpu_memory_gib: float | None) -> list[str]:
+def describe(benchmark: str, cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout,
+             gpu_memory_gib: float | None) -> list[str]:
     """The lines `--dry-run` shows: the model, the layout, memory per GPU and traffic per GPU per step."""
     m = cfg.model
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
     parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
+    if isinstance(cfg, LoraFinetuneConfig):
+        trains = (f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on qkv and o: {_count(cfg.lora.params(m))} "
+                  f"trained, the base frozen")
+        schedule = (f"peak LR {cfg.base_lr:g}, cosine over {cfg.max_steps} steps; eval every {cfg.eval_every} steps "
+                    f"after the first {cfg.skipped_evals} skipped")
+    else:
+        trains, schedule = "every weight trained", f"peak LR {cfg.base_lr:g}, warmup {cfg.warmup_steps} steps"
     return [
-        f"llama31_8b model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} key/value), "
-        f"SwiGLU {m.ffn_hidden}, sequence {m.seq_len}, {_count(m.params)} parameters",
-        f"llama31_8b layout: {layout.world} processes = replicate {layout.replicate} x shard {layout.shard} "
+        f"{benchmark} model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} key/value), "
+        f"SwiGLU {m.ffn_hidden}, sequence {m.seq_len}, {_count(m.params)} parameters; {trains}",
+        f"{benchmark} layout: {layout.world} processes = replicate {layout.replicate} x shard {layout.shard} "
         f"(HSDP: FSDP over shard x context = {layout.fsdp}) x context {layout.context} x tensor {layout.tensor}; "
         f"global batch {layout.global_batch} = {layout.data} data ranks x micro batch {layout.micro_batch} "
-        f"x {layout.grad_accum} accumulation steps; peak LR {cfg.base_lr:g}, warmup {cfg.warmup_steps} steps",
-        f"llama31_8b memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
+        f"x {layout.grad_accum} accumulation steps; {schedule}",
+        f"{benchmark} memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",
-        f"llama31_8b traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
+        f"{benchmark} traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
     ]
 
 
-def check_fits(cfg: LlamaPretrainConfig, layout: Layout, gpu_memory_gib: float) -> None:
+def check_fits(benchmark: str, cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout,
+               gpu_memory_gib: float) -> None:
     total = estimate_memory(cfg, layout).total / GIB
     if total > gpu_memory_gib:
-        raise ValueError(f"llama31_8b needs about {total:.1f} GiB per GPU with tensor {layout.tensor} x context "
+        raise ValueError(f"{benchmark} needs about {total:.1f} GiB per GPU with tensor {layout.tensor} x context "
                          f"{layout.context} x FSDP {layout.fsdp}, more than the {gpu_memory_gib:g} GiB each has: "
                          "use more GPUs per FSDP group (more nodes per shard group) or activation checkpointing")
 

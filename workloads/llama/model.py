@@ -1,8 +1,9 @@
-"""Llama 3.1: a decoder-only transformer, from the tiny preset up to 8B. Reads top to bottom.
+"""Llama 2 and 3.1: a decoder-only transformer, from the tiny presets up to 70B. Reads top to bottom.
 
 Pre-norm blocks (RMSNorm) of grouped-query causal self-attention with rotary positions (RoPE, with
-Llama 3.1's frequency scaling) and a SwiGLU MLP; no biases, no dropout; the input embedding and the
-output layer are separate matrices. Every layer reads its head counts from the shapes it gets, so the
+Llama 3.1's frequency scaling, or Llama 2's none) and a SwiGLU MLP; no biases, no dropout; the input
+embedding and the output layer are separate matrices. With `lora`, the attention's projections carry
+low-rank adapters beside their (frozen) weights, as llama2_70b_lora fine-tunes them. Every layer reads its head counts from the shapes it gets, so the
 same code runs whole or split by tensor parallelism (see parallelize.py), and the attention's core is a
 module of its own that context parallelism replaces with one that gathers keys and values across ranks.
 Positions are an input: a context-parallel rank holds two chunks of the sequence, not a prefix of it.
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from workloads.llama.config import LlamaConfig, RopeScaling
+from workloads.llama.config import LlamaConfig, LoraConfig, RopeScaling
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
@@ -67,24 +68,61 @@ class CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+class LoRA(nn.Module):
+    """A low-rank update beside a frozen linear layer (Hu et al., 2021), computed as peft computes it:
+    B(A(dropout(x))) x alpha / rank, with A drawn as nn.Linear draws it and B zero, so training starts from the
+    base model exactly. One A may feed several B: the reference adapts Llama's fused qkv_proj with one adapter,
+    whose B rows are the q, k and v parts side by side (kept as three B here, so tensor parallelism splits each
+    by heads as it splits wq, wk and wv)."""
+
+    def __init__(self, d_in: int, d_outs: tuple[int, ...], cfg: LoraConfig):
+        super().__init__()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.a = nn.Linear(d_in, cfg.rank, bias=False)
+        self.b = nn.ModuleList(nn.Linear(cfg.rank, d_out, bias=False) for d_out in d_outs)
+        self.scale = cfg.alpha / cfg.rank
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.a.reset_parameters()
+        for b in self.b:
+            nn.init.zeros_(b.weight)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        down = self.a(self.dropout(x))
+        return [b(down) * self.scale for b in self.b]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, lora: LoraConfig | None = None):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        q_dim = cfg.n_head * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, q_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.wo = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.core = CausalAttention()
+        # The reference's LoRA targets (--lora_target_modules "qkv_proj,o_proj"): the fused qkv and the output.
+        self.lora_qkv = LoRA(cfg.d_model, (q_dim, cfg.kv_dim, cfg.kv_dim), lora) if lora else None
+        self.lora_o = LoRA(q_dim, (cfg.d_model,), lora) if lora else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
                 ) -> torch.Tensor:
         batch, seq, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.lora_qkv is not None:
+            dq, dk, dv = self.lora_qkv(x)
+            q, k, v = q + dq, k + dk, v + dv
         # (batch, seq, heads * dim) -> (batch, seq, heads, dim); heads are this rank's share under TP.
-        q, k, v = (linear(x).view(batch, seq, -1, self.head_dim) for linear in (self.wq, self.wk, self.wv))
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        out = self.wo(y)
+        if self.lora_o is not None:
+            out = out + self.lora_o(y)[0]
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -99,10 +137,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, lora: LoraConfig | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, lora)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.feed_forward = SwiGLU(cfg)
 
@@ -113,12 +151,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, activation_checkpointing: bool = False):
+    def __init__(self, cfg: LlamaConfig, activation_checkpointing: bool = False, lora: LoraConfig | None = None):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, lora) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from tok_embeddings
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
@@ -138,6 +176,9 @@ class Llama(nn.Module):
         for layer in self.layers:
             for projection in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.normal_(projection.weight, mean=0.0, std=self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer))
+        for module in self.modules():
+            if isinstance(module, LoRA):
+                module.reset_parameters()
         self.rope_freqs.copy_(rope_frequencies(self.cfg))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Llama's parallelism, the torchtitan way, on a (replicate, shard, context, tensor) mesh.
 
-- tensor: Megatron's column/row split of attention (by query and key/value heads) and SwiGLU, with sequence
-  parallelism between them (the norms and the residual stream hold 1/tensor of the positions); the input
+- tensor: Megatron's column/row split of attention (by query and key/value heads, LoRA's adapters alongside)
+  and SwiGLU, with sequence parallelism between them (the norms and the residual stream hold 1/tensor of the
+  positions); the input
   embedding split by vocabulary rows and the output layer by vocabulary columns, its logits consumed where
   they lie (loss_parallel). Kept inside a node: it talks twice per block and pass.
 - context: each rank holds two chunks of every sequence, chunk r and chunk 2C-1-r of 2C (load-balanced: a
@@ -31,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
     SequenceParallel, parallelize_module
 
+from workloads.common.language_model import Split, next_token_split
 from workloads.llama.config import Layout
 from workloads.llama.model import Llama
 
@@ -91,6 +93,18 @@ def _tensor_parallel(model: Llama, tp: DeviceMesh) -> None:
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=sequence_sharded),
         })
+        if layer.attention.lora_qkv is not None:
+            parallelize_module(layer.attention, tp, {
+                # qkv's A: its rank rows split, its output gathered whole for the B, whose rows split by heads as
+                # wq's, wk's and wv's do.
+                "lora_qkv.a": ColwiseParallel(output_layouts=Replicate()),
+                "lora_qkv.b.0": ColwiseParallel(), "lora_qkv.b.1": ColwiseParallel(),
+                "lora_qkv.b.2": ColwiseParallel(),
+                # o's A reads this rank's heads, as wo does, and its partial sums are reduce-scattered into
+                # sequence shards; its B (r x d, replicated) then works on this rank's positions, where wo's output is.
+                "lora_o.a": RowwiseParallel(output_layouts=sequence_sharded),
+                "lora_o.b.0": SequenceParallel(use_local_output=True),
+            })
 
 
 # --- context parallelism -------------------------------------------------------------------------------
@@ -105,13 +119,14 @@ def context_chunks(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch
 
 class ContextSplit:
     """A `split` (workloads.common.language_model) for a context-parallel rank: its chunks of the inputs and
-    targets, and the inputs' positions in the whole sequence."""
+    targets that `whole` makes of a batch (next-token prediction by default), and the inputs' positions in the
+    whole sequence."""
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, whole: Split = next_token_split):
+        self.rank, self.size, self.whole = rank, size, whole
 
     def __call__(self, tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        (inputs,), targets = self.whole(tokens)
         positions = torch.arange(inputs.size(1), device=tokens.device)
         return ((context_chunks(inputs, self.rank, self.size), context_chunks(positions, self.rank, self.size, 0)),
                 context_chunks(targets, self.rank, self.size))

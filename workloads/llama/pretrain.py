@@ -12,29 +12,21 @@ the run stops at the first evaluation at or below 3.3. `samples_count` counts se
 from __future__ import annotations
 
 import math
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
-from workloads.common.campaign import RunOptions, Workload
+from workloads.common.campaign import RunOptions
 from workloads.common.distributed import DistContext
-from workloads.common.language_model import DecoderSteps, next_token_split, optimizer_groups
+from workloads.common.language_model import optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
-from workloads.llama.config import plan_layout, preset_config
 from workloads.llama.data import c4_loaders, ensure_tiny_corpus
 from workloads.llama.model import Llama
-from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
-
-# Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
-# about DTensor random operators on CPU is noise.
-warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-
+from workloads.llama.parallelize import parallelize
+from workloads.llama.workload import LlamaWorkload
 
 def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float:
     """NeMo's CosineAnnealing with constant_steps 0, as a fraction of the peak (step: optimizer steps done)."""
@@ -44,26 +36,12 @@ def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float
     return end_ratio + (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class LlamaPretrainWorkload(DecoderSteps, Workload):
-    eval_count_key = C.SAMPLES_COUNT  # closed_llama31_8b.yaml: 'samples_count' in eval_accuracy's metadata
-
+class LlamaPretrainWorkload(LlamaWorkload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
-        try:
-            cfg = preset_config(opts.preset, opts.global_batch, opts.force_batch)
-            self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
-        self.cfg = cfg
-        self.clip_norm = cfg.clip_norm
-        self.mesh = build_mesh(layout, ctx.device)
+        cfg, layout = self.cfg, self.layout
         self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
-        self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
-
-        context = self.mesh["context"]
-        self.split = ContextSplit(context.get_local_rank(), context.size()) if layout.context > 1 \
-            else next_token_split
         # The data first: a missing or short file is named in a second, before an 8B model is built and sharded.
         self.loaders = self._loaders(seed)
 
@@ -83,68 +61,34 @@ class LlamaPretrainWorkload(DecoderSteps, Workload):
             self.optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.end_lr_ratio))
 
     def _loaders(self, seed: int):
-        cfg, layout, ctx = self.cfg, self.layout, self.ctx
-        data_rank = self.mesh["data"].get_local_rank()
-        samples = self.total_steps * layout.global_batch
-        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda", eval_batch=cfg.eval_batch)
+        cfg, layout = self.cfg, self.layout
+        data_rank, samples, reading = self.reading()
         if self.opts.synthetic:
             m = cfg.model
             return token_loaders(RandomTokens(m.vocab_size, m.seq_len, samples, seed),
                                  RandomTokens(m.vocab_size, m.seq_len, cfg.eval_sequences, seed + 1),
                                  cfg.micro_batch, data_rank, layout.data, **reading)
-        root = self.opts.data or self._tiny_corpus()
+        root = self.opts.data or self.built_once(ensure_tiny_corpus, "reads MLCommons' C4 for Llama 3.1: give "
+                                                                     "--data DIR (or --synthetic for a throughput run)")
         try:
             return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
                               layout.data, **reading)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"workloads: {exc}") from None
 
-    def _tiny_corpus(self) -> Path:
-        if self.opts.preset != "tiny":
-            raise SystemExit("workloads: llama31_8b's full preset reads MLCommons' C4 for Llama 3.1: give --data DIR "
-                             "(or --synthetic for a throughput run)")
-        if self.ctx.local_rank == 0:
-            ensure_tiny_corpus()
-        dist.barrier()
-        return ensure_tiny_corpus()
-
     def hyperparameters(self) -> dict[str, Any]:
-        cfg, layout = self.cfg, self.layout
-        on_gpu = self.ctx.device.type == "cuda"
+        cfg = self.cfg
         return {
-            C.GLOBAL_BATCH_SIZE: layout.global_batch,
-            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
-            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
-            C.EVAL_SAMPLES: cfg.eval_sequences,
+            **self.shared_hyperparameters("PRESETS"),
             C.INIT_CHECKPOINT_STEP: 0,  # from scratch
-            C.OPT_NAME: C.ADAMW,
-            C.OPT_BASE_LR: cfg.base_lr,
             C.OPT_END_LR: cfg.base_lr * cfg.end_lr_ratio,
             C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
             C.OPT_LR_DECAY_STEPS: cfg.max_steps - cfg.warmup_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
-            C.OPT_ADAMW_BETA_1: cfg.adam_betas[0],
-            C.OPT_ADAMW_BETA_2: cfg.adam_betas[1],
-            C.OPT_ADAMW_EPSILON: cfg.adam_eps,
-            C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
-            C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
             C.MAX_STEPS: cfg.max_steps,
-            # The disclosures the 6.1 rules ask of every run (compliance_checker/training_6.1.0/common.yaml).
-            C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: "bfloat16" if on_gpu else "fp32",
-            C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: "bfloat16" if on_gpu else "fp32",
-            C.LOWEST_NUMERICAL_PRECISION_IN_COMM: "bfloat16" if on_gpu else "fp32",  # FSDP's gathers
-            C.TENSOR_PARALLELISM: layout.tensor,
-            C.PIPELINE_PARALLELISM: 1,
-            C.CONTEXT_PARALLELISM: layout.context,
-            C.EXPERT_PARALLELISM: 1,
-            C.MICRO_BATCH_SIZE: layout.micro_batch,
-            C.CONFIG_FILENAME: f"workloads/llama/config.py:PRESETS[{self.opts.preset!r}]",
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
-
-    def epoch_num(self, step: int) -> int:
-        return step * self.layout.global_batch  # sequences trained: the log's samples_count
 
     def next_block(self, step: int) -> Block:
         first = step - step % self.eval_every

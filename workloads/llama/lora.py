@@ -1,0 +1,161 @@
+"""One llama2_70b_lora run: load the pretrained Llama 2 (untimed init), freeze it, and train LoRA adapters on
+its attention until the eval loss reaches the target (timed).
+
+MLPerf shape (mlcommons/training `llama2_70b_lora/`: `run_llama_70B_scrolls_r16.sh`, `scripts/train.py`,
+`scripts/utils.py`, `scripts/mlperf_logging_utils.py`, under the 6.1.0 rules and RCPs): adapters of rank 16,
+alpha 32, dropout 0.1 on the fused qkv and the output projection (workloads.llama.model.LoRA); AdamW (weight
+decay 1e-4), gradient clipping 0.3, cosine decay from the batch's RCP learning rate to 0 over 1,024 steps,
+no warmup. Evaluations every 384 sequences (rounded up to whole steps), none in the first
+int(0.125 x GBS + 2) of them (the reference's eval_delay); the eval loss is the mean over the 173 validation
+sequences of each one's mean loss over its summary tokens (the reference's Trainer evaluates one sequence per
+batch and averages the batches), logged as eval_accuracy; the run stops at the first at or below 0.925.
+
+Checkpoints (the shared loop's) hold the adapters and their optimizer state only: a restart loads the frozen
+base from the converted weights again, then the adapters from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mlperf_logging.mllog import constants as C
+
+from workloads.common import mlperf as K
+from workloads.common.campaign import RunOptions
+from workloads.common.distributed import DistContext, all_sum
+from workloads.common.language_model import scored_loss_sum
+from workloads.common.loop import Target
+from workloads.common.megatron_data import token_loaders
+from workloads.common.resilience import Block
+from workloads.llama.convert import load_base
+from workloads.llama.govreport import PackedSamples, Sequences, ensure_tiny_govreport, govreport_loaders, \
+    labelled_split
+from workloads.llama.model import Llama
+from workloads.llama.parallelize import parallelize
+from workloads.llama.workload import LlamaWorkload
+
+
+def cosine_factor(step: int, max_steps: int) -> float:
+    """Hugging Face's cosine schedule without warmup (lr_scheduler_type cosine, warmup_ratio 0): the peak at step
+    0, half a cosine down to 0 at max_steps."""
+    return 0.5 * (1 + math.cos(math.pi * min(step, max_steps) / max_steps))
+
+
+def freeze_base(model: torch.nn.Module) -> None:
+    """Only the adapters train."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name)
+
+
+class LlamaLoraWorkload(LlamaWorkload):
+    rate_shown = ("seq/s", "throughput")
+    checkpoint_frozen = False  # checkpoints keep the adapters and their optimizer state, not the frozen base
+
+    def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
+        super().__init__(opts, ctx, seed, whole=labelled_split)
+        cfg = self.cfg
+        self.eval_every = cfg.eval_every
+        self.first_eval = (cfg.skipped_evals + 1) * cfg.eval_every  # steps
+        self.target = Target("eval loss", "loss", cfg.target, higher_is_better=False)
+        self.loaders = self._loaders(seed)  # a missing or malformed file is named before a 70B model is built
+        base = self._base_checkpoint()
+
+        with torch.device("meta"):
+            model = Llama(cfg.model, activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora)
+        if ctx.device.type == "cuda":  # the frozen base is held in bf16, as the reference loads it
+            for name, param in model.named_parameters():
+                if ".lora_" not in name:
+                    param.data = param.data.to(torch.bfloat16)
+        parallelize(model, self.mesh, ctx.device, self.compiled)
+        freeze_base(model)  # after tensor parallelism, whose styles register new parameters (trainable ones)
+        model.to_empty(device=ctx.device)
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            model.init_weights()  # the adapters: A drawn from the seed, B zero; the base is overwritten next
+        load_base(model, base)
+        self.model = model
+        adapters = [param for param in model.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.AdamW(adapters, lr=cfg.base_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay, fused=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda step: cosine_factor(step, cfg.max_steps))
+
+    def _loaders(self, seed: int):
+        cfg, layout = self.cfg, self.layout
+        data_rank, samples, reading = self.reading()
+        if self.opts.synthetic:
+            m = cfg.model
+            random = torch.Generator().manual_seed(seed)
+            tokens = torch.randint(0, m.vocab_size, (cfg.eval_sequences, m.seq_len), generator=random)
+            sequences = torch.stack((tokens, tokens), dim=1).numpy()  # labels: the inputs
+            return token_loaders(PackedSamples(sequences, samples, seed), Sequences(sequences), cfg.micro_batch,
+                                 data_rank, layout.data, **reading)
+        root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(cfg.model.seq_len),
+                                                 "reads MLCommons' GovReport: give --data DIR")
+        try:
+            return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
+                                     data_rank, layout.data, **reading)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"workloads: {exc}") from None
+
+    def _base_checkpoint(self) -> Path:
+        if self.opts.init_checkpoint:
+            return self.opts.init_checkpoint
+        if self.opts.synthetic:
+            raise SystemExit("workloads: llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR "
+                             "(a checkpoint `python -m workloads.llama.convert` wrote), also with --synthetic")
+        from workloads.llama.warm_start import ensure_tiny_base
+
+        return self.built_once(lambda: ensure_tiny_base(self.cfg.model),
+                               "starts from MLCommons' Llama 2 70B: give --init-checkpoint DIR (a checkpoint `python "
+                               "-m workloads.llama.convert` wrote)")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            **self.shared_hyperparameters("LORA_PRESETS"),
+            C.OPT_LR_WARMUP_FACTOR: 0.0,
+            C.OPT_LR_TRAINING_STEPS: cfg.max_steps,
+            C.OPT_LR_DECAY_SCHEDULE: "cosine",
+            K.LORA_RANK: cfg.lora.rank,
+            C.LORA_ALPHA: cfg.lora.alpha,
+        }
+
+    # --- the training loop's questions (workloads.common.loop) ---------------------------------
+
+    def block_ends(self, step: int) -> bool:
+        return step % self.eval_every == 0 and step >= self.first_eval
+
+    def next_block(self, step: int) -> Block:
+        """From the evaluation at or before `step` (or the start) to the next one; the first block runs through
+        the skipped evaluations."""
+        start = 0 if step < self.first_eval else step - step % self.eval_every
+        end = min(self.total_steps, self.first_eval if step < self.first_eval else start + self.eval_every)
+        batch = self.layout.global_batch
+        return Block(start * batch, (end - start) * batch)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean over the eval sequences of each one's mean loss over its scored (summary) tokens."""
+        self.model.eval()
+        context = self.mesh["context"]
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        sequences = 0
+        for samples, counted in self.loaders.eval:
+            samples = samples.to(self.ctx.device, non_blocking=True)
+            for row in range(len(samples)):
+                loss_sum, count = scored_loss_sum(self.model, samples[row:row + 1], counted[row:row + 1], self.split)
+                per_sequence = torch.stack((loss_sum, torch.tensor(float(count), dtype=torch.float64,
+                                                                   device=loss_sum.device)))
+                if context.size() > 1:  # the sequence's tokens lie on every context rank
+                    dist.all_reduce(per_sequence, group=context.get_group())
+                if per_sequence[1] > 0:
+                    total += per_sequence[0] / per_sequence[1]
+                    sequences += 1
+        # Every tensor and context rank of a data rank holds the same sums, so the ratio over the world is the mean.
+        total, sequences = all_sum([total.item(), sequences], self.ctx)
+        return total / sequences

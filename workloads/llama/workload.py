@@ -1,0 +1,90 @@
+"""What the two Llama benchmarks' workloads share: the preset at the asked batch, the layout and mesh decided from
+it, the split of a batch over context ranks, the step count, inputs built once per node, and the parallelism the
+6.1 rules ask every run to disclose. llama31_8b (pretrain.py) and llama2_70b_lora (lora.py) add their model,
+data, optimizer and evaluation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from mlperf_logging.mllog import constants as C
+
+from workloads.common.campaign import RunOptions, Workload
+from workloads.common.distributed import DistContext
+from workloads.common.language_model import DecoderSteps, Split, next_token_split
+from workloads.llama.config import plan_layout, run_config
+from workloads.llama.parallelize import ContextSplit, build_mesh
+
+# Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
+# about DTensor random operators on CPU is noise.
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+
+
+class LlamaWorkload(DecoderSteps, Workload):
+    eval_count_key = C.SAMPLES_COUNT  # closed_llama31_8b.yaml, closed_llama2_70b_lora.yaml: in eval_accuracy's metadata
+
+    def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
+        super().__init__(opts, ctx, seed)
+        try:
+            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch)
+            self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
+        except ValueError as exc:
+            raise SystemExit(f"workloads: {exc}") from None
+        self.cfg = cfg
+        self.clip_norm = cfg.clip_norm
+        self.mesh = build_mesh(layout, ctx.device)
+        self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
+        context = self.mesh["context"]
+        self.split = ContextSplit(context.get_local_rank(), context.size(), whole) if layout.context > 1 else whole
+
+    def reading(self) -> tuple[int, int, dict[str, Any]]:
+        """This rank's data rank, the training samples the run reads, and how its loaders read them."""
+        cfg = self.cfg
+        return (self.mesh["data"].get_local_rank(), self.total_steps * self.layout.global_batch,
+                dict(workers=cfg.loader_workers, pin_memory=self.ctx.device.type == "cuda", eval_batch=cfg.eval_batch))
+
+    def built_once(self, build: Callable[[], Path], needs: str) -> Path:
+        """A tiny preset's generated input: built by each node's first rank while the others wait; the full preset
+        is told what it `needs` instead."""
+        if self.opts.preset != "tiny":
+            raise SystemExit(f"workloads: {self.opts.benchmark}'s full preset {needs}")
+        if self.ctx.local_rank == 0:
+            build()
+        dist.barrier()
+        return build()
+
+    def shared_hyperparameters(self, preset_table: str) -> dict[str, Any]:
+        """The keys both log alike: the batch, sequence and eval set, AdamW and clipping, and the disclosures the 6.1
+        rules ask of every run (compliance_checker/training_6.1.0/common.yaml), from the layout the run really
+        uses."""
+        cfg, layout = self.cfg, self.layout
+        precision = "bfloat16" if self.ctx.device.type == "cuda" else "fp32"
+        return {
+            C.GLOBAL_BATCH_SIZE: layout.global_batch,
+            C.GRADIENT_ACCUMULATION_STEPS: layout.grad_accum,
+            C.MAX_SEQUENCE_LENGTH: cfg.model.seq_len,
+            C.EVAL_SAMPLES: cfg.eval_sequences,
+            C.OPT_NAME: C.ADAMW,
+            C.OPT_BASE_LR: cfg.base_lr,
+            C.OPT_ADAMW_BETA_1: cfg.adam_betas[0],
+            C.OPT_ADAMW_BETA_2: cfg.adam_betas[1],
+            C.OPT_ADAMW_EPSILON: cfg.adam_eps,
+            C.OPT_ADAMW_WEIGHT_DECAY: cfg.weight_decay,
+            C.OPT_GRADIENT_CLIP_NORM: cfg.clip_norm,
+            C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: precision,
+            C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
+            C.LOWEST_NUMERICAL_PRECISION_IN_COMM: precision,  # FSDP's gathers
+            C.TENSOR_PARALLELISM: layout.tensor,
+            C.PIPELINE_PARALLELISM: 1,
+            C.CONTEXT_PARALLELISM: layout.context,
+            C.EXPERT_PARALLELISM: 1,
+            C.MICRO_BATCH_SIZE: layout.micro_batch,
+            C.CONFIG_FILENAME: f"workloads/llama/config.py:{preset_table}[{self.opts.preset!r}]",
+        }
+
+    def epoch_num(self, step: int) -> int:
+        return step * self.layout.global_batch  # sequences trained: the log's samples_count
