@@ -63,8 +63,9 @@ class Counting:
     rate_shown = ("samples/s", "throughput")
     eval_count_key = C.EPOCH_NUM
 
-    def __init__(self, total_steps=10, target=2.0, losses=None):
+    def __init__(self, total_steps=10, target=2.0, losses=None, synthetic=False):
         self.ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False)
+        self.opts = SimpleNamespace(synthetic=synthetic)
         self.total_steps, self.target = total_steps, Target("quality", "q", target)
         self.losses, self.trained = losses or {}, []
 
@@ -120,6 +121,17 @@ def test_the_run_stops_at_the_first_evaluation_that_reaches_the_target():
     assert support.evals == [4, 8]
     assert ("event", C.EVAL_ACCURACY, 0.8) in log.lines
     assert log.lines[-1] == ("event", C.TRAIN_SAMPLES, 80)
+
+
+def test_a_synthetic_run_trains_to_its_step_limit_whatever_its_eval_says(monkeypatch):
+    """Synthetic input measures throughput: an eval that happens to pass the target must not cut it short."""
+    said = []
+    monkeypatch.setattr(loop.Progress, "message", lambda self, text: said.append(text))
+    log, support = Log(), Support()
+    workload = Counting(total_steps=20, target=0.8, synthetic=True)
+    assert train(workload, log, "run", support) is False
+    assert workload.trained == list(range(1, 21)) and support.evals == [4, 8, 12, 16, 20]
+    assert "(synthetic input: no target)" in said[1] and "target 0.8" not in " ".join(said)
 
 
 def test_a_run_resumed_inside_a_block_continues_it():

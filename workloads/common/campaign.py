@@ -234,6 +234,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             mlog.event(C.CACHE_CLEAR, cleared)
             record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
             record.moment("cache_clear", cleared=cleared, **({} if cleared else {"why_not": not_dropped}))
+            record.moment("input", synthetic=opts.synthetic)  # a synthetic run is kept out of scores
             mlog.start(C.INIT_START)
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
