@@ -59,3 +59,16 @@ def test_a_bad_window_is_refused_with_the_choices(text):
 @pytest.mark.parametrize("text", ["0", "0steps", "0s"])
 def test_a_zero_window_turns_the_checks_off(text):
     assert StragglerWindow.parse(text).off
+
+
+def test_a_window_score_waits_for_the_next_metrics_write(tmp_path):
+    """A window closes between two steps; handing its score over is the feed's next (rate-limited) write, not a
+    file write of its own there."""
+    from workloads.common.metrics_feed import MetricsFeed
+
+    feed = MetricsFeed(tmp_path, rank=0)
+    feed.run(0)  # written at once: a new run
+    feed.straggler_score(0.5)
+    assert "straggler_score" not in json.loads((tmp_path / "rank_0.json").read_text())
+    feed.flush()
+    assert json.loads((tmp_path / "rank_0.json").read_text())["straggler_score"] == 0.5

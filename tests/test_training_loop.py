@@ -172,6 +172,26 @@ def test_the_loss_is_read_every_few_steps_and_a_nan_between_reads_is_caught():
     assert read[2 * LOSS_READ_EVERY + 3] == pytest.approx(1 / (2 * LOSS_READ_EVERY + 3))
 
 
+def test_a_step_whose_loss_is_not_read_adds_no_torch_operation():
+    """The loop's own cost per step (bench/loop_overhead.py): between reads the loss is only kept."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    reader, losses = loop._LossReader(), [torch.tensor(value) for value in (1.0, math.nan, 2.0)]
+    with Count():
+        for loss in losses:
+            assert reader.after(loss, read=False) is None
+    assert Count.calls == 0
+    assert math.isnan(reader.after(torch.tensor(3.0), read=True))  # the unread NaN is still caught
+    assert reader.after(torch.tensor(4.0), read=True) == 4.0
+
+
 def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):
     def rate(save_seconds_per_step):
         ticks = iter(range(0, 100, 10))  # the block opens at 0 and closes at 10 s
