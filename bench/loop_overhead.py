@@ -57,6 +57,7 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
     from workloads.common import resilience
     from workloads.common.campaign import RunOptions, run_campaign, seed_everything
     from workloads.common.distributed import init_distributed, shutdown_distributed
+    from workloads.common.page_cache import clear_page_caches
     from workloads.registry import BENCHMARKS as REGISTRY
 
     starts: list[float] = []
@@ -99,6 +100,10 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         run_campaign(Timed, opts)
     else:
         ctx = init_distributed()
+        # As the harness does before every run (MLPerf's cache_clear): where it may, it drops the whole
+        # machine's page cache, and on a shared machine the re-reading that follows slows every process for a
+        # while, so the bare side does it too, and both sides start from the same state.
+        clear_page_caches(ctx)
         seed_everything(opts.seed + ctx.rank)
         workload = Timed(opts, ctx, opts.seed)
         batches = workload.batches(0)
@@ -108,7 +113,17 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         stamps_file.write_text(json.dumps({"starts": starts, "ends": ends, "cpu": cpu, "samples": samples,
-                                           "left_out": left_out, "per_sample": per_sample[0]}))
+                                           "left_out": left_out, "per_sample": per_sample[0],
+                                           "hooks_us_per_step": hooks_per_step(out)}))
+
+
+def hooks_per_step(out: Path) -> float | None:
+    """The straggler detector's forward hooks, in microseconds per step, as it timed itself in the run record
+    (inside train_step, so not in the time between steps); None without a window (the bare side)."""
+    from workloads.common.run_record import read_json_lines, run_record_path
+
+    windows = [r for r in read_json_lines(run_record_path(out, 0)) if r.get("kind") == "stragglers"]
+    return round(windows[-1]["overhead_s"]["hooks"] / windows[-1]["steps"][1] * 1e6, 2) if windows else None
 
 
 # --- the driver -----------------------------------------------------------------------------------------------
@@ -128,10 +143,11 @@ def window(stamps: dict, last: int) -> dict:
     between = [starts[i + 1] - stamps["ends"][i] for i in steps]
     between_ms = statistics.median(between) * 1000
     cpu = stamps["cpu"][-1] - stamps["cpu"][-1 - last] - excluded_cpu
-    return {"steps_run": len(starts), "samples": trained, "seconds": round(seconds, 4),
-            "left_out_s": round(excluded, 4), "rate": trained * stamps["per_sample"] / seconds,
+    return {"steps_run": len(starts), "samples": trained, "seconds": round(seconds, 3),
+            "left_out_s": round(excluded, 3), "rate": trained * stamps["per_sample"] / seconds,
             "cpu_ms_per_step": round(cpu / last * 1000, 3),
-            "train_step_ms_median": round(step_ms, 3), "between_steps_ms_median": round(between_ms, 3),
+            "hooks_us_per_step": stamps.get("hooks_us_per_step"), "train_step_ms_median": round(step_ms, 3),
+            "between_steps_ms_median": round(between_ms, 3),
             # The loop's own time: outside train_step, saves and evals left out, as a share of the window.
             "between_steps_share": round((sum(between) - excluded) / seconds, 5)}
 
@@ -164,7 +180,8 @@ def measure(benchmark: str, steps: int, last: int, repeats: int, cpus: set[int],
         for side in sides if repeat % 2 == 0 else sides[::-1]:
             with tempfile.TemporaryDirectory(prefix="loop-overhead-") as tmp:
                 figures = window(launch(side, benchmark, steps, cpus, Path(tmp)), last)
-            runs[side].append({k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()})
+            figures["rate"] = round(figures["rate"], 1)
+            runs[side].append(figures)
             rates[side].append(figures["rate"])
             print(f"{benchmark} {side} #{repeat + 1}: {figures['rate']:,.1f} {UNITS[benchmark]}", file=sys.stderr)
     median = {side: statistics.median(rates[side]) for side in sides}
