@@ -399,7 +399,7 @@ def _collect(launcher, handle) -> None:
 def _summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: int | None = None,
                collected: bool = True) -> int:
     """Print the time-to-train report of a finished job, by its benchmark's ruleset; 0 only if every run
-    reached its target (with a log that mlperf-logging's compliance checker passes: the summarizer would count
+    reached its target, or, on synthetic input, finished (a throughput run has no target) (with a log that mlperf-logging's compliance checker passes: the summarizer would count
     it as a failed run otherwise).
     A failed job exits with the node agent's code where it has one (workload error, budget spent, ...).
     Where the collection failed (`collected` False), a run whose log did not come back is not counted as
@@ -419,6 +419,11 @@ def _summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: 
         print(f"harness: error: the job failed{f' ({why})' if why else ''}; worker logs: harness logs {out_dir}",
               file=sys.stderr)
         return exit_code if why else 1
+    if results.records and all(r.synthetic for r in results.records):
+        finished = sum(not r.unfinished for r in results.records)
+        print(f"harness: synthetic input: a throughput run, with no quality target or score "
+              f"({finished} of {runs} run(s) finished)", file=sys.stderr if finished < runs else sys.stdout)
+        return 0 if finished == runs else 1
     missed = [r for r in results.records if not r.converged]
     if not collected and not missed and len(results.records) < runs:
         print(f"harness: {runs - len(results.records)} of {runs} run(s) not collected (see above); the job "

@@ -106,6 +106,10 @@ def compare(baseline: ResultSet, candidate: ResultSet, max_slowdown: float) -> l
     """Verdicts for every benchmark in both sets; `max_slowdown` is a fraction (0.1 = 10%)."""
     verdicts = []
     for name, b, c in _pairs(baseline, candidate):
+        for side, group in (("baseline", b), ("candidate", c)):
+            if any(r.synthetic for r in group.runs):
+                raise HarnessError(f"{name}: the {side} holds runs on synthetic input ({group.folder}): a "
+                                   "throughput run has no time-to-train to compare")
         b_times = _minutes(b)
         if not b_times:
             raise HarnessError(f"{name}: no baseline run converged, so there is nothing to compare against")

@@ -130,6 +130,10 @@ def plan(paths: list[Path], submitter: str, system: str | None = None, system_de
     if not results.records:
         raise HarnessError(f"no result_*.txt files under {', '.join(map(str, paths))}")
 
+    synthetic = [run.file for run in results.records if run.synthetic]
+    if synthetic:
+        raise HarnessError(f"cannot export runs on synthetic input (throughput only, no quality target): "
+                           f"{', '.join(synthetic)}")
     allowed = get_allowed_benchmarks(USAGE, ruleset)
     by_benchmark: dict[str, list] = {}
     for run in sorted(results.records, key=lambda r: r.run_start_ms):

@@ -4,7 +4,8 @@ JSON is a list of groups, one per (system, benchmark, campaign) (harness.results
   {"submitter", "system", "system_id", "campaign", "benchmark", "division", "score_min", "required_runs",
    "left_out", "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
    "runs": [{"file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-             "samples_per_s", "tokens_per_s", "mfu", "seed", "restarts", "goodput", "badput", "stragglers"}]}
+             "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+             "stragglers"}]}
 `system` is the official system_name of a submission's systems/<folder>.json (else the logged
 platform) and `system_id` the folder. `campaign` is the folder of the logs outside a submission tree
 (each campaign is its own group), null inside one. `compliant` is mlperf-logging's compliance
@@ -23,6 +24,8 @@ startup, save, restore, lost, recovery, other) come from the harness's run recor
 null for logs that have none; so do `stragglers`, the ranks the straggler checks named
 (`[{"rank", "node", "score", "windows"}]`). `tokens_per_s` and `mfu` (a fraction of the GPUs' dense bf16 peak) are
 logged by GPT-3, and null elsewhere.
+`synthetic` is true for a run that trained on synthetic input (`harness run --synthetic`, from its run record):
+a throughput run, never converged, whose group is `unscorable` for that reason.
 `kept_out` lists the nodes preflight (or a failed attempt) kept out of the group's runs, from each run
 folder's preflight.json: `[{"folder", "node", "check", "measured", "unit", "threshold", "reason"}]`, one entry
 per failed check. CSV carries the same entries of each run's folder in a `kept_out` column (JSON); Markdown
@@ -40,7 +43,8 @@ from harness.results import Group, ResultSet, Run, labels
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
 RUN_FIELDS = ("file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-              "samples_per_s", "tokens_per_s", "mfu", "seed", "restarts", "goodput", "badput", "stragglers")
+              "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+              "stragglers")
 
 
 def run_record(run: Run) -> dict:
@@ -119,7 +123,9 @@ def _table(results: ResultSet) -> str:
                  *(("stragglers",) if slow else ()), "file")]
         for i, run in enumerate(group.runs):
             status = "unfinished" if run.unfinished else run.status or "?"
-            if not run.compliant:
+            if run.synthetic:
+                status += ", synthetic input"
+            elif not run.compliant:  # a synthetic run misses any closed target: not news
                 status += ", non-compliant"
             rows.append((str(i), status, _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),

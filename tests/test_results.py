@@ -519,3 +519,52 @@ def test_3_1_stable_diffusion_converges_by_step_num_as_the_summarizer_scores_it(
     assert (group.rcp == "Pass", group.rcp_message) == (passed, message)
     [by_samples] = load([logs], ruleset="4.0.0").groups  # 4.0.0 pairs by samples_count, which these logs lack
     assert by_samples.score_min is None
+
+
+# --- synthetic input: throughput runs, kept out of scores ------------------------------------------------------
+
+def write_campaign(folder: Path, runs: int, synthetic: bool, status: str = "success") -> Path:
+    """`runs` converging resnet logs, each with the run record's input line as the workers write it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(runs):
+        write_run(folder / f"result_{i}.txt", 1.0 + i / 10, status=status)
+        (folder / f"run_{i}.jsonl").write_text(json.dumps({"attempt": 0, "kind": "input", "start": 1.0, "end": 1.0,
+                                                           "synthetic": synthetic}) + "\n")
+    return folder
+
+
+def test_synthetic_runs_are_kept_out_of_scores_with_the_reason(tmp_path):
+    from harness.compare import compare
+    from harness.errors import HarnessError
+    from harness.export import plan
+    from harness.report import render
+    from harness.results import SYNTHETIC
+
+    real, synthetic = write_campaign(tmp_path / "real", 5, False), write_campaign(tmp_path / "synthetic", 5, True)
+    scored = load([real])
+    assert scored.groups[0].score_min is not None and not scored.runs.synthetic.any()
+    kept_out = load([synthetic])
+    group = kept_out.groups[0]
+    assert group.score_min is None and group.unscorable == SYNTHETIC
+    assert not any(r.converged for r in group.runs) and kept_out.runs.synthetic.all()
+    table = render(kept_out, "table")
+    assert f"unscorable: {SYNTHETIC}" in table and table.count("success, synthetic input") == 5
+    assert all(run["synthetic"] for run in json.loads(render(kept_out, "json"))[0]["runs"])
+    with pytest.raises(HarnessError, match="candidate holds runs on synthetic input"):
+        compare(scored, kept_out, 0.1)
+    with pytest.raises(HarnessError, match="cannot export runs on synthetic input"):
+        plan([synthetic], "ACME")
+
+
+def test_a_synthetic_run_that_finished_says_so_and_exits_0(tmp_path, capsys):
+    from harness.cli import _summarize
+
+    # Synthetic runs train to their step limit, so their logs say aborted: no target was reached.
+    synthetic = write_campaign(tmp_path / "synthetic", 1, True, status="aborted")
+    assert _summarize(synthetic, job_ok=True, runs=1, ruleset="4.0.0") == 0
+    out, err = capsys.readouterr()
+    assert "harness: synthetic input: a throughput run, with no quality target or score (1 of 1 run(s) finished)" \
+        in out and "did not reach" not in out + err
+    real = write_campaign(tmp_path / "real", 1, False, status="aborted")
+    assert _summarize(real, job_ok=True, runs=1, ruleset="4.0.0") == 1
+    assert "1 of 1 run(s) did not reach the quality target" in capsys.readouterr().err

@@ -81,3 +81,16 @@ def test_a_rank_slowed_mid_run_is_named_by_windows_that_keep_closing(tmp_path):
     assert all([s["rank"] for s in w["stragglers"]] == [1] for w in slow), windows
     assert re.search(r"straggler: rank 1 on \S+ computes at 0\.\d\d of the fastest rank's speed, \d+ windows in a "
                      r"row", result.stdout), result.stdout
+
+
+def test_a_window_score_waits_for_the_next_metrics_write(tmp_path):
+    """A window closes between two steps; handing its score over is the feed's next (rate-limited) write, not a
+    file write of its own there."""
+    from workloads.common.metrics_feed import MetricsFeed
+
+    feed = MetricsFeed(tmp_path, rank=0)
+    feed.run(0)  # written at once: a new run
+    feed.straggler_score(0.5)
+    assert "straggler_score" not in json.loads((tmp_path / "rank_0.json").read_text())
+    feed.flush()
+    assert json.loads((tmp_path / "rank_0.json").read_text())["straggler_score"] == 0.5

@@ -63,8 +63,9 @@ class Counting:
     rate_shown = ("samples/s", "throughput")
     eval_count_key = C.EPOCH_NUM
 
-    def __init__(self, total_steps=10, target=2.0, losses=None):
+    def __init__(self, total_steps=10, target=2.0, losses=None, synthetic=False):
         self.ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False)
+        self.opts = SimpleNamespace(synthetic=synthetic)
         self.total_steps, self.target = total_steps, Target("quality", "q", target)
         self.losses, self.trained = losses or {}, []
 
@@ -122,6 +123,17 @@ def test_the_run_stops_at_the_first_evaluation_that_reaches_the_target():
     assert log.lines[-1] == ("event", C.TRAIN_SAMPLES, 80)
 
 
+def test_a_synthetic_run_trains_to_its_step_limit_whatever_its_eval_says(monkeypatch):
+    """Synthetic input measures throughput: an eval that happens to pass the target must not cut it short."""
+    said = []
+    monkeypatch.setattr(loop.Progress, "message", lambda self, text: said.append(text))
+    log, support = Log(), Support()
+    workload = Counting(total_steps=20, target=0.8, synthetic=True)
+    assert train(workload, log, "run", support) is False
+    assert workload.trained == list(range(1, 21)) and support.evals == [4, 8, 12, 16, 20]
+    assert "(synthetic input: no target)" in said[1] and "target 0.8" not in " ".join(said)
+
+
 def test_a_run_resumed_inside_a_block_continues_it():
     log, workload = Log(), Counting(total_steps=8, target=5.0)
     support = Support(resume_at=6, block=Block(40, 40))
@@ -158,6 +170,26 @@ def test_the_loss_is_read_every_few_steps_and_a_nan_between_reads_is_caught():
     assert read[LOSS_READ_EVERY] == pytest.approx(1 / LOSS_READ_EVERY)
     assert math.isnan(read[2 * LOSS_READ_EVERY])  # the NaN of an unread step shows at the next read
     assert read[2 * LOSS_READ_EVERY + 3] == pytest.approx(1 / (2 * LOSS_READ_EVERY + 3))
+
+
+def test_a_step_whose_loss_is_not_read_adds_no_torch_operation():
+    """The loop's own cost per step (bench/loop_overhead.py): between reads the loss is only kept."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    reader, losses = loop._LossReader(), [torch.tensor(value) for value in (1.0, math.nan, 2.0)]
+    with Count():
+        for loss in losses:
+            assert reader.after(loss, read=False) is None
+    assert Count.calls == 0
+    assert math.isnan(reader.after(torch.tensor(3.0), read=True))  # the unread NaN is still caught
+    assert reader.after(torch.tensor(4.0), read=True) == 4.0
 
 
 def test_the_block_rate_leaves_checkpoint_saves_out(monkeypatch):

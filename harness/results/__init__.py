@@ -35,9 +35,9 @@ from harness.results.rules import DEFAULT_RULESET, RuleError, check_ruleset, con
 from harness.results.score import benchmark_score, required_runs
 
 # Columns of ResultSet.runs, each an attribute of Run.
-RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "compliant",
-               "campaign", "seed", "accelerators", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s",
-               "mfu", "global_batch_size", "restarts", "goodput", "compliance_error", "file"]
+RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "synthetic",
+               "compliant", "campaign", "seed", "accelerators", "time_to_train_min", "quality", "samples_per_s",
+               "tokens_per_s", "mfu", "global_batch_size", "restarts", "goodput", "compliance_error", "file"]
 SCORE_COLUMNS = ["submitter", "system", "system_id", "campaign", "benchmark", "division", "accelerators", "runs",
                  "required_runs", "converged", "left_out", "score_min", "scaling_factor", "rcp", "rcp_scaling",
                  "energy", "min_min", "max_min", "unscorable"]
@@ -193,9 +193,20 @@ def _report_to_stderr(path: Path, reason: str) -> None:
     print(f"harness: skipping {path}: {reason}", file=sys.stderr)
 
 
+SYNTHETIC = "synthetic input: throughput runs have no quality target, so no score"
+
+
 def _judge(group: Group, ruleset: str) -> None:
     """Convergence of each run by the ruleset's target, of compliant runs only (the summarizer counts a file
-    that fails the checker as a failed run); a rule that cannot be applied makes the group unscorable."""
+    that fails the checker as a failed run); a rule that cannot be applied makes the group unscorable, and so
+    does synthetic input (whatever its meaningless evals logged)."""
+    synthetic = sum(r.synthetic for r in group.runs)
+    if synthetic:
+        group.unscorable = SYNTHETIC if synthetic == len(group.runs) else \
+            f"{synthetic} of {len(group.runs)} runs on synthetic input, which has no quality target"
+        for run in group.runs:
+            run.converged = False
+        return
     try:
         for run in group.runs:
             run.converged = run.compliant and converged(run.status, run.eval_records,
@@ -207,8 +218,8 @@ def _judge(group: Group, ruleset: str) -> None:
 
 
 def _check_rcp(group: Group, ruleset: str) -> None:
-    """The summarizer runs the RCP checker on closed results only."""
-    if group.division != "closed":
+    """The summarizer runs the RCP checker on closed results only (and synthetic input has no convergence)."""
+    if group.division != "closed" or any(r.synthetic for r in group.runs):
         return
     try:
         result = rcp.check(group.runs, ruleset)

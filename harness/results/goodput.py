@@ -18,11 +18,10 @@ Logs without a run record (other people's submissions) get None: nothing is gues
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.common.run_record import read_attempts, read_json_lines, run_record_path
+from workloads.common.run_record import read_attempts, read_json_lines, record_beside
 from workloads.common.resilience_options import STRAGGLER_PERSIST
 
 BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other", "preflight")
@@ -70,11 +69,11 @@ def _preflight_seconds(folder: Path) -> float:
 
 
 def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accounting | None:
-    found = re.fullmatch(r"result_(\d+)\.txt", Path(result_file).name)
-    if not found:
+    record = record_beside(result_file)
+    if record is None:
         return None
-    folder, index = Path(result_file).parent, int(found.group(1))
-    intervals = _intervals(run_record_path(folder, index))
+    folder, index = record.parent, int(record.stem.removeprefix("run_"))
+    intervals = _intervals(record)
     if not intervals:
         return None
     start, stop = run_start_ms / 1000, run_stop_ms / 1000

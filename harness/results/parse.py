@@ -23,6 +23,7 @@ from harness.results.goodput import account
 from harness.results.keys import C, TRACKED_STATS
 from workloads.common.mllog_reader import LogError, iter_events  # the one MLLOG reader (light, torch-free)
 from workloads.common.mllog_reader import is_number as _is_number
+from workloads.common.run_record import ran_synthetic
 
 TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
 
@@ -67,6 +68,8 @@ class Run:
     campaign: str | None = None
     # mlperf-logging's compliance checker's first error (set by harness.results.load); None: the file passed.
     compliance_error: str | None = None
+    # Trained on synthetic input (its run record says so): a throughput run, with no quality target or score.
+    synthetic: bool = False
 
     @property
     def compliant(self) -> bool:
@@ -208,6 +211,7 @@ def load_runs(paths: Iterable[Path], on_error: ErrorSink) -> list[Run]:
             on_error(path, str(exc))
             continue
         run.campaign = None if tree else str(path.parent)
+        run.synthetic = ran_synthetic(path)
         run.accelerators = _accelerators(description)
         if run.division is None and isinstance(description.get("division"), str):
             run.division = description["division"]

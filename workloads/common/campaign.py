@@ -240,6 +240,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
                 "why_not": not_dropped, "accepted": opts.allow_unflushed_cache}))
             if not cleared and opts.division == C.CLOSED and not opts.allow_unflushed_cache:
                 raise SystemExit(refuse_unflushed(index, not_dropped))
+            record.moment("input", synthetic=opts.synthetic)  # a synthetic run is kept out of scores
             mlog.start(C.INIT_START)
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)

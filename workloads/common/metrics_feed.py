@@ -62,8 +62,10 @@ class MetricsFeed:
         self._write()
 
     def straggler_score(self, score: float) -> None:
+        """A window's score, handed over with the next step's figures (within WRITE_EVERY_S): a window closes
+        between two steps, and a forced write there was most of the window's own cost (bench/loop_overhead.py)."""
         self.figures["straggler_score"] = score
-        self._write(now=True)
+        self._write()
 
     def mlperf_event(self, key: str, value, metadata: dict | None) -> None:
         """Copy what the MLPerf log records: quality, throughput, the run's end."""

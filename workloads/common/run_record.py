@@ -4,8 +4,9 @@
     {"attempt": 1, "kind": "restore", "start": 1700000000.1, "end": 1700000002.3, "steps": [40, 40]}
 kinds: startup (process start, or run_start, to the first step), restore, train (steps done,
 flushed every few seconds), eval, save (the time training waited for a checkpoint), and
-fault (an injected failure, at the moment it fires), and cache_clear (before a fresh run: whether
-every node's page cache was dropped, and if not, why). Times are Unix seconds, as the
+fault (an injected failure, at the moment it fires), cache_clear (before a fresh run: whether
+every node's page cache was dropped, and if not, why), and input (before a fresh run: whether the
+input is synthetic, {"synthetic": true}: a throughput run, which results.load keeps out of scores). Times are Unix seconds, as the
 MLPerf log's time_ms / 1000. Each node agent records its attempts in <out>/attempts/<node>.jsonl
 (see harness.agent), and the decider merges them into <out>/attempts.jsonl; together with the run
 records they give the report its restarts, goodput and badput.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +82,19 @@ def write_merged_attempts(out: Path, records: list[dict]) -> None:
 
 def run_record_path(out: Path, index: int) -> Path:
     return Path(out) / f"run_{index}.jsonl"
+
+
+def record_beside(result_file: Path) -> Path | None:
+    """The run record of a result_<i>.txt (its folder's run_<i>.jsonl); None for a file of another name."""
+    found = re.fullmatch(r"result_(\d+)\.txt", Path(result_file).name)
+    return run_record_path(Path(result_file).parent, int(found.group(1))) if found else None
+
+
+def ran_synthetic(result_file: Path) -> bool:
+    """Whether the run's record says it trained on synthetic input (a throughput run: no quality target)."""
+    record = record_beside(result_file)
+    return record is not None and any(r.get("kind") == "input" and r.get("synthetic") is True
+                                      for r in read_json_lines(record))
 
 
 def current_attempt() -> int:
