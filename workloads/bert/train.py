@@ -64,9 +64,8 @@ class BertWorkload(Workload):
         self.optimizer = Lamb(parameter_groups(model, h.weight_decay), lr=h.base_lr, betas=(h.beta_1, h.beta_2),
                               eps=h.epsilon, weight_decay=h.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, h.lr_factor)
-        self.stream, (self.eval_set, self.eval_rows) = self._data()
-        # Packed rows hold a varying number of sequences: those runs count them (one small all-reduce a step).
-        self.packed = self.stream.packed
+        self.stream = self.eval_set = None  # opened after run_start (open_data)
+        self.packed = False
 
     # --- init (untimed) -------------------------------------------------------------------------
 
@@ -98,6 +97,14 @@ class BertWorkload(Workload):
             load_reference_state_dict(model, state.get("model", state))
         except ValueError as exc:
             raise SystemExit(f"workloads: {path}: {exc}") from None
+
+    # --- the data (timed: opened after run_start) ----------------------------------------------------
+
+    def open_data(self) -> dict[str, Any]:
+        self.stream, (self.eval_set, eval_rows) = self._data()
+        # Packed rows hold a varying number of sequences: those runs count them (one small all-reduce a step).
+        self.packed = self.stream.packed
+        return {C.EVAL_SAMPLES: eval_rows}
 
     def _data(self):
         cfg, ctx, plan = self.preset, self.ctx, self.plan
@@ -144,7 +151,6 @@ class BertWorkload(Workload):
             C.OPT_LAMB_BETA_2: h.beta_2,
             C.OPT_LAMB_WEIGHT_DECAY: h.weight_decay,
             C.OPT_LAMB_LR_DECAY_POLY_POWER: h.poly_power,
-            C.EVAL_SAMPLES: self.eval_rows,
         }
 
     # --- the timed run ----------------------------------------------------------------------------

@@ -128,6 +128,12 @@ class Workload(ABC):
     def hyperparameters(self) -> dict[str, Any]:
         """The keys the rules ask this benchmark to log, by mllog constant."""
 
+    def open_data(self) -> dict[str, Any]:
+        """Open the dataset, after run_start: "The clock must start before any part of the system touches the
+        dataset" (training_rules.adoc), so the constructor (the untimed init) must not read it. Returns the
+        keys to log that only the data can tell (such as eval_samples)."""
+        return {}
+
     @abstractmethod
     def batches(self, step: int) -> Iterator[Any]:
         """The input of the steps after `step` (0: a fresh run; more: a resumed one continues there)."""
@@ -246,6 +252,9 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             dist.barrier()
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
+        data_keys = workload.open_data()  # inside the timed run
+        if not logged.started:
+            mlog.events(data_keys)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
                              opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
                              opts.straggler_threshold)

@@ -1,0 +1,88 @@
+"""The untimed init, as the rules bound it: the dataset is first touched after run_start.
+
+Each test runs the real campaign (workloads.common.campaign.run_campaign) in this process, in a one-process
+gloo world, on a few rows of generated data: cheap, and any reader can be instrumented.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from mlperf_logging.mllog import constants as C
+
+from workloads.bert.config import PRESETS as BERT_PRESETS
+from workloads.bert.data import write_tiny_dataset
+from workloads.bert.model import Bert
+from workloads.common import campaign, mlperf
+from workloads.common.campaign import RunOptions, run_campaign
+from workloads.registry import BENCHMARKS
+
+
+@pytest.fixture
+def one_process_world(monkeypatch):
+    """The environment torchrun gives a lone rank; the page cache is left alone (the machine is shared)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(campaign, "clear_page_caches", lambda ctx: ["test: not dropped"])
+    yield
+    if torch.distributed.is_initialized():  # a campaign that raised left its group behind
+        torch.distributed.destroy_process_group()
+
+
+def tiny_bert_inputs(folder):
+    """A few rows of the tiny preset's data and a starting checkpoint of its shape: the worker's arguments."""
+    tiny = BERT_PRESETS["tiny"]
+    write_tiny_dataset(folder / "data", tiny.model.vocab_size, tiny.model.max_seq_len, tiny.max_predictions,
+                       shards=1, shard_rows=128, eval_rows=16)
+    torch.manual_seed(0)
+    torch.save({"model": Bert(tiny.model).state_dict()}, folder / "init.pt")
+    return ["--data", str(folder / "data"), "--init-checkpoint", str(folder / "init.pt")]
+
+
+# Per benchmark: the arguments of a one-step run on a few rows of data, and the functions through which it opens
+# its dataset's files (each takes the path first). Only bert's workload opens its data after run_start so far:
+# resnet, gpt3 and llama31_8b build their loaders in their constructors (each lists or indexes its files there),
+# so they are not listed until they move that into Workload.open_data().
+ONE_STEP_RUNS = {"bert": (tiny_bert_inputs, ((h5py, "File"), (h5py, "is_hdf5")))}
+
+
+@pytest.mark.parametrize("bench", sorted(ONE_STEP_RUNS))
+def test_nothing_reads_the_dataset_between_init_start_and_run_start(bench, tmp_path, monkeypatch,
+                                                                    one_process_world):
+    """Every open of a file under the data folder is recorded with the last MLLOG key logged before it: none may
+    fall between init_start and run_start, and some must come after (the run did read, through these readers)."""
+    inputs, readers = ONE_STEP_RUNS[bench]
+    args = inputs(tmp_path)
+    data = (tmp_path / "data").resolve()
+    logged: list[str] = []
+    reads: list[tuple[str, str]] = []  # (file, the last key logged when it was opened)
+
+    for name in ("event", "start", "end"):
+        def logging_key(self, key, *a, _original=getattr(mlperf.ResultLog, name), **kw):
+            logged.append(key)
+            return _original(self, key, *a, **kw)
+        monkeypatch.setattr(mlperf.ResultLog, name, logging_key)
+    for module, name in readers:
+        def reader(path, *a, _original=getattr(module, name), **kw):
+            if data in Path(path).resolve().parents:
+                reads.append((str(path), logged[-1] if logged else "nothing"))
+            return _original(path, *a, **kw)
+        monkeypatch.setattr(module, name, reader)
+
+    opts = RunOptions.parse([bench, "--out", str(tmp_path / "out"), "--max-steps", "1", "--seed", "1",
+                             "--straggler-window", "0", *args])
+    run_campaign(BENCHMARKS[bench].workload_class(), opts)
+
+    assert C.INIT_START in logged and C.RUN_START in logged and C.RUN_STOP in logged
+    during_init = set(logged[logged.index(C.INIT_START):logged.index(C.RUN_START)])
+    assert reads, "the run never opened its data: the instrumented readers miss how it reads"
+    early = [(path, key) for path, key in reads if key in during_init]
+    assert not early, f"{bench} opened its dataset during the untimed init: {early}"
