@@ -213,7 +213,9 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
 
     A restarted attempt skips the runs that already stopped and continues the one under
     way: same result file, same seed, from its newest checkpoint, without logging the
-    untimed init again. A run that failed before run_start starts over.
+    untimed init again. A run whose init failed (before run_start) retries it in the same
+    file, after what the failed init logged: its init_start stays the only one, so the
+    rules' init limit (counted by the checker from the first init_start) sees every attempt.
     """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
@@ -227,11 +229,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)
         if logged.stopped:
             continue
-        if ctx.is_main and not logged.started and path.exists():
-            path.unlink()  # only an untimed init was logged: the run starts over
         mlog = ResultLog(path if ctx.is_main else None)
         if logged.started:
-            seed = logged.seed
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
@@ -240,15 +239,18 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             mlog.event(C.CACHE_CLEAR, cleared)
             record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
             record.moment("cache_clear", cleared=cleared, **({} if cleared else {"why_not": not_dropped}))
-            mlog.start(C.INIT_START)
-            mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
+            if not logged.init_started:
+                mlog.start(C.INIT_START)
+            mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system), logged.values)
+        seed = logged.seed
+        if seed is None:
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
             mlog.event(C.SEED, seed)
         seed_everything(seed + ctx.rank)
         FEED.run(index)
         workload = workload_cls(opts, ctx, seed)
         if not logged.started:
-            mlog.events(workload.hyperparameters())
+            mlog.events(workload.hyperparameters(), logged.values)
             dist.barrier()
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
