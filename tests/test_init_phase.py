@@ -7,7 +7,6 @@ gloo world, on a few rows of generated data: cheap, and any reader can be instru
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -21,24 +20,9 @@ from tests.conftest import compliance, failed_checks
 from workloads.bert.config import PRESETS as BERT_PRESETS
 from workloads.bert.data import write_tiny_dataset
 from workloads.bert.model import Bert
-from workloads.common import campaign, mlperf
+from workloads.common import mlperf
 from workloads.common.campaign import RunOptions, run_campaign
 from workloads.registry import BENCHMARKS
-
-
-@pytest.fixture
-def one_process_world(monkeypatch):
-    """The environment torchrun gives a lone rank; the page cache is left alone (the machine is shared)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(campaign, "clear_page_caches", lambda ctx: ["test: not dropped"])
-    yield
-    if torch.distributed.is_initialized():  # a campaign that raised left its group behind
-        torch.distributed.destroy_process_group()
 
 
 def tiny_bert_inputs(folder):

@@ -64,6 +64,7 @@ class RunOptions:
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
     global_batch: int | None = None  # llama31_8b: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b: accept a global batch with no RCP
+    packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -92,9 +93,12 @@ class RunOptions:
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
+        p.add_argument("--packing-factor", type=int, default=1)
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
+        if args.packing_factor != 1 and args.benchmark != "bert":
+            p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
         return cls(**vars(args))
 
     @property
