@@ -3,6 +3,7 @@ the reference's names, the tiny preset through the official checker, real-format
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import h5py
@@ -13,7 +14,7 @@ from mlperf_logging.mllog import constants as C
 
 from harness.results.parse import iter_events
 from tests.closed_proxy import BERT_MODEL as BERT_PROXY
-from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
 from workloads.bert.data import (TrainStream, collate, pack, read_rows, tiny_pair, train_batches, write_shard,
@@ -449,3 +450,61 @@ def test_the_packing_factor_reaches_the_workers_and_is_bert_only(tmp_path):
     with pytest.raises(HarnessError, match="1 \\(unpacked\\) or more, got 0"):
         validate(JobSpec("bert", packing_factor=0).resolved())
 
+
+# NVIDIA+CoreWeave's v3.0 BERT results: 384 nodes x 8 H100s, 2 packed rows per GPU at packing factor 2.
+NVIDIA_V3_BERT = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave" / "results" / \
+    "coreweave_hgxh100_n384_ngc23.04_pytorch" / "bert"
+# Keys of their init that the rules leave to the submitter, and why.
+FREE_KEYS = {
+    C.SEED: "drawn anew for each run",
+    C.SUBMISSION_ORG: "who submits",
+    C.SUBMISSION_PLATFORM: "the system's name",
+    C.SUBMISSION_STATUS: "onprem, available or preview: the submitter's category",
+    "d_batch_size": "rows per GPU: how the global batch is split over processes is the system's choice (the "
+                    "rules fix the global batch); the harness logs the split's other half, gradient_accumulation_steps",
+    C.WEIGHTS_INITIALIZATION: "NVIDIA's record of a tensor's initialisation; BERT starts from the reference "
+                              "checkpoint, and the 5.0.0 checker asks for no such key",
+}
+# NVIDIA logs LAMB's epsilon under a second name too: it must equal the harness's opt_lamb_epsilon.
+ALIASES = {"opt_epsilon": C.OPT_LAMB_EPSILON}
+# Keys only the harness logs, and why that is no difference in hyperparameters.
+HARNESS_ONLY = {
+    C.MAX_SEQUENCE_LENGTH: "512, which the rules fix and NVIDIA's BERT logs leave out",
+    C.OPT_NAME: "lamb, the only optimizer the BERT rules allow; NVIDIA's logs leave it out",
+}
+
+
+class _StopAtRunStart(Exception):
+    pass
+
+
+def _init_values(events) -> dict:
+    """The POINT_IN_TIME values logged from init_start to run_start."""
+    keys = [e["key"] for e in events]
+    window = events[keys.index(C.INIT_START):keys.index(C.RUN_START)]
+    return {e["key"]: e["value"] for e in window if e["event_type"] == "POINT_IN_TIME"}
+
+
+def test_the_closed_proxy_logs_nvidias_v3_hyperparameters_key_by_key(tmp_path, monkeypatch, one_process_world):
+    """The closed preset (tests/closed_proxy.py's small model) at NVIDIA+CoreWeave's global batch of 12,288 (6,144
+    packed rows of 2 per step, here in one process) logs, between init_start and run_start, every key their ten
+    runs log there with the same value, except the keys FREE_KEYS names. It stops at run_start: what follows is
+    the data and the training, which no hyperparameter decides."""
+    if not NVIDIA_V3_BERT.is_dir():
+        pytest.skip(f"NVIDIA's v3.0 BERT logs: {SHARED} not present")
+    monkeypatch.setitem(PRESETS, "full", dataclasses.replace(PRESETS["full"], model=BERT_PROXY))
+
+    def stop(self):
+        raise _StopAtRunStart
+    monkeypatch.setattr(BertWorkload, "open_data", stop)
+    out = tmp_path / "out"
+    with pytest.raises(_StopAtRunStart):
+        run_campaign(BertWorkload, RunOptions.parse(["bert", "--preset", "full", "--synthetic", "--out", str(out),
+                                                     "--batch-size", "6144", "--packing-factor", "2"]))
+    ours = _init_values(list(iter_events((out / "result_0.txt").read_bytes())))
+    assert ours[C.GLOBAL_BATCH_SIZE] == 12288 and ours[C.SUBMISSION_DIVISION] == C.CLOSED
+    for result in sorted(NVIDIA_V3_BERT.glob("result_*.txt")):
+        theirs = _init_values(list(iter_events(result.read_bytes())))
+        compared = {ALIASES.get(key, key): value for key, value in theirs.items() if key not in FREE_KEYS}
+        assert {key: ours.get(key) for key in compared} == compared, result.name
+        assert set(ours) - set(compared) - set(FREE_KEYS) == set(HARNESS_ONLY), result.name
