@@ -17,8 +17,8 @@ from tests.closed_proxy import BERT_MODEL as BERT_PROXY
 from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
-from workloads.bert.data import (TrainStream, collate, pack, read_rows, tiny_pair, train_batches, write_shard,
-                                 write_tiny_dataset)
+from workloads.bert.data import (TrainStream, collate, eval_batches, pack, read_rows, tiny_pair, train_batches,
+                                 write_shard, write_tiny_dataset)
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
 from workloads.bert.model import model_outputs
@@ -60,6 +60,13 @@ def test_every_mlperf_layout_reads_back(tmp_path, layout):
         with h5py.File(shard) as f:  # per-sequence masked counts, as NVIDIA's packer writes them
             assert [list(n) for n in f["packed_masked_lm_len"]] == [
                 list(np.histogram(r.mlm_positions, np.concatenate([[0], np.cumsum(r.lengths)]))[0]) for r in rows]
+
+
+def test_eval_samples_counts_sequences(tmp_path):
+    """A packed eval set's rows hold about 2 sequences each: eval_samples counts those, as train samples do."""
+    _write(tmp_path, "packed", eval_rows=16)
+    batches, evaluated = eval_batches(tmp_path / "eval", 4, TINY.model.max_seq_len, None, rank=0, world=1)
+    assert evaluated == 16 == sum(len(b["nsp_labels"]) for b in batches) > len(read_rows(tmp_path / "eval" / "eval.hdf5"))
 
 
 def test_a_file_that_is_not_a_bert_shard_is_named(tmp_path):
