@@ -258,6 +258,7 @@ def _tiny_run(tmp_path, data, *args) -> list[dict]:
     return list(iter_events((out / "result_0.txt").read_bytes()))
 
 
+@pytest.mark.slow
 def test_a_packed_run_logs_the_sequences_it_trains_per_step(tmp_path, one_process_world):
     """Two steps on rows of exactly 2 sequences each, declared with --packing-factor 2: the logged global batch is
     the sequences each step trained (32), not the rows (16)."""

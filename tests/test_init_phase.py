@@ -42,6 +42,7 @@ def tiny_bert_inputs(folder):
 ONE_STEP_RUNS = {"bert": (tiny_bert_inputs, ((h5py, "File"), (h5py, "is_hdf5")))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bench", sorted(ONE_STEP_RUNS))
 def test_nothing_reads_the_dataset_between_init_start_and_run_start(bench, tmp_path, monkeypatch,
                                                                     one_process_world):
@@ -80,6 +81,7 @@ class FailedInit(RuntimeError):
     pass
 
 
+@pytest.mark.slow
 def test_a_failed_init_keeps_its_init_start_and_the_log_still_passes_the_checker(tmp_path, monkeypatch,
                                                                                   one_process_world):
     """Attempt 0's workload fails in its constructor (after init_start); attempt 1 (as the elastic agent restarts
