@@ -126,8 +126,8 @@ def one_rank_world():
 
 @pytest.fixture
 def one_process_world(monkeypatch):
-    """The environment torchrun gives a lone rank, for a campaign run in this process (run_campaign); the page
-    cache is left alone (the machine is shared)."""
+    """The environment torchrun gives a lone rank, for a campaign run in this process (run_campaign). The page
+    cache is left alone (the machine is shared): the flush is faked as done, so that closed runs go ahead."""
     import torch
 
     from workloads.common import campaign
@@ -135,7 +135,7 @@ def one_process_world(monkeypatch):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(campaign, "clear_page_caches", lambda ctx: ["test: not dropped"])
+    monkeypatch.setattr(campaign, "clear_page_caches", lambda *args: [])  # no node failed to flush
     yield
     if torch.distributed.is_initialized():  # a campaign that raised left its group behind
         torch.distributed.destroy_process_group()
