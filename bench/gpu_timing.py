@@ -104,6 +104,7 @@ def _measure_kind(workload_cls, job: Job, ctx, data: str, start_weights: Path | 
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     workload = workload_cls(opts, ctx, job.seed)
+    workload.open_data()  # what a run does at run_start
     batches = workload.batches(0)  # one stream for every phase: a new one would restart the loader's workers
     figures = _time_steps(workload, batches, job.steps, ctx)
     if job.steps.profiled:

@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="train on generated input instead of a dataset (from random weights for bert and gpt3): "
                           "measures throughput only")
     run.add_argument("--max-steps", type=int, help="stop after this many training steps (smoke tests)")
-    run.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
+    run.add_argument("--batch-size", type=int,
+                     help="batch per process (default: the preset's); for bert, rows per process per forward pass "
+                          "(a packed row holds several sequences: see --packing-factor)")
+    run.add_argument("--packing-factor", type=int, default=1, metavar="N",
+                     help="bert on packed data: the sequences a row holds on average (NVIDIA's packed data: 2); the "
+                          "global batch, its RCP and the eval interval count rows x N sequences (default: 1, unpacked)")
     run.add_argument("--global-batch", type=int,
                      help="llama31_8b and llama2_70b_lora: sequences per optimizer step, one of the batches MLPerf's "
                           "RCPs were measured at ("
@@ -260,6 +265,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
                    allow_unflushed_cache=args.allow_unflushed_cache,
+                   packing_factor=args.packing_factor,
                    submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,

@@ -71,6 +71,7 @@ class JobSpec:
     global_batch: int | None = None  # the Llamas: sequences per optimizer step; None: the preset's
     force_batch: bool = False  # the Llamas: accept a global batch that has no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
+    packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
@@ -144,6 +145,8 @@ class JobSpec:
             args.append("--force-batch")
         if self.allow_unflushed_cache:
             args.append(ALLOW_FLAG)
+        if self.packing_factor != 1:
+            args += ["--packing-factor", str(self.packing_factor)]
         if self.checkpoint_every is not None:
             args += ["--checkpoint-every", self.checkpoint_every]
         args += ["--keep-checkpoints", str(self.keep_checkpoints)]
@@ -169,6 +172,7 @@ class JobSpec:
                             ("--out", self.out_dir), ("--data", self.data),
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--global-batch", self.global_batch),
+                            ("--packing-factor", self.packing_factor if self.packing_factor != 1 else None),
                             ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
@@ -249,6 +253,11 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (sequences per step, one of the RCP "
                            f"batches: {', '.join(map(str, RCP_GLOBAL_BATCHES[spec.benchmark]))}), not --batch-size; "
                            "the layout decides each process's share")
+    if spec.packing_factor != 1 and spec.benchmark != "bert":
+        raise HarnessError(f"--packing-factor applies to bert only (packed BERT data), not {spec.benchmark}")
+    if spec.packing_factor < 1:
+        raise HarnessError(f"--packing-factor counts sequences per packed row: 1 (unpacked) or more, got "
+                           f"{spec.packing_factor}")
     if spec.force_batch and spec.global_batch is None:
         raise HarnessError("--force-batch accepts a --global-batch with no RCP: give --global-batch too")
     for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -106,19 +107,37 @@ def closed_proxy_run(benchmark: str, *args: str, procs: int = 1, timeout: float 
     return Completed(proc.returncode, proc.stdout, proc.stderr)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def one_rank_world():
     """A one-process gloo group on CPU, and its DistContext."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
     from workloads.common.distributed import DistContext, shutdown_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     shutdown_distributed()
+
+
+@pytest.fixture
+def one_process_world(monkeypatch):
+    """The environment torchrun gives a lone rank, for a campaign run in this process (run_campaign). The page
+    cache is left alone (the machine is shared): the flush is faked as done, so that closed runs go ahead."""
+    import torch
+
+    from workloads.common import campaign
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(campaign, "clear_page_caches", lambda *args: [])  # no node failed to flush
+    yield
+    if torch.distributed.is_initialized():  # a campaign that raised left its group behind
+        torch.distributed.destroy_process_group()

@@ -3,24 +3,28 @@ the reference's names, the tiny preset through the official checker, real-format
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from mlperf_logging.mllog import constants as C
 
 from harness.results.parse import iter_events
 from tests.closed_proxy import BERT_MODEL as BERT_PROXY
-from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
 from tests.test_resilience import _restored_step
 from workloads.bert.config import PRESETS, BertConfig, eval_interval, plan_batch, reference_points
-from workloads.bert.data import (TrainStream, collate, pack, read_rows, tiny_pair, train_batches,
-                                 write_tiny_dataset)
+from workloads.bert.data import (TrainStream, collate, eval_batches, pack, read_rows, tiny_pair, train_batches,
+                                 write_shard, write_tiny_dataset)
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict
 from workloads.bert.model import model_outputs
+from workloads.bert.train import BertWorkload
 from workloads.common import tiny_text
+from workloads.common.campaign import RunOptions, run_campaign
 from workloads.common.param_groups import parameter_groups
 
 TINY = PRESETS["tiny"]
@@ -56,6 +60,13 @@ def test_every_mlperf_layout_reads_back(tmp_path, layout):
         with h5py.File(shard) as f:  # per-sequence masked counts, as NVIDIA's packer writes them
             assert [list(n) for n in f["packed_masked_lm_len"]] == [
                 list(np.histogram(r.mlm_positions, np.concatenate([[0], np.cumsum(r.lengths)]))[0]) for r in rows]
+
+
+def test_eval_samples_counts_sequences(tmp_path):
+    """A packed eval set's rows hold about 2 sequences each: eval_samples counts those, as train samples do."""
+    _write(tmp_path, "packed", eval_rows=16)
+    batches, evaluated = eval_batches(tmp_path / "eval", 4, TINY.model.max_seq_len, None, rank=0, world=1)
+    assert evaluated == 16 == sum(len(b["nsp_labels"]) for b in batches) > len(read_rows(tmp_path / "eval" / "eval.hdf5"))
 
 
 def test_a_file_that_is_not_a_bert_shard_is_named(tmp_path):
@@ -207,6 +218,79 @@ def test_the_closed_plan_takes_an_rcp_and_mlperf_eval_interval():
     assert plan_batch(TINY, world=2).global_batch == 32
 
 
+def test_a_packed_plan_counts_sequences():
+    """The batch is in sequences: rows x packing factor. NVIDIA+CoreWeave's v3.0 packed run: 2 rows per GPU on
+    3,072 GPUs at packing factor 2 is global batch 12,288 (their logged global_batch_size and d_batch_size)."""
+    full = PRESETS["full"]
+    plan = plan_batch(full, world=3072, micro_batch=2, packing_factor=2)
+    assert (plan.global_batch, plan.rows, plan.micro_batch, plan.grad_accum) == (12288, 6144, 2, 1)
+    assert plan.source == "MLPerf RCP bert_ref_12288" and plan.hyperparameters.base_lr == 0.0031
+    # Read as sequences, the same 2 rows per GPU would be batch 6,144 with another RCP's hyperparameters.
+    assert plan_batch(full, world=3072, micro_batch=2).global_batch == 6144
+    assert plan_batch(TINY, world=2, packing_factor=2).rows == 16  # the tiny preset's 32 sequences
+    with pytest.raises(ValueError, match="splits evenly over 11 processes in rows of 2 sequences"):
+        plan_batch(full, world=11, packing_factor=2)
+    with pytest.raises(ValueError, match="1 \\(unpacked data\\) or more, not 0"):
+        plan_batch(full, world=8, packing_factor=0)
+
+
+def _write_packed_two_per_row(folder, rows=96, eval_rows=16):
+    """Packed shards whose every row holds exactly 2 sequences, so the sequences per step are known exactly."""
+    table = tiny_text.transitions(TINY.model.vocab_size, 8, first=4)
+    rng = np.random.default_rng(0)
+    max_seq_len = TINY.model.max_seq_len
+    pairs = [tiny_pair(table, max_seq_len // 2, TINY.max_predictions, rng) for _ in range(2 * rows)]
+    packed = pack(pairs, max_seq_len, per_row=2)
+    assert {len(row.lengths) for row in packed} == {2}
+    (folder / "train").mkdir(parents=True)
+    write_shard(folder / "train" / "part-0.hdf5", packed, "packed", max_seq_len, TINY.max_predictions)
+    (folder / "eval").mkdir()
+    eval_pairs = [tiny_pair(table, max_seq_len, TINY.max_predictions, rng) for _ in range(eval_rows)]
+    write_shard(folder / "eval" / "eval.hdf5", eval_pairs, "fixed", max_seq_len, TINY.max_predictions)
+
+
+def _tiny_run(tmp_path, data, *args) -> list[dict]:
+    torch.manual_seed(0)
+    torch.save({"model": Bert(TINY.model).state_dict()}, tmp_path / "init.pt")
+    out = tmp_path / "out"
+    run_campaign(BertWorkload, RunOptions.parse(["bert", "--out", str(out), "--data", str(data), "--init-checkpoint",
+                                                 str(tmp_path / "init.pt"), "--straggler-window", "0", *args]))
+    return list(iter_events((out / "result_0.txt").read_bytes()))
+
+
+@pytest.mark.slow
+def test_a_packed_run_logs_the_sequences_it_trains_per_step(tmp_path, one_process_world):
+    """Two steps on rows of exactly 2 sequences each, declared with --packing-factor 2: the logged global batch is
+    the sequences each step trained (32), not the rows (16)."""
+    _write_packed_two_per_row(tmp_path / "data")
+    events = _tiny_run(tmp_path, tmp_path / "data", "--packing-factor", "2", "--max-steps", "2")
+    value = {e["key"]: e["value"] for e in events if e["event_type"] == "POINT_IN_TIME"}
+    steps = 2
+    rows_per_step = 16  # 32 sequences in rows of 2
+    assert value[C.TRAIN_SAMPLES] == steps * rows_per_step * 2
+    assert value[C.GLOBAL_BATCH_SIZE] == value[C.TRAIN_SAMPLES] // steps == 32
+
+
+def test_packed_data_without_its_packing_factor_stops_at_once(tmp_path, one_process_world):
+    _write_packed_two_per_row(tmp_path / "data")
+    with pytest.raises(SystemExit, match="the bert training data is packed .* give --packing-factor N"):
+        _tiny_run(tmp_path, tmp_path / "data", "--max-steps", "1")
+
+
+def test_a_run_whose_rows_stray_from_the_declared_packing_factor_stops():
+    """The check at each block boundary: within 5% of the declared factor goes on, beyond it stops."""
+    from types import SimpleNamespace
+
+    plan = plan_batch(TINY, world=1, packing_factor=2)  # 16 rows a step
+    for samples, stops in ((10 * 16 * 2.04, False), (10 * 16 * 1.96, False), (10 * 16 * 2.2, True)):
+        workload = SimpleNamespace(samples=samples, plan=plan)
+        if stops:
+            with pytest.raises(SystemExit, match="hold 2.200 sequences on average over 10 steps, not the 2"):
+                BertWorkload._check_packing(workload, 10)
+        else:
+            BertWorkload._check_packing(workload, 10)
+
+
 def test_the_schedule_is_the_references():
     schedule = reference_points()[12288][1]  # warmup 300 from step -100, decay to 0 at step 500
     factors = [schedule.lr_factor(step) for step in (0, 199, 200, 499, 600)]
@@ -277,12 +361,14 @@ def test_the_warm_start_trains_on_every_core_while_the_other_ranks_wait(tmp_path
 def test_trains_from_real_format_files(tmp_path, layout):
     data = tmp_path / "bert"
     _write(data, layout, shards=1, rows=200, eval_rows=32)  # one shard, two ranks: each reads half of it
-    result = harness("run", "bert", "--preset", "tiny", "--data", str(data), "--max-steps", "3",
+    packing = ["--packing-factor", "2"] if layout == "packed" else []  # the tiny packer's rows hold 2.04 on average
+    result = harness("run", "bert", "--preset", "tiny", "--data", str(data), "--max-steps", "3", *packing,
                      "--out", str(tmp_path / "run"))
     log = (tmp_path / "run" / "result_0.txt").read_text()
     assert '"key": "eval_accuracy"' in log, result.stdout + result.stderr
     trained = int(log.split('"key": "train_samples", "value": ')[1].split(",")[0])
-    assert trained == 96 if layout == "varlength" else trained > 96  # 3 steps of 32 rows; packed rows hold more
+    # 3 steps of 32 sequences: 32 rows of one, or 16 packed rows of about 2 (counted, so not exactly 96)
+    assert trained == 96 if layout == "varlength" else 96 < trained < 96 * 1.05
     result = harness("run", "bert", "--preset", "tiny", "--data", str(tmp_path), "--out", str(tmp_path / "r2"))
     assert result.returncode != 0 and "has no train/ folder" in result.stdout + result.stderr
 
@@ -316,6 +402,13 @@ def test_the_dry_run_shows_the_batch_plan_and_refuses_a_world_no_rcp_fits(tmp_pa
     assert "bert batch: global 12288 = 3072 processes x micro batch 4 x 1 accumulation steps (MLPerf RCP " \
            "bert_ref_12288); eval every 275000 samples" in result.stderr
     assert "#SBATCH --nodes=384" in result.stdout
+    packed = [*args[:args.index("--batch-size")], "--batch-size", "2", "--packing-factor", "2", "--dry-run", "--out",
+              str(tmp_path / "p")]
+    result = harness(*packed)
+    assert result.returncode == 0, result.stderr
+    assert "bert batch: global 12288 = 3072 processes x micro batch 2 x 1 accumulation steps x 2 sequences per " \
+           "packed row (MLPerf RCP bert_ref_12288); eval every 275000 samples" in result.stderr
+    assert "--packing-factor 2" in result.stdout  # the workers are told
     result = harness("run", "bert", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "11",
                      "--gpus-per-node", "1", "--synthetic", "--dry-run", "--out", str(tmp_path / "o2"))
     assert result.returncode == 2 and "splits evenly over 11 processes" in result.stderr
@@ -351,3 +444,75 @@ def test_an_unreadable_starting_checkpoint_is_named_without_a_traceback(tmp_path
     assert f"attempt 0 failed (run 1): rank 0: SystemExit: workloads: the bert starting checkpoint {tmp_path / 'model.pt'} " \
            "is not a PyTorch state dict" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_packing_factor_reaches_the_workers_and_is_bert_only(tmp_path):
+    from harness.cli import _spec_from_args, build_parser
+    from harness.spec import HarnessError, JobSpec, validate
+
+    spec = JobSpec("bert", preset="full", out_dir=tmp_path, synthetic=True, batch_size=2, packing_factor=2).resolved()
+    assert RunOptions.parse(spec.worker_args()).packing_factor == 2
+    assert _spec_from_args(build_parser().parse_args(spec.command_line("local")[1:])).resolved() == spec
+    with pytest.raises(HarnessError, match="--packing-factor applies to bert only"):
+        validate(JobSpec("resnet", packing_factor=2).resolved())
+    with pytest.raises(HarnessError, match="1 \\(unpacked\\) or more, got 0"):
+        validate(JobSpec("bert", packing_factor=0).resolved())
+
+
+# NVIDIA+CoreWeave's v3.0 BERT results: 384 nodes x 8 H100s, 2 packed rows per GPU at packing factor 2.
+NVIDIA_V3_BERT = SHARED / "mlperf-results" / "training_v3.0" / "NVIDIA_CoreWeave" / "results" / \
+    "coreweave_hgxh100_n384_ngc23.04_pytorch" / "bert"
+# Keys of their init that the rules leave to the submitter, and why.
+FREE_KEYS = {
+    C.SEED: "drawn anew for each run",
+    C.SUBMISSION_ORG: "who submits",
+    C.SUBMISSION_PLATFORM: "the system's name",
+    C.SUBMISSION_STATUS: "onprem, available or preview: the submitter's category",
+    "d_batch_size": "rows per GPU: how the global batch is split over processes is the system's choice (the "
+                    "rules fix the global batch); the harness logs the split's other half, gradient_accumulation_steps",
+    C.WEIGHTS_INITIALIZATION: "NVIDIA's record of a tensor's initialisation; BERT starts from the reference "
+                              "checkpoint, and the 5.0.0 checker asks for no such key",
+}
+# NVIDIA logs LAMB's epsilon under a second name too: it must equal the harness's opt_lamb_epsilon.
+ALIASES = {"opt_epsilon": C.OPT_LAMB_EPSILON}
+# Keys only the harness logs, and why that is no difference in hyperparameters.
+HARNESS_ONLY = {
+    C.MAX_SEQUENCE_LENGTH: "512, which the rules fix and NVIDIA's BERT logs leave out",
+    C.OPT_NAME: "lamb, the only optimizer the BERT rules allow; NVIDIA's logs leave it out",
+}
+
+
+class _StopAtRunStart(Exception):
+    pass
+
+
+def _init_values(events) -> dict:
+    """The POINT_IN_TIME values logged from init_start to run_start."""
+    keys = [e["key"] for e in events]
+    window = events[keys.index(C.INIT_START):keys.index(C.RUN_START)]
+    return {e["key"]: e["value"] for e in window if e["event_type"] == "POINT_IN_TIME"}
+
+
+def test_the_closed_proxy_logs_nvidias_v3_hyperparameters_key_by_key(tmp_path, monkeypatch, one_process_world):
+    """The closed preset (tests/closed_proxy.py's small model) at NVIDIA+CoreWeave's global batch of 12,288 (6,144
+    packed rows of 2 per step, here in one process) logs, between init_start and run_start, every key their ten
+    runs log there with the same value, except the keys FREE_KEYS names. It stops at run_start: what follows is
+    the data and the training, which no hyperparameter decides."""
+    if not NVIDIA_V3_BERT.is_dir():
+        pytest.skip(f"NVIDIA's v3.0 BERT logs: {SHARED} not present")
+    monkeypatch.setitem(PRESETS, "full", dataclasses.replace(PRESETS["full"], model=BERT_PROXY))
+
+    def stop(self):
+        raise _StopAtRunStart
+    monkeypatch.setattr(BertWorkload, "open_data", stop)
+    out = tmp_path / "out"
+    with pytest.raises(_StopAtRunStart):
+        run_campaign(BertWorkload, RunOptions.parse(["bert", "--preset", "full", "--synthetic", "--out", str(out),
+                                                     "--batch-size", "6144", "--packing-factor", "2"]))
+    ours = _init_values(list(iter_events((out / "result_0.txt").read_bytes())))
+    assert ours[C.GLOBAL_BATCH_SIZE] == 12288 and ours[C.SUBMISSION_DIVISION] == C.CLOSED
+    for result in sorted(NVIDIA_V3_BERT.glob("result_*.txt")):
+        theirs = _init_values(list(iter_events(result.read_bytes())))
+        compared = {ALIASES.get(key, key): value for key, value in theirs.items() if key not in FREE_KEYS}
+        assert {key: ours.get(key) for key in compared} == compared, result.name
+        assert set(ours) - set(compared) - set(FREE_KEYS) == set(HARNESS_ONLY), result.name

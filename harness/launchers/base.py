@@ -194,7 +194,7 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             from workloads.bert import config as bert  # torch-free: sizes and arithmetic only
 
             preset = bert.PRESETS[spec.preset]
-            return tuple(bert.describe(preset, bert.plan_batch(preset, world, spec.batch_size)))
+            return tuple(bert.describe(preset, bert.plan_batch(preset, world, spec.batch_size, spec.packing_factor)))
         if spec.benchmark == "gpt3":
             from workloads.gpt3 import config as gpt3
 

@@ -4,6 +4,19 @@ The closed benchmark fixes the hyperparameters by global batch: a submission mus
 of MLPerf's reference convergence points (RCPs). They are read from the RCP file mlperf-logging
 ships (rcp_checker/training_5.0.0/rcps_bert.json), never copied here, and the global batch is the
 RCP batch that best matches the processes and per-process batch at hand.
+
+The global batch counts sequences, as the rules and the RCPs do. The user gives rows: the micro
+batch is rows per process per forward pass, and on packed data (rows of up to 3 sequences) the
+packing factor says how many sequences a row holds on average. One optimizer step trains
+world x micro batch x accumulation rows, that is that many times the packing factor sequences:
+the global batch that is logged, that picks the RCP, and that sets the eval interval. This is
+NVIDIA's convention: their packed runs set BATCHSIZE (rows per GPU, logged as d_batch_size) and
+PACKING_FACTOR=2 (their packer's rows hold 1.999 sequences on average), and log
+global_batch_size = rows x 2 (12,288 at 2 rows per GPU on 3,072 GPUs in NVIDIA+CoreWeave's v3.0
+BERT logs; mlcommons/training_results_v3.1 NVIDIA/benchmarks/bert/implementations/pytorch/
+config_DGXH100_*_pack*.sh and input_preprocessing/packed_data/README.md). The sequences each step
+really trains are counted (samples, epoch_num), and a run whose data strays from the declared
+factor stops (see PACKING_TOLERANCE).
 """
 
 from __future__ import annotations
@@ -16,6 +29,9 @@ from importlib import resources
 RCP_RULESET = "training_5.0.0"
 # MLPerf's rule for BERT: evaluate every FLOOR(0.05 x (230.23 x global batch + 3,000,000), 25,000) samples.
 EVAL_EVERY_BASE, EVAL_EVERY_PER_BATCH, EVAL_EVERY_ROUND = 3_000_000, 230.23, 25_000
+# How far the sequences per row measured over a packed run may stray from the declared packing factor before the
+# run stops: beyond it the logged batch, and the RCP's hyperparameters chosen by it, are not the batch trained.
+PACKING_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,7 @@ class Hyperparameters:
 @dataclass(frozen=True)
 class BertPreset:
     model: BertConfig
-    micro_batch: int  # sequences per process per forward pass (at most; the plan may use fewer)
+    micro_batch: int  # rows per process per forward pass (at most; the plan may use fewer)
     max_predictions: int  # masked positions per sequence (MLPerf: 76)
     target: float  # masked-LM accuracy that ends the run
     eval_samples: int | None  # sequences evaluated (MLPerf: 10,000); None: the whole eval set
@@ -100,14 +116,21 @@ class BatchPlan:
     """How `world` processes make one optimizer step of `global_batch` sequences."""
 
     world: int
-    micro_batch: int
+    micro_batch: int  # rows per process per forward pass
     grad_accum: int
     hyperparameters: Hyperparameters
     source: str  # where the hyperparameters come from (an RCP's name, or the preset)
+    packing_factor: int = 1  # sequences per row, on average (1: unpacked data)
+
+    @property
+    def rows(self) -> int:
+        """Rows per optimizer step, over all processes."""
+        return self.world * self.micro_batch * self.grad_accum
 
     @property
     def global_batch(self) -> int:
-        return self.world * self.micro_batch * self.grad_accum
+        """Sequences per optimizer step: what the rules call the batch."""
+        return self.rows * self.packing_factor
 
 
 def reference_points() -> dict[int, tuple[str, Hyperparameters]]:
@@ -135,24 +158,36 @@ def _split(global_batch: int, world: int, micro_batch: int) -> tuple[int, int] |
     return per_process // accum, accum
 
 
-def plan_batch(preset: BertPreset, world: int, micro_batch: int | None = None) -> BatchPlan:
-    """The tiny preset's own batch; for the closed preset, the RCP batch nearest world x micro batch that
-    the world divides. Refuses, naming the RCP batches, when none does."""
+def _rows_split(sequences: int, packing_factor: int, world: int, micro: int) -> tuple[int, int] | None:
+    """(micro batch, accumulation steps) in rows for a global batch of `sequences`, or None if it does not split."""
+    if sequences % packing_factor:
+        return None
+    return _split(sequences // packing_factor, world, micro)
+
+
+def plan_batch(preset: BertPreset, world: int, micro_batch: int | None = None, packing_factor: int = 1
+               ) -> BatchPlan:
+    """The tiny preset's own batch; for the closed preset, the RCP batch nearest world x micro batch x packing
+    factor (sequences) that the world's rows divide. Refuses, naming the RCP batches, when none does."""
     micro = micro_batch or preset.micro_batch
+    if packing_factor < 1:
+        raise ValueError(f"a packing factor counts sequences per row: 1 (unpacked data) or more, not {packing_factor}")
     if preset.hyperparameters is not None:
-        split = _split(preset.global_batch, world, micro)
+        split = _rows_split(preset.global_batch, packing_factor, world, micro)
         if split is None:
-            raise ValueError(f"bert's tiny preset trains a global batch of {preset.global_batch}, which {world} "
-                             "processes cannot share evenly")
-        return BatchPlan(world, *split, preset.hyperparameters, source="tiny preset")
+            raise ValueError(f"bert's tiny preset trains a global batch of {preset.global_batch} sequences, which "
+                             f"{world} processes cannot share evenly in rows of {packing_factor}")
+        return BatchPlan(world, *split, preset.hyperparameters, source="tiny preset", packing_factor=packing_factor)
     points = reference_points()
-    usable = [batch for batch in points if _split(batch, world, micro)]
+    usable = [batch for batch in points if _rows_split(batch, packing_factor, world, micro)]
     if not usable:
+        rows = f" in rows of {packing_factor} sequences" if packing_factor > 1 else ""
         raise ValueError(f"no MLPerf BERT reference batch ({', '.join(map(str, sorted(points)))}) splits evenly over "
-                         f"{world} processes: use a process count that divides one of them")
-    batch = min(usable, key=lambda b: (abs(math.log(b / (world * micro))), b))
+                         f"{world} processes{rows}: use a process count that divides one of them")
+    batch = min(usable, key=lambda b: (abs(math.log(b / (world * micro * packing_factor))), b))
     name, hyperparameters = points[batch]
-    return BatchPlan(world, *_split(batch, world, micro), hyperparameters, source=f"MLPerf RCP {name}")
+    return BatchPlan(world, *_rows_split(batch, packing_factor, world, micro), hyperparameters,
+                     source=f"MLPerf RCP {name}", packing_factor=packing_factor)
 
 
 def eval_interval(preset: BertPreset, global_batch: int) -> int:
@@ -169,5 +204,6 @@ def describe(preset: BertPreset, plan: BatchPlan) -> list[str]:
     return [f"bert model: {m.n_layer} layers, hidden {m.d_model}, {m.n_head} heads, sequence {m.max_seq_len}, "
             f"{m.params / 1e6:.1f}M parameters",
             f"bert batch: global {plan.global_batch} = {plan.world} processes x micro batch {plan.micro_batch} x "
-            f"{plan.grad_accum} accumulation steps ({plan.source}); eval every "
-            f"{eval_interval(preset, plan.global_batch)} samples"]
+            f"{plan.grad_accum} accumulation steps"
+            + (f" x {plan.packing_factor} sequences per packed row" if plan.packing_factor > 1 else "")
+            + f" ({plan.source}); eval every {eval_interval(preset, plan.global_batch)} samples"]

@@ -278,13 +278,14 @@ def train_batches(stream, batch: int, max_seq_len: int, skip_rows: int, workers:
 def eval_batches(folder: Path, batch: int, max_seq_len: int, samples: int | None, rank: int, world: int
                  ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """This rank's share (every world-th row) of the first `samples` eval rows, collated once and kept;
-    returns the batches and the number of rows evaluated over all ranks."""
+    returns the batches and the number of sequences evaluated over all ranks (MLPerf's eval set holds one
+    a row; a packed one, such as the tiny packed data's, more)."""
     rows = [row for shard in _shards(folder) for row in read_rows(shard)]
     if samples is not None:
         if len(rows) < samples:
             raise ValueError(f"{folder} holds {len(rows)} eval rows; MLPerf evaluates {samples}")
         rows = rows[:samples]
-    return share(rows, batch, max_seq_len, rank, world), len(rows)
+    return share(rows, batch, max_seq_len, rank, world), sum(len(row.lengths) for row in rows)
 
 
 def share(rows: list[Row], batch: int, max_seq_len: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ MLPerf shape: start from the reference checkpoint; LAMB with the hyperparameters
 convergence point (see config.py); evaluate every FLOOR(0.05 x (230.23 x batch + 3,000,000), 25,000)
 samples on 10,000 eval sequences; stop at the first evaluation at or above 0.720. Samples count
 sequences, so a packed row of three sequences counts three; `epoch_num` is the samples trained, as
-NVIDIA's logs have it.
+NVIDIA's logs have it. The global batch counts sequences too (rows x packing factor: see config.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 from torch.nn.parallel import DistributedDataParallel
 
-from workloads.bert.config import PRESETS, BertPreset, eval_interval, plan_batch
+from workloads.bert.config import PACKING_TOLERANCE, PRESETS, BertPreset, eval_interval, plan_batch
 from workloads.bert.data import Row, TrainStream, collate, ensure_tiny_dataset, eval_batches, share, train_batches
 from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict, model_outputs, pretraining_loss
@@ -45,7 +45,7 @@ class BertWorkload(Workload):
         super().__init__(opts, ctx, seed)
         self.preset: BertPreset = PRESETS[opts.preset]
         try:
-            self.plan = plan_batch(self.preset, ctx.world_size, opts.batch_size)
+            self.plan = plan_batch(self.preset, ctx.world_size, opts.batch_size, opts.packing_factor)
         except ValueError as exc:
             raise SystemExit(f"workloads: {exc}") from None
         h = self.plan.hyperparameters
@@ -64,9 +64,8 @@ class BertWorkload(Workload):
         self.optimizer = Lamb(parameter_groups(model, h.weight_decay), lr=h.base_lr, betas=(h.beta_1, h.beta_2),
                               eps=h.epsilon, weight_decay=h.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, h.lr_factor)
-        self.stream, (self.eval_set, self.eval_rows) = self._data()
-        # Packed rows hold a varying number of sequences: those runs count them (one small all-reduce a step).
-        self.packed = self.stream.packed
+        self.stream = self.eval_set = None  # opened after run_start (open_data)
+        self.packed = False
 
     # --- init (untimed) -------------------------------------------------------------------------
 
@@ -98,6 +97,32 @@ class BertWorkload(Workload):
             load_reference_state_dict(model, state.get("model", state))
         except ValueError as exc:
             raise SystemExit(f"workloads: {path}: {exc}") from None
+
+    # --- the data (timed: opened after run_start) ----------------------------------------------------
+
+    def open_data(self) -> dict[str, Any]:
+        self.stream, (self.eval_set, eval_rows) = self._data()
+        # Packed rows hold a varying number of sequences: those runs count them (one small all-reduce a step).
+        self.packed = self.stream.packed
+        factor = self.plan.packing_factor
+        if self.packed and factor == 1:
+            raise SystemExit("workloads: the bert training data is packed (rows of up to 3 sequences): give "
+                             "--packing-factor N, the sequences its rows hold on average (NVIDIA's packed data: 2), "
+                             "so that the global batch, and the RCP chosen by it, count sequences")
+        if not self.packed and factor > 1:
+            raise SystemExit(f"workloads: --packing-factor {factor} is for packed data, and this bert training data "
+                             "holds one sequence per row: leave it out")
+        return {C.EVAL_SAMPLES: eval_rows}
+
+    def _check_packing(self, step: int) -> None:
+        """Stop a packed run whose rows hold other than the declared sequences on average: its logged batch and
+        the RCP's hyperparameters chosen by it would not be the batch trained."""
+        per_row = self.samples / (step * self.plan.rows)
+        if abs(per_row / self.plan.packing_factor - 1) > PACKING_TOLERANCE:
+            raise SystemExit(f"workloads: the packed bert rows hold {per_row:.3f} sequences on average over {step} "
+                             f"steps, not the {self.plan.packing_factor} that --packing-factor declares (tolerance "
+                             f"{PACKING_TOLERANCE:.0%}): the logged global batch {self.plan.global_batch} would not "
+                             "be the batch trained")
 
     def _data(self):
         cfg, ctx, plan = self.preset, self.ctx, self.plan
@@ -144,7 +169,6 @@ class BertWorkload(Workload):
             C.OPT_LAMB_BETA_2: h.beta_2,
             C.OPT_LAMB_WEIGHT_DECAY: h.weight_decay,
             C.OPT_LAMB_LR_DECAY_POLY_POWER: h.poly_power,
-            C.EVAL_SAMPLES: self.eval_rows,
         }
 
     # --- the timed run ----------------------------------------------------------------------------
@@ -164,6 +188,8 @@ class BertWorkload(Workload):
         return self.samples
 
     def next_block(self, step: int) -> Block:
+        if self.packed and step:
+            self._check_packing(step)
         while self.next_eval <= self.samples:  # the evaluation that closed the last block is behind
             self.next_eval += self.eval_every
         return Block(self.samples, self.next_eval - self.samples)

@@ -65,6 +65,7 @@ class RunOptions:
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
+    packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -94,9 +95,12 @@ class RunOptions:
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
         p.add_argument(ALLOW_FLAG, action="store_true")
+        p.add_argument("--packing-factor", type=int, default=1)
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
+        if args.packing_factor != 1 and args.benchmark != "bert":
+            p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
         return cls(**vars(args))
 
     @property
@@ -130,6 +134,12 @@ class Workload(ABC):
     @abstractmethod
     def hyperparameters(self) -> dict[str, Any]:
         """The keys the rules ask this benchmark to log, by mllog constant."""
+
+    def open_data(self) -> dict[str, Any]:
+        """Open the dataset, after run_start: "The clock must start before any part of the system touches the
+        dataset" (training_rules.adoc), so the constructor (the untimed init) must not read it. Returns the
+        keys to log that only the data can tell (such as eval_samples)."""
+        return {}
 
     @abstractmethod
     def batches(self, step: int) -> Iterator[Any]:
@@ -210,7 +220,9 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
 
     A restarted attempt skips the runs that already stopped and continues the one under
     way: same result file, same seed, from its newest checkpoint, without logging the
-    untimed init again. A run that failed before run_start starts over.
+    untimed init again. A run whose init failed (before run_start) retries it in the same
+    file, after what the failed init logged: its init_start stays the only one, so the
+    rules' init limit (counted by the checker from the first init_start) sees every attempt.
     """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
@@ -224,11 +236,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)
         if logged.stopped:
             continue
-        if ctx.is_main and not logged.started and path.exists():
-            path.unlink()  # only an untimed init was logged: the run starts over
         mlog = ResultLog(path if ctx.is_main else None)
         if logged.started:
-            seed = logged.seed
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
@@ -241,18 +250,24 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             if not cleared and opts.division == C.CLOSED and not opts.allow_unflushed_cache:
                 raise SystemExit(refuse_unflushed(index, not_dropped))
             record.moment("input", synthetic=opts.synthetic)  # a synthetic run is kept out of scores
-            mlog.start(C.INIT_START)
-            mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system))
+            if not logged.init_started:
+                mlog.start(C.INIT_START)
+            mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system), logged.values)
+        seed = logged.seed
+        if seed is None:
             seed = opts.seed + index if opts.seed is not None else broadcast_object(secrets.randbelow(2**31), ctx)
             mlog.event(C.SEED, seed)
         seed_everything(seed + ctx.rank)
         FEED.run(index)
         workload = workload_cls(opts, ctx, seed)
         if not logged.started:
-            mlog.events(workload.hyperparameters())
+            mlog.events(workload.hyperparameters(), logged.values)
             dist.barrier()
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
+        data_keys = workload.open_data()  # inside the timed run
+        if not logged.started:
+            mlog.events(data_keys)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
                              opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
                              opts.straggler_threshold)

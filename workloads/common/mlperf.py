@@ -7,9 +7,10 @@ lacks are spelled once, below, exactly as the compliance checker's rule files
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +39,26 @@ class LoggedRun:
     started: bool  # run_start is logged: the timed run is under way
     stopped: bool  # run_stop is logged: the run is over
     seed: int | None
+    init_started: bool = False  # init_start is logged (by this attempt's init, or one that failed)
+    values: dict[str, Any] = field(default_factory=dict)  # each POINT_IN_TIME key's first value
 
 
 def logged_run(path: Path) -> LoggedRun:
-    started = stopped = False
+    started = stopped = init_started = False
     seed = None
+    values: dict[str, Any] = {}
     if path.is_file():
         # A line cut by the failure is left out (ResultLog drops it on reopening).
         for event in iter_events(path.read_bytes(), skip_damaged=True):
             key = event["key"]
             started |= key == C.RUN_START
             stopped |= key == C.RUN_STOP
+            init_started |= key == C.INIT_START
             if key == C.SEED and isinstance(event.get("value"), int):
                 seed = event["value"]
-    return LoggedRun(started, stopped, seed)
+            if event.get("event_type") == "POINT_IN_TIME":
+                values.setdefault(key, event.get("value"))
+    return LoggedRun(started, stopped, seed, init_started, values)
 
 
 def _drop_cut_line(path: Path) -> None:
@@ -97,9 +104,16 @@ class ResultLog:
             self._logger.end(key=key, value=value, metadata=metadata)
             FEED.mlperf_event(key, value, metadata)
 
-    def events(self, values: dict[str, Any]) -> None:
-        """Log a dict of hyperparameters, one POINT_IN_TIME line each."""
+    def events(self, values: dict[str, Any], logged: dict[str, Any] | None = None) -> None:
+        """Log a dict of hyperparameters, one POINT_IN_TIME line each. Keys in `logged` (what an init that failed
+        logged before this retry: LoggedRun.values) are there already, and are not logged twice; a value that
+        changed since is refused, since the log could then say only one of them."""
         for key, value in values.items():
+            if logged and key in logged:
+                if json.loads(json.dumps(value)) != logged[key]:
+                    raise SystemExit(f"workloads: an earlier, failed init of this run logged {key} {logged[key]!r}; "
+                                     f"this one has {value!r}: delete the run's result file to start it over")
+                continue
             if self._logger:
                 self._logger.event(key=key, value=value)
 
