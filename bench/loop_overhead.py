@@ -103,9 +103,10 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         # As the harness does before every run (MLPerf's cache_clear): where it may, it drops the whole
         # machine's page cache, and on a shared machine the re-reading that follows slows every process for a
         # while, so the bare side does it too, and both sides start from the same state.
-        clear_page_caches(ctx)
+        clear_page_caches(ctx, opts.out)
         seed_everything(opts.seed + ctx.rank)
         workload = Timed(opts, ctx, opts.seed)
+        workload.open_data()
         batches = workload.batches(0)
         for _ in range(steps):
             workload.train_step(batches)

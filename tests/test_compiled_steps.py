@@ -30,6 +30,7 @@ def test_compiled_steps_give_the_eager_losses(one_rank_world, tmp_path, name):
         seed_everything(0)
         workload = WORKLOADS[name](replace(options, compile=choice), one_rank_world, seed=0)
         assert workload.compiled == (choice == "on")
+        workload.open_data()  # after run_start in a real run
         batches = workload.batches(0)
         losses[choice] = [workload.train_step(batches)[0].item() for _ in range(STEPS)]
     assert losses["on"] == pytest.approx(losses["off"], rel=1e-4)
