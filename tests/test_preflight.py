@@ -675,3 +675,12 @@ def test_the_shared_folder_must_hold_the_runs_checkpoints(tmp_path):
     assert (room.verdict, room.threshold, room.note) == (PASS, ">= 0.5", "")
     resnet = JobSpec("resnet", preset="full", nodes=4, preflight=True, profile=profiles.load("coreweave-h100"))
     assert "--checkpoints-gib" not in health_command(resnet.resolved(), "python")
+
+
+def test_a_check_whose_process_exits_0_without_a_result_fails_its_node():
+    """sys.exit() ends the child with code 0 before it writes anything: the check fails instead of the node's
+    process failing on a missing result."""
+    from harness.health.isolate import checks_of, isolated
+
+    [check] = checks_of(isolated("nvml", "node-a", "sys:exit", {}, deadline=60))
+    assert check.verdict == FAIL and "died without a result" in check.note

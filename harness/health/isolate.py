@@ -87,7 +87,7 @@ class Child:
         value = self._read()
         shutil.rmtree(self.folder, ignore_errors=True)
         error = value.get("error") if isinstance(value, dict) else None
-        if code == 0 and error is None:
+        if code == 0 and error is None and value is not None:  # exit 0 without a result fails too
             return Outcome(value, None)
         return Outcome(value.get("partial") if error else None,
                        Check(self.name, FAIL, f"exit {code}", "exit 0",
