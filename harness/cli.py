@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also push each node's metrics to this Prometheus Pushgateway (for clusters whose compute "
                           "nodes Prometheus cannot scrape)")
     run.add_argument("--optimizer", metavar="sgd|lars",
-                     help="resnet: this optimizer whatever the global batch (default: SGD below a global batch of "
-                          "4,096, LARS from there, as the reference submissions choose)")
+                     help="resnet: this optimizer whatever the global batch (default: the preset's: LARS at every "
+                          "batch for full, as every RCP and reference submission; SGD below 4,096 for tiny)")
     run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
                      help="torch.compile the model: auto compiles on GPUs and runs eagerly on CPU")
     run.add_argument("--straggler-window", default="60", metavar="SECONDS|Nsteps",

@@ -57,7 +57,7 @@ class JobSpec:
     async_checkpoint: bool = False
     inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
     straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
-    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: chosen by batch
+    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: the preset's choice
     straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
     compile: str = "auto"  # torch.compile: "auto" (on GPUs), "on" or "off"
     env: dict[str, str] = field(default_factory=dict)

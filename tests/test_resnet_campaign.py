@@ -24,7 +24,7 @@ from tests.conftest import REPO, TINY_RUNS, Completed, compliance, failed_checks
 from workloads.common.distributed import DistContext
 from workloads.common.param_groups import parameter_groups
 from workloads.common.run_record import read_json_lines
-from workloads.resnet.config import PRESETS, default_optimizer, lars_schedule
+from workloads.resnet.config import PRESETS, lars_schedule
 from workloads.resnet.data import (MEAN, STD, EpochSampler, augmentation_rng, image_folder_loaders, scan_images,
                                    shared_image_list, to_model_input, train_image)
 from workloads.resnet.lars import TRUST_COEFFICIENT, Lars
@@ -160,12 +160,11 @@ def test_lars_matches_the_reference_update():
     np.testing.assert_allclose(model.bias.item(), 1.0 - 2.0 * 0.5 - (0.9 * 2.0 * 0.5 + 2.0 * 0.5), rtol=1e-6)
 
 
-def test_the_global_batch_chooses_the_optimizer_and_its_lr():
+def test_the_global_batch_chooses_the_lars_lr():
     full = PRESETS["full"]
-    assert default_optimizer(full.batch_size * 8) == C.SGD  # one node of 8 GPUs: linear-scaled SGD, LR 0.8
-    assert default_optimizer(full.batch_size * 16) == C.LARS
+    assert lars_schedule(full, full.batch_size * 8).base_lr == 11.0  # one node of 8 GPUs, 2,048: the 3,200 row
     assert lars_schedule(full, full.batch_size * 16).base_lr == 10.0  # the reference's own 4,096 command
-    assert lars_schedule(full, full.batch_size * 128).base_lr == 21.9  # 128 GPUs: not SGD's LR 12.8
+    assert lars_schedule(full, full.batch_size * 128).base_lr == 21.2  # 128 GPUs, 32,768: the RCP's, not SGD's 12.8
 
 
 def test_optimizer_is_refused_for_other_benchmarks(tmp_path):
@@ -184,7 +183,7 @@ def test_a_closed_lars_run_logs_what_the_lars_rules_check(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     events = list(iter_events((out / "result_0.txt").read_bytes()))
     logged = {e["key"]: e["value"] for e in events}
-    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_BASE_LEARNING_RATE] == 7.4  # the 1,600 row
+    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_BASE_LEARNING_RATE] == 7.2  # the 1,536 row
     checked = compliance(out / "result_0.txt", "4.0.0", cwd=tmp_path)
     failures = failed_checks(checked)
     assert len(failures) == 1 and "eval_accuracy" in failures[0] and "0.7590" in failures[0], failures

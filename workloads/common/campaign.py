@@ -60,7 +60,7 @@ class RunOptions:
     inject_failure: str | None = None  # RANK:STEP[:KIND]
     straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     straggler_threshold: float = 0.75
-    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: chosen by global batch)
+    optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: the preset's choice)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
@@ -90,7 +90,7 @@ class RunOptions:
         p.add_argument("--straggler-window", default="60")
         p.add_argument("--straggler-threshold", type=float, default=0.75)
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
-                       help="resnet only: this optimizer whatever the global batch (default: LARS from 4,096 up)")
+                       help="resnet only: this optimizer whatever the global batch (default: the preset's)")
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")

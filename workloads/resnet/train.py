@@ -3,10 +3,11 @@
 MLPerf shape: blocks of `eval_every` epochs, each followed by an evaluation of
 top-1 accuracy on the whole eval set; the run stops at the first evaluation
 that reaches the target. The optimizer follows the global batch, as the closed
-rules allow and the reference submissions do: SGD with momentum and a linearly
-scaled LR below a global batch of 4,096, LARS from there up (config.default_optimizer);
---optimizer forces either. LARS takes its LR, warmup, epochs, momentum and decay from the reference
-submissions' table by global batch (config.REFERENCE_LARS). Both warm up linearly, then decay polynomially to
+rules allow: the preset names the global batch from which LARS is used, SGD with
+momentum and a linearly scaled LR below it (config.default_optimizer; the full preset runs LARS at
+every batch, as every RCP and reference submission does); --optimizer forces either. LARS takes its
+LR, warmup, epochs, momentum and decay by global batch from the RCPs' and reference submissions' table
+(config.REFERENCE_LARS). Both warm up linearly, then decay polynomially to
 `end_lr` at the schedule's last epoch, where the run stops.
 """
 
@@ -27,11 +28,37 @@ from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.resilience import Block
-from workloads.resnet.config import PRESETS, ResNetConfig, default_optimizer, schedule
+from workloads.resnet.config import PRESETS, ResNetConfig, Schedule, default_optimizer, schedule
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
                                    shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
 from workloads.resnet.lars import EPSILON, Lars
 from workloads.resnet.model import build_model
+
+
+def optimizer_hyperparameters(cfg: ResNetConfig, optimizer: str, chosen: Schedule) -> dict[str, Any]:
+    """What a run logs of its optimizer and schedule: the keys of closed_resnet_lars.yaml or closed_resnet_sgd.yaml.
+    A function of the preset, the optimizer and the chosen schedule alone, so a batch's logged values can be read
+    without building a run (tests/test_resnet_fidelity.py compares them with the RCPs')."""
+    # The decay "steps" are the schedule's epochs: the rules define the key as "num_epochs in reference", and
+    # NVIDIA's fit.py logs args.num_epochs under it (the LR reaches end_lr after epochs x steps per epoch).
+    if optimizer == C.LARS:
+        return {C.OPT_NAME: optimizer,
+                C.LARS_OPT_BASE_LEARNING_RATE: chosen.base_lr,
+                C.LARS_OPT_END_LR: cfg.end_lr,
+                C.LARS_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
+                C.LARS_OPT_LR_DECAY_STEPS: chosen.epochs,
+                C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS: chosen.warmup_epochs,
+                C.LARS_OPT_MOMENTUM: chosen.momentum,
+                C.LARS_OPT_WEIGHT_DECAY: chosen.weight_decay,
+                C.LARS_EPSILON: EPSILON}
+    return {C.OPT_NAME: optimizer,
+            K.SGD_OPT_BASE_LR: chosen.base_lr,
+            K.SGD_OPT_END_LR: cfg.end_lr,
+            K.SGD_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
+            K.SGD_OPT_LR_DECAY_STEPS: chosen.epochs,
+            K.SGD_OPT_WEIGHT_DECAY: chosen.weight_decay,
+            K.SGD_OPT_MOMENTUM: chosen.momentum,
+            C.OPT_LR_WARMUP_EPOCHS: chosen.warmup_epochs}
 
 
 class ResNetWorkload(Workload):
@@ -44,7 +71,7 @@ class ResNetWorkload(Workload):
             cfg = replace(cfg, batch_size=opts.batch_size)
         self.cfg: ResNetConfig = cfg
         self.global_batch = cfg.batch_size * ctx.world_size
-        self.optimizer_name = opts.optimizer or default_optimizer(self.global_batch)
+        self.optimizer_name = opts.optimizer or default_optimizer(cfg, self.global_batch)
         # The LR, warmup, length, momentum and decay for this optimizer at this global batch (config.schedule),
         # decided first: a batch the LARS table does not cover is refused before any data is touched.
         self.schedule = schedule(cfg, self.optimizer_name, self.global_batch)
@@ -97,35 +124,14 @@ class ResNetWorkload(Workload):
         return end + (1 - end) * remaining ** self.cfg.poly_power
 
     def hyperparameters(self) -> dict[str, Any]:
-        cfg, chosen = self.cfg, self.schedule
-        common = {
+        return {
             C.GLOBAL_BATCH_SIZE: self.global_batch,
             C.GRADIENT_ACCUMULATION_STEPS: 1,
-            C.OPT_NAME: self.optimizer_name,
-            C.MODEL_BN_SPAN: cfg.batch_size,  # batch norm statistics are per process
+            C.MODEL_BN_SPAN: self.cfg.batch_size,  # batch norm statistics are per process
             C.TRAIN_SAMPLES: self.loaders.train_samples,
             C.EVAL_SAMPLES: self.loaders.eval_samples,
+            **optimizer_hyperparameters(self.cfg, self.optimizer_name, self.schedule),
         }
-        # The decay "steps" are the schedule's epochs: the rules define the key as "num_epochs in reference", and
-        # NVIDIA's fit.py logs args.num_epochs under it (the LR reaches end_lr after epochs x steps per epoch).
-        if self.optimizer_name == C.LARS:  # the keys of closed_resnet_lars.yaml
-            return {**common,
-                    C.LARS_OPT_BASE_LEARNING_RATE: chosen.base_lr,
-                    C.LARS_OPT_END_LR: cfg.end_lr,
-                    C.LARS_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
-                    C.LARS_OPT_LR_DECAY_STEPS: chosen.epochs,
-                    C.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS: chosen.warmup_epochs,
-                    C.LARS_OPT_MOMENTUM: chosen.momentum,
-                    C.LARS_OPT_WEIGHT_DECAY: chosen.weight_decay,
-                    C.LARS_EPSILON: EPSILON}
-        return {**common,  # the keys of closed_resnet_sgd.yaml
-                K.SGD_OPT_BASE_LR: chosen.base_lr,
-                K.SGD_OPT_END_LR: cfg.end_lr,
-                K.SGD_OPT_LR_DECAY_POLY_POWER: cfg.poly_power,
-                K.SGD_OPT_LR_DECAY_STEPS: chosen.epochs,
-                K.SGD_OPT_WEIGHT_DECAY: chosen.weight_decay,
-                K.SGD_OPT_MOMENTUM: chosen.momentum,
-                C.OPT_LR_WARMUP_EPOCHS: chosen.warmup_epochs}
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
 
