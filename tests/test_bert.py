@@ -272,9 +272,16 @@ def test_a_packed_run_logs_the_sequences_it_trains_per_step(tmp_path, one_proces
 
 
 def test_packed_data_without_its_packing_factor_stops_at_once(tmp_path, one_process_world):
+    """Found when the data is opened, after run_start: the run stops with the one-line reason, and its log ends
+    with run_stop, status aborted (the log is whole, and a restart does not start the run over)."""
     _write_packed_two_per_row(tmp_path / "data")
-    with pytest.raises(SystemExit, match="the bert training data is packed .* give --packing-factor N"):
+    with pytest.raises(SystemExit, match="the bert training data is packed .* give --packing-factor N") as refused:
         _tiny_run(tmp_path, tmp_path / "data", "--max-steps", "1")
+    assert "\n" not in str(refused.value)
+    events = list(iter_events((tmp_path / "out" / "result_0.txt").read_bytes()))
+    keys = [e["key"] for e in events]
+    assert keys.count(C.RUN_START) == 1 and keys[-1] == C.RUN_STOP
+    assert events[-1]["metadata"][C.STATUS] == C.ABORTED
 
 
 def test_a_run_whose_rows_stray_from_the_declared_packing_factor_stops():

@@ -414,8 +414,9 @@ def reference_start(tmp_path_factory):
 
 
 def closed_hyperparameters(world, folder, start, global_batch: int, monkeypatch) -> dict:
-    """What the closed preset (the proxy model in place of 175B) logs before run_start at this global batch,
-    on one rank: the workload is built, its hyperparameters read, and no step is trained."""
+    """What the closed preset (the proxy model in place of 175B) logs at this global batch, on one rank: the
+    workload is built, its hyperparameters read (before run_start) and its data opened (eval_samples, after
+    run_start), and no step is trained."""
     from workloads.common.campaign import RunOptions
     from workloads.gpt3.train import GPT3Workload
 
@@ -426,7 +427,7 @@ def closed_hyperparameters(world, folder, start, global_batch: int, monkeypatch)
     workload = GPT3Workload(options, world, seed=0)
     try:
         assert workload.optimizer.param_groups[0]["initial_lr"] == workload.hyperparameters()[C.OPT_BASE_LR]
-        return workload.hyperparameters()
+        return {**workload.hyperparameters(), **workload.open_data()}
     finally:
         workload.close()
 

@@ -1,5 +1,6 @@
-"""The untimed init, as the rules bound it: the dataset is first touched after run_start, and an init that
-failed and was retried keeps its first init_start, so the init limit sees every attempt.
+"""The untimed init, as the rules bound it: the dataset is first touched after run_start (and a dataset refused
+there ends the run's log aborted), and an init that failed and was retried keeps its first init_start, so the
+init limit sees every attempt.
 
 Each test runs the real campaign (workloads.common.campaign.run_campaign) in this process, in a one-process
 gloo world, on a few rows of generated data: cheap, and any reader can be instrumented.
@@ -7,22 +8,37 @@ gloo world, on a few rows of generated data: cheap, and any reader can be instru
 
 from __future__ import annotations
 
+import builtins
+import os
 import time
 from pathlib import Path
 
 import h5py
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from mlperf_logging.mllog import constants as C
 
 from harness.results.parse import iter_events
 from tests.conftest import compliance, failed_checks
+from tests.test_resnet_campaign import _write_images
 from workloads.bert.config import PRESETS as BERT_PRESETS
 from workloads.bert.data import write_tiny_dataset
 from workloads.bert.model import Bert
 from workloads.common import mlperf
+from workloads.common import campaign
 from workloads.common.campaign import RunOptions, run_campaign
+from workloads.gpt3.config import PRESETS as GPT3_PRESETS
+from workloads.gpt3.data import write_tiny_corpus as write_gpt3_corpus
+from workloads.gpt3.model import GPT
+from workloads.llama.config import LORA_PRESETS
+from workloads.llama.convert import write_checkpoint
+from workloads.llama.data import TRAIN as LLAMA_TRAIN, write_tiny_corpus as write_llama_corpus
+from workloads.llama.govreport import write_tiny_govreport
+from workloads.llama.model import Llama
 from workloads.registry import BENCHMARKS
+from workloads.resnet import data as resnet_data
 
 
 def tiny_bert_inputs(folder):
@@ -35,24 +51,56 @@ def tiny_bert_inputs(folder):
     return ["--data", str(folder / "data"), "--init-checkpoint", str(folder / "init.pt")]
 
 
-# Per benchmark: the arguments of a one-step run on a few rows of data, and the functions through which it opens
-# its dataset's files (each takes the path first). Only bert's workload opens its data after run_start so far:
-# resnet, gpt3 and llama31_8b build their loaders in their constructors (each lists or indexes its files there),
-# so they are not listed until they move that into Workload.open_data().
-ONE_STEP_RUNS = {"bert": (tiny_bert_inputs, ((h5py, "File"), (h5py, "is_hdf5")))}
+def tiny_resnet_inputs(folder):
+    """Eight images in ImageNet's layout, two per step."""
+    _write_images(folder / "data", classes=2, per_class=4, val_per_class=1)
+    return ["--data", str(folder / "data"), "--batch-size", "2"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bench", sorted(ONE_STEP_RUNS))
-def test_nothing_reads_the_dataset_between_init_start_and_run_start(bench, tmp_path, monkeypatch,
-                                                                    one_process_world):
-    """Every open of a file under the data folder is recorded with the last MLLOG key logged before it: none may
-    fall between init_start and run_start, and some must come after (the run did read, through these readers)."""
-    inputs, readers = ONE_STEP_RUNS[bench]
-    args = inputs(tmp_path)
-    data = (tmp_path / "data").resolve()
+def tiny_gpt3_inputs(folder):
+    """The tiny preset's C4-named text and a starting checkpoint of its shape (untrained: no step is trained)."""
+    (folder / "data").mkdir()
+    write_gpt3_corpus(folder / "data")
+    torch.manual_seed(0)
+    write_checkpoint({"model": GPT(GPT3_PRESETS["tiny"].model).state_dict()}, folder / "init")
+    return ["--data", str(folder / "data"), "--init-checkpoint", str(folder / "init")]
+
+
+def tiny_llama_inputs(folder):
+    (folder / "data").mkdir()
+    write_llama_corpus(folder / "data")
+    return ["--data", str(folder / "data")]
+
+
+def tiny_lora_inputs(folder):
+    """The tiny preset's GovReport-shaped parquet files and a base checkpoint of its shape."""
+    model = LORA_PRESETS["tiny"].model
+    (folder / "data").mkdir()
+    write_tiny_govreport(folder / "data", model.seq_len)
+    torch.manual_seed(0)
+    write_checkpoint(Llama(model).state_dict(), folder / "base")
+    return ["--data", str(folder / "data"), "--init-checkpoint", str(folder / "base")]
+
+
+# The Megatron .bin/.idx pairs (workloads.common.megatron_data): the index is opened, both are memory-mapped.
+MEGATRON_READERS = ((builtins, "open"), (np, "memmap"))
+# Per benchmark: the arguments of a run on a few items of data, and the functions through which it lists or opens
+# its dataset's files (each takes the path first).
+DATA_READERS = {
+    "bert": (tiny_bert_inputs, ((h5py, "File"), (h5py, "is_hdf5"))),
+    "resnet": (tiny_resnet_inputs, ((resnet_data, "find_classes"), (resnet_data, "make_dataset"),
+                                    (resnet_data, "read_file"))),
+    "gpt3": (tiny_gpt3_inputs, MEGATRON_READERS),
+    "llama31_8b": (tiny_llama_inputs, MEGATRON_READERS),
+    "llama2_70b_lora": (tiny_lora_inputs, ((pq, "read_schema"), (pq, "read_table"))),
+}
+
+
+def instrument(monkeypatch, readers, data: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """Record each MLLOG key as it is logged, and each use of `readers` on a file under `data` with how many keys
+    were logged before it."""
     logged: list[str] = []
-    reads: list[tuple[str, str]] = []  # (file, the last key logged when it was opened)
+    reads: list[tuple[str, int]] = []
 
     for name in ("event", "start", "end"):
         def logging_key(self, key, *a, _original=getattr(mlperf.ResultLog, name), **kw):
@@ -61,20 +109,53 @@ def test_nothing_reads_the_dataset_between_init_start_and_run_start(bench, tmp_p
         monkeypatch.setattr(mlperf.ResultLog, name, logging_key)
     for module, name in readers:
         def reader(path, *a, _original=getattr(module, name), **kw):
-            if data in Path(path).resolve().parents:
-                reads.append((str(path), logged[-1] if logged else "nothing"))
+            if isinstance(path, (str, os.PathLike)) and data in Path(path).resolve().parents:
+                reads.append((str(path), len(logged)))
             return _original(path, *a, **kw)
         monkeypatch.setattr(module, name, reader)
+    return logged, reads
 
-    opts = RunOptions.parse([bench, "--out", str(tmp_path / "out"), "--max-steps", "1", "--seed", "1",
-                             "--straggler-window", "0", *args])
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", sorted(DATA_READERS))
+def test_nothing_reads_the_dataset_between_init_start_and_run_start(bench, tmp_path, monkeypatch,
+                                                                    one_process_world):
+    """Every use of the dataset's readers on a file under the data folder is recorded with the MLLOG keys logged
+    before it: none may come before run_start ("The clock must start before any part of the system touches the
+    dataset", training_rules.adoc), and some must come after (the run did read, through these readers)."""
+    inputs, readers = DATA_READERS[bench]
+    args = inputs(tmp_path)
+    logged, reads = instrument(monkeypatch, readers, (tmp_path / "data").resolve())
+    # The run stops once its data is open (aborted): the steps would read only after that, inside the timed run.
+    monkeypatch.setattr(campaign, "train", lambda *args: False)
+
+    opts = RunOptions.parse([bench, "--out", str(tmp_path / "out"), "--seed", "1", "--straggler-window", "0", *args])
     run_campaign(BENCHMARKS[bench].workload_class(), opts)
 
     assert C.INIT_START in logged and C.RUN_START in logged and C.RUN_STOP in logged
-    during_init = set(logged[logged.index(C.INIT_START):logged.index(C.RUN_START)])
     assert reads, "the run never opened its data: the instrumented readers miss how it reads"
-    early = [(path, key) for path, key in reads if key in during_init]
-    assert not early, f"{bench} opened its dataset during the untimed init: {early}"
+    run_start = logged.index(C.RUN_START) + 1  # the keys logged up to and including run_start
+    early = [(path, logged[count - 1] if count else "nothing") for path, count in reads if count < run_start]
+    assert not early, f"{bench} touched its dataset before run_start (file, the last key logged): {early}"
+
+
+def test_a_dataset_found_damaged_after_run_start_ends_the_log_aborted(tmp_path, one_process_world):
+    """A truncated .bin (llama31_8b's C4) is found when the data is opened, after run_start: the run stops with the
+    reader's one-line reason, and its log ends with run_stop, status aborted; a retry of the campaign leaves that
+    run as it is."""
+    args = tiny_llama_inputs(tmp_path)
+    data = tmp_path / "data" / f"{LLAMA_TRAIN}.bin"
+    data.write_bytes(data.read_bytes()[:1000])
+    opts = RunOptions.parse(["llama31_8b", "--out", str(tmp_path / "out"), "--max-steps", "1",
+                             "--straggler-window", "0", *args])
+    with pytest.raises(SystemExit) as refused:
+        run_campaign(BENCHMARKS["llama31_8b"].workload_class(), opts)
+    assert str(refused.value) == f"workloads: {data} is shorter than its index says: truncated?"
+    events = list(iter_events((tmp_path / "out" / "result_0.txt").read_bytes()))
+    keys = [e["key"] for e in events]
+    assert keys.count(C.RUN_START) == 1 and keys[-1] == C.RUN_STOP and keys.count(C.RUN_STOP) == 1
+    assert events[-1]["metadata"][C.STATUS] == C.ABORTED
+    assert mlperf.logged_run(tmp_path / "out" / "result_0.txt").stopped
 
 
 class FailedInit(RuntimeError):

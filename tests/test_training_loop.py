@@ -227,6 +227,7 @@ def test_a_finished_runs_loader_workers_end_when_the_campaign_closes_it(one_rank
                          system=None, data=None, synthetic=True, max_steps=2, batch_size=None)
     monkeypatch.setitem(PRESETS, "tiny", replace(PRESETS["tiny"], loader_workers=2))
     workload = GPT3Workload(options, one_rank_world, seed=0)
+    workload.open_data()  # after run_start in a real run
     next(workload.batches(0))
     workers = multiprocessing.active_children()
     assert len(workers) == 2

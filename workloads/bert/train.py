@@ -28,6 +28,7 @@ from workloads.bert.lamb import Lamb
 from workloads.bert.model import Bert, load_reference_state_dict, model_outputs, pretraining_loss
 from workloads.bert.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.data import data_errors
 from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
@@ -144,12 +145,10 @@ class BertWorkload(Workload):
             if not Path(root, part).is_dir():
                 raise SystemExit(f"workloads: {root} has no {part}/ folder: MLPerf's BERT data goes in DIR/train/*.hdf5 "
                                  "and DIR/eval/*.hdf5")
-        try:
+        with data_errors():
             return (TrainStream(Path(root, "train"), self.seed, ctx.rank, ctx.world_size),
                     eval_batches(Path(root, "eval"), plan.micro_batch, cfg.model.max_seq_len, cfg.eval_samples,
                                  ctx.rank, ctx.world_size))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"workloads: {exc}") from None
 
     def hyperparameters(self) -> dict[str, Any]:
         h, plan = self.plan.hyperparameters, self.plan

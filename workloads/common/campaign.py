@@ -114,7 +114,8 @@ class Workload(ABC):
     during the timed run by the one loop in workloads.common.loop, which asks the questions below.
 
     Subclasses set `model`, `optimizer` and `scheduler` (what a checkpoint saves), `total_steps`, and
-    `target`; `rate_shown` names the progress bar's rate and the tracked_stats key it shows.
+    `target`, in the constructor or, where the dataset decides them (ResNet's steps per epoch), in open_data;
+    `rate_shown` names the progress bar's rate and the tracked_stats key it shows.
     """
 
     model: torch.nn.Module
@@ -215,6 +216,19 @@ def setup_logging(out: Path, rank: int) -> None:
     log.propagate = False
 
 
+def open_data(workload: Workload, mlog: ResultLog) -> dict[str, Any]:
+    """The workload's open_data(), after run_start. A dataset it refuses (missing, malformed, or not what the
+    options declare) ends the run there: run_stop with status aborted, so the log is whole and a restarted
+    attempt does not start the run over, then the one-line reason. Other exceptions propagate unlogged, to the
+    failure policy (a restart continues the run)."""
+    try:
+        return workload.open_data()
+    except SystemExit:
+        mlog.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED})
+        mlog.close()
+        raise
+
+
 def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     """Run opts.runs timed runs, each logged to its own result file.
 
@@ -265,7 +279,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             dist.barrier()
             mlog.end(C.INIT_STOP)
             mlog.start(C.RUN_START)
-        data_keys = workload.open_data()  # inside the timed run
+        data_keys = open_data(workload, mlog)  # inside the timed run
         if not logged.started:
             mlog.events(data_keys)
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch.utils.data import DistributedSampler, Sampler
+
+
+@contextmanager
+def data_errors() -> Iterator[None]:
+    """Around a workload's open_data(): a dataset its readers cannot use (a missing file, a truncated index, a
+    wrong column: OSError or ValueError, each reader's message naming the file) stops the run with that one line,
+    no traceback; the campaign ends the run's log first (workloads.common.campaign.open_data)."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"workloads: {exc}") from None
 
 
 class ResumableSampler(Sampler):

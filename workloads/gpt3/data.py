@@ -66,7 +66,7 @@ def tiny_entropy() -> float:
     return tiny_text.entropy_rate(tiny_transitions())
 
 
-def _write_tiny_corpus(folder: Path) -> None:
+def write_tiny_corpus(folder: Path) -> None:
     write_markov_corpus(folder, tiny_transitions(), [(C4_TRAIN[0], 96, 1), (C4_TRAIN[1], 96, 2), (C4_EVAL, 24, 3)],
                         TINY_DOC_TOKENS, EOD, np.uint16)
 
@@ -76,4 +76,4 @@ def tiny_corpus_root() -> Path:
 
 
 def ensure_tiny_corpus() -> Path:
-    return build_once(tiny_corpus_root(), _write_tiny_corpus)
+    return build_once(tiny_corpus_root(), write_tiny_corpus)

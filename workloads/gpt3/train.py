@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
     set_model_state_dict, set_optimizer_state_dict
 
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.data import data_errors
 from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, optimizer_groups, rolled_split
 from workloads.common.loop import Target
@@ -84,17 +85,26 @@ class GPT3Workload(DecoderSteps, Workload):
         # the reference does (run_gpt3.sh: --ext-lr-steps 4000 x 1536 samples).
         self.start_samples = 0 if self.init_step is None else self.init_step * cfg.lr_batch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    # --- the data (timed: opened after run_start) ----------------------------------------------------
+
+    def open_data(self) -> dict[str, Any]:
+        """The loaders, and eval_samples: the validation tokens the eval reads, which only the index tells (NVIDIA's
+        v3.0 logs put it before run_start, as a number their config knows; the checker does not place it)."""
+        cfg, layout, opts = self.cfg, self.layout, self.opts
         data_rank = self.mesh["data"].get_local_rank()
         samples = self.total_steps * layout.global_batch
-        reading = dict(workers=cfg.loader_workers, pin_memory=ctx.device.type == "cuda")
+        reading = dict(workers=cfg.loader_workers, pin_memory=self.ctx.device.type == "cuda")
         if opts.synthetic:
             self.loaders = synthetic_loaders(cfg.model.vocab_size, cfg.model.seq_len, cfg.micro_batch, samples,
-                                             cfg.eval_sequences or layout.data, seed, data_rank, layout.data,
+                                             cfg.eval_sequences or layout.data, self.seed, data_rank, layout.data,
                                              **reading)
         else:
-            self.loaders = c4_loaders(opts.data or self._tiny_corpus(), cfg.model.seq_len, cfg.micro_batch,
-                                      train_samples=samples, eval_sequences=cfg.eval_sequences, seed=seed,
-                                      data_rank=data_rank, data_world=layout.data, **reading)
+            with data_errors():
+                self.loaders = c4_loaders(opts.data or self._tiny_corpus(), cfg.model.seq_len, cfg.micro_batch,
+                                          train_samples=samples, eval_sequences=cfg.eval_sequences, seed=self.seed,
+                                          data_rank=data_rank, data_world=layout.data, **reading)
+        return {C.EVAL_SAMPLES: self.loaders.eval_tokens}  # the validation tokens, as NVIDIA's logs count them
 
     def _tiny_corpus(self) -> Path:
         if self.ctx.local_rank == 0:
@@ -166,7 +176,6 @@ class GPT3Workload(DecoderSteps, Workload):
             # The starting samples in steps of this batch, rounded up, as NVIDIA logs them (2286 at 2688).
             **({C.INIT_CHECKPOINT_STEP: math.ceil(self.start_samples / layout.global_batch)}
                if self.init_step is not None else {}),
-            C.EVAL_SAMPLES: self.loaders.eval_tokens,  # the validation tokens, as NVIDIA's logs count them
             "tensor_model_parallel_size": layout.tensor,
             "pipeline_model_parallel_size": layout.pipeline,
         }

@@ -61,7 +61,6 @@ class LlamaLoraWorkload(LlamaWorkload):
         self.eval_every = cfg.eval_every
         self.first_eval = (cfg.skipped_evals + 1) * cfg.eval_every  # steps
         self.target = Target("eval loss", "loss", cfg.target, higher_is_better=False)
-        self.loaders = self._loaders(seed)  # a missing or malformed file is named before a 70B model is built
         base = self._base_checkpoint()
 
         with torch.device("meta"):
@@ -84,8 +83,8 @@ class LlamaLoraWorkload(LlamaWorkload):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: cosine_factor(step, cfg.max_steps))
 
-    def _loaders(self, seed: int):
-        cfg, layout = self.cfg, self.layout
+    def loaders_for_run(self):
+        cfg, layout, seed = self.cfg, self.layout, self.seed
         data_rank, samples, reading = self.reading()
         if self.opts.synthetic:
             m = cfg.model
@@ -96,11 +95,8 @@ class LlamaLoraWorkload(LlamaWorkload):
                                  data_rank, layout.data, **reading)
         root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(cfg.model.seq_len),
                                                  "reads MLCommons' GovReport: give --data DIR")
-        try:
-            return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
-                                     data_rank, layout.data, **reading)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
+                                 data_rank, layout.data, **reading)
 
     def _base_checkpoint(self) -> Path:
         if self.opts.init_checkpoint:

@@ -42,8 +42,6 @@ class LlamaPretrainWorkload(LlamaWorkload):
         cfg, layout = self.cfg, self.layout
         self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
-        # The data first: a missing or short file is named in a second, before an 8B model is built and sharded.
-        self.loaders = self._loaders(seed)
 
         # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
         # shares, so that HSDP's replicas start identical.
@@ -60,8 +58,8 @@ class LlamaPretrainWorkload(LlamaWorkload):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.end_lr_ratio))
 
-    def _loaders(self, seed: int):
-        cfg, layout = self.cfg, self.layout
+    def loaders_for_run(self):
+        cfg, layout, seed = self.cfg, self.layout, self.seed
         data_rank, samples, reading = self.reading()
         if self.opts.synthetic:
             m = cfg.model
@@ -70,11 +68,8 @@ class LlamaPretrainWorkload(LlamaWorkload):
                                  cfg.micro_batch, data_rank, layout.data, **reading)
         root = self.opts.data or self.built_once(ensure_tiny_corpus, "reads MLCommons' C4 for Llama 3.1: give "
                                                                      "--data DIR (or --synthetic for a throughput run)")
-        try:
-            return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
-                              layout.data, **reading)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
+                          layout.data, **reading)
 
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -7,6 +7,7 @@ data, optimizer and evaluation.
 from __future__ import annotations
 
 import warnings
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,8 +15,10 @@ import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.data import data_errors
 from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
+from workloads.common.megatron_data import TokenLoaders
 from workloads.llama.config import plan_layout, run_config
 from workloads.llama.parallelize import ContextSplit, build_mesh
 
@@ -40,6 +43,17 @@ class LlamaWorkload(DecoderSteps, Workload):
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
         context = self.mesh["context"]
         self.split = ContextSplit(context.get_local_rank(), context.size(), whole) if layout.context > 1 else whole
+
+    def open_data(self) -> dict[str, Any]:
+        """The loaders (loaders_for_run). Both benchmarks log eval_samples before run_start from the rules'
+        constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do, and train_samples when the run stops."""
+        with data_errors():
+            self.loaders = self.loaders_for_run()
+        return {}
+
+    @abstractmethod
+    def loaders_for_run(self) -> TokenLoaders:
+        """The run's loaders: its dataset's files (or a tiny preset's generated ones), or --synthetic's tokens."""
 
     def reading(self) -> tuple[int, int, dict[str, Any]]:
         """This rank's data rank, the training samples the run reads, and how its loaders read them."""

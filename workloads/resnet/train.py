@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions, Workload
+from workloads.common.data import data_errors
 from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
@@ -76,12 +77,7 @@ class ResNetWorkload(Workload):
         # decided first: a batch the LARS table does not cover is refused before any data is touched.
         self.schedule = schedule(cfg, self.optimizer_name, self.global_batch)
         self.epochs = self.schedule.epochs
-        self.loaders = self._loaders()
-        self.steps_per_epoch = len(self.loaders.train)
-        self.schedule_steps = self.steps_per_epoch * self.epochs  # the LR schedule's length
-        self.total_steps = min(opts.max_steps or self.schedule_steps, self.schedule_steps)
         self.target = Target("top-1", "top1", cfg.target)
-        self.warmup_steps = self.steps_per_epoch * self.schedule.warmup_epochs
 
         model = build_model(cfg.arch, cfg.classes).to(ctx.device, memory_format=torch.channels_last)
         # Gradients live in DDP's buckets (no copy into them before each all-reduce).
@@ -96,8 +92,20 @@ class ResNetWorkload(Workload):
             # Batch norm's scale and shift do not decay; the classifier's bias does, as in the SGD reference.
             self.optimizer = torch.optim.SGD(parameter_groups(self.model, decay, decay_biases=True), lr=lr,
                                              momentum=momentum, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    # --- the data (timed: opened after run_start) ----------------------------------------------------
+
+    def open_data(self) -> dict[str, Any]:
+        """The loaders, and what the image count decides: the steps per epoch, so the LR schedule's length and
+        warmup in steps. NVIDIA's v3.0 logs train_samples and eval_samples after run_start too, from its loader."""
+        self.loaders = self._loaders()
+        self.steps_per_epoch = len(self.loaders.train)
+        self.schedule_steps = self.steps_per_epoch * self.epochs  # the LR schedule's length
+        self.total_steps = min(self.opts.max_steps or self.schedule_steps, self.schedule_steps)
+        self.warmup_steps = self.steps_per_epoch * self.schedule.warmup_epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        return {C.TRAIN_SAMPLES: self.loaders.train_samples, C.EVAL_SAMPLES: self.loaders.eval_samples}
 
     def _loaders(self) -> Loaders:
         cfg, opts, ctx = self.cfg, self.opts, self.ctx
@@ -108,10 +116,8 @@ class ResNetWorkload(Workload):
         else:
             root = ensure_tiny_dataset(tiny_dataset_root()) if ctx.local_rank == 0 else tiny_dataset_root()
             torch.distributed.barrier()  # the other ranks wait until the dataset exists
-        try:
+        with data_errors():
             images = shared_image_list(root / "train", ctx), shared_image_list(root / "val", ctx)
-        except FileNotFoundError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
         return image_folder_loaders(root, *images, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed)
 
     def _lr_factor(self, step: int) -> float:
@@ -128,8 +134,6 @@ class ResNetWorkload(Workload):
             C.GLOBAL_BATCH_SIZE: self.global_batch,
             C.GRADIENT_ACCUMULATION_STEPS: 1,
             C.MODEL_BN_SPAN: self.cfg.batch_size,  # batch norm statistics are per process
-            C.TRAIN_SAMPLES: self.loaders.train_samples,
-            C.EVAL_SAMPLES: self.loaders.eval_samples,
             **optimizer_hyperparameters(self.cfg, self.optimizer_name, self.schedule),
         }
 
