@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -62,19 +64,50 @@ def this_checkout_first():
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
+def session_root(tmp_path_factory) -> Path:
+    """A folder that every process of this test session shares: the base temp folder, or under pytest-xdist
+    (the README's command runs two workers) the folder that holds each worker's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_threads():
+    """Each pytest-xdist worker's share of the cores: torch in the worker and in the runs it starts uses that many
+    threads (the local launcher keeps an OMP_NUM_THREADS it is given), so two workers do not oversubscribe."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        from harness.launchers.local import cpu_count
+
+        share = max(1, cpu_count() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_data_dir(tmp_path_factory) -> Path:
-    """Generate the tiny dataset privately for this session instead of in the user's cache."""
-    path = tmp_path_factory.mktemp("data")
+    """Generate the tiny datasets and warm starts privately for this session instead of in the user's cache, once
+    for all workers (the cache builds each entry once even when processes race: workloads/common/cache.py)."""
+    path = session_root(tmp_path_factory) / "data"
+    path.mkdir(exist_ok=True)
     os.environ["HARNESS_DATA_DIR"] = str(path)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
-    """`harness run resnet --runs 5` on the local default: two processes, gloo, the tiny preset."""
-    out = tmp_path_factory.mktemp("campaign") / "run"
-    result = harness("run", "resnet", "--runs", str(TINY_RUNS), "--out", str(out))
+    """`harness run resnet --runs 5` on the local default: two processes, gloo, the tiny preset. Run once per
+    session: the first worker to ask runs it while the others wait on the lock, then all read its folder."""
+    root = session_root(tmp_path_factory) / "campaign"
+    root.mkdir(exist_ok=True)
+    out, record = root / "run", root / "completed.json"
+    with FileLock(str(root / "lock")):
+        if not record.exists():
+            result = harness("run", "resnet", "--runs", str(TINY_RUNS), "--out", str(out))
+            record.write_text(json.dumps(vars(result)))
+    result = Completed(**json.loads(record.read_text()))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result
 

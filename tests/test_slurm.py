@@ -273,7 +273,9 @@ def test_a_requeued_job_that_no_longer_fits_fails_with_the_reason(slurm_cluster,
 
 @pytest.mark.slurm
 def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
-    """Each node agent adds its host:port to the run folder's prometheus-targets.json; every address answers."""
+    """Each node agent adds its host:port to the run folder's prometheus-targets/ (the glob Prometheus' file_sd
+    reads: the merged prometheus-targets.json may lack a node when both agents write it at once); every address
+    answers."""
     out = tmp_path / "run"
     answered: dict[str, bool] = {}
 
@@ -281,7 +283,8 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
         if step < HANG_STEP:
             return False
         try:
-            groups = json.loads((out / "prometheus-targets.json").read_text())
+            groups = [g for path in sorted((out / "prometheus-targets").glob("*.json"))
+                      for g in json.loads(path.read_text())]
         except (OSError, ValueError):
             return False
         for group in groups:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -16,20 +17,29 @@ def cache_root() -> Path:
 
 
 def build_once(root: Path, write: Callable[[Path], None]) -> Path:
-    """Make `root` with write(folder) unless it exists. Safe when several processes race: each writes
-    a private temporary folder and renames it into place; the content is identical whoever wins."""
+    """Make `root` with write(folder) unless it exists. Processes on one machine that ask at once wait for the
+    first (an advisory lock beside it) rather than build it again; where the lock is not honoured (some network
+    file systems), each writes a private temporary folder and renames it into place, and the content is
+    identical whoever wins."""
     if root.is_dir():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-    try:
-        write(tmp)
-        os.rename(tmp, root)
-    except OSError:
-        if not root.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with open(root.parent / f".{root.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: the rename below still keeps the folder whole
+            pass
+        if root.is_dir():  # built while this process waited
+            return root
+        tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
+        try:
+            write(tmp)
+            os.rename(tmp, root)
+        except OSError:
+            if not root.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
