@@ -48,8 +48,17 @@ def failed_checks(result: Completed) -> list[str]:
 SLOW_FIXTURES = {"tiny_campaign", "slurm_cluster", "scraped_campaign"}
 
 
+# The files with the longest real runs (Slurm requeues, warm starts, the shared campaign), started first: the two
+# workers take whole files in collection order, and one of these left to the end would leave the other worker idle.
+LONG_FILES = ("test_slurm.py", "test_resnet_campaign.py", "test_bert.py", "test_gpt3.py", "test_llama.py",
+              "test_resilience.py", "test_container.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow tier: tests marked slow, every Slurm and container test, and every test of a slow fixture."""
+    """The slow tier: tests marked slow, every Slurm and container test, and every test of a slow fixture. Then the
+    long files first (LONG_FILES), the rest in their order."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
     for item in items:
         if (item.get_closest_marker("slurm") or item.get_closest_marker("container")
                 or SLOW_FIXTURES & set(item.fixturenames)):
