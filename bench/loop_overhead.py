@@ -17,7 +17,10 @@ everything the harness does between them. Checkpoint saves (the tiny preset save
 evaluations inside that window are timed on their own and left out, as the harness's tracked_stats
 leaves them out; their seconds are in the JSON. Sides alternate (bare first in odd repeats, harness
 first in even ones) so that a change in the machine's load falls on both; each figure is the median of
-REPEATS, and `ratio` is harness / bare of the medians, measured in the same run.
+REPEATS, and `ratio` is harness / bare of the medians, measured in the same run. Launches of one side differ
+by several percent (`rate_range`), so a ratio near 1 needs enough repeats to mean anything. Beside the rate,
+what other load moves less: rank 0's CPU time per step, the main thread's CPU time inside train_step (the
+same ops on both sides: `train_step_cpu_ms`), and the first step after each save (`after_left_out`).
 `--quick` (a test's mode) runs 12 steps, the last 8, once: it checks the shape, not the speed.
 """
 
