@@ -212,7 +212,8 @@ def freeze_init_objects() -> None:
     Left in, they are scanned by the run's first full collection, which the init's allocations have already
     made due: a pause of about 0.2 s of CPU time (the tiny ResNet's process, bench/loop_overhead.py) inside
     some step, at a moment no other rank shares, so every rank waits for it in the next all-reduce. Called in
-    the untimed init; the run's end unfreezes them."""
+    the untimed init (what open_data builds after run_start is frozen too, uncollected); the run's end
+    unfreezes them."""
     gc.collect()
     gc.freeze()
 
@@ -280,6 +281,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         data_keys = workload.open_data()  # inside the timed run
         if not logged.started:
             mlog.events(data_keys)
+        gc.freeze()  # the data's objects too (ImageNet's list: 1.28M entries), with no collection in the timed run
         support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
                              opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
                              opts.straggler_threshold)
