@@ -17,7 +17,10 @@ everything the harness does between them. Checkpoint saves (the tiny preset save
 evaluations inside that window are timed on their own and left out, as the harness's tracked_stats
 leaves them out; their seconds are in the JSON. Sides alternate (bare first in odd repeats, harness
 first in even ones) so that a change in the machine's load falls on both; each figure is the median of
-REPEATS, and `ratio` is harness / bare of the medians, measured in the same run.
+REPEATS, and `ratio` is harness / bare of the medians, measured in the same run. Launches of one side differ
+by several percent (`rate_range`), so a ratio near 1 needs enough repeats to mean anything. Beside the rate,
+what other load moves less: rank 0's CPU time per step, the main thread's CPU time inside train_step (the
+same ops on both sides: `train_step_cpu_ms`), and the first step after each save (`after_left_out`).
 `--quick` (a test's mode) runs 12 steps, the last 8, once: it checks the shape, not the speed.
 """
 
@@ -55,7 +58,7 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
     """One side on this rank; `side` is bare, harness, or harness-no-FEATURE."""
     from harness.spec import JobSpec
     from workloads.common import resilience
-    from workloads.common.campaign import RunOptions, run_campaign, seed_everything
+    from workloads.common.campaign import RunOptions, freeze_init_objects, run_campaign, seed_everything
     from workloads.common.distributed import init_distributed, shutdown_distributed
     from workloads.common.page_cache import clear_page_caches
     from workloads.registry import BENCHMARKS as REGISTRY
@@ -63,6 +66,9 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
     starts: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds (all its threads) at each start: less moved by other load
     ends: list[float] = []  # when each train_step returned: the rest, until the next start, is the loop's
+    # This thread's CPU seconds inside each train_step: the step's own work, the same ops on both sides, which
+    # another process's load moves least (neither the gloo threads nor waiting for the other rank are in it).
+    step_cpu: list[float] = []
     samples: list[int] = []
     # Saves and evals, (wall start, wall end, CPU start, CPU end): not training, as tracked_stats leaves them out.
     left_out: list[tuple[float, float, float, float]] = []
@@ -83,7 +89,9 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         def train_step(self, batches):
             starts.append(time.perf_counter())
             cpu.append(time.process_time())
+            began = time.thread_time()
             loss, trained = super().train_step(batches)
+            step_cpu.append(time.thread_time() - began)
             ends.append(time.perf_counter())
             samples.append(trained)
             if not per_sample:
@@ -106,6 +114,9 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         clear_page_caches(ctx, opts.out)
         seed_everything(opts.seed + ctx.rank)
         workload = Timed(opts, ctx, opts.seed)
+        # As the harness does after its init: else the first full collection of the init's objects (about 0.2 s)
+        # falls inside one side's timed steps or the other's, wherever their allocations happen to make it due.
+        freeze_init_objects()
         workload.open_data()
         batches = workload.batches(0)
         for _ in range(steps):
@@ -113,7 +124,8 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         workload.close()
         shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
-        stamps_file.write_text(json.dumps({"starts": starts, "ends": ends, "cpu": cpu, "samples": samples,
+        stamps_file.write_text(json.dumps({"starts": starts, "ends": ends, "cpu": cpu, "step_cpu": step_cpu,
+                                           "samples": samples,
                                            "left_out": left_out, "per_sample": per_sample[0],
                                            "hooks_us_per_step": hooks_per_step(out)}))
 
@@ -132,7 +144,9 @@ def hooks_per_step(out: Path) -> float | None:
 def window(stamps: dict, last: int) -> dict:
     """Samples per second over the last `last` steps: from the start of step n-last to the start of step n,
     less the saves and evals inside (each lies between two steps, so wholly inside or outside); and rank 0's
-    CPU seconds per step over the same steps, which other processes' load moves less than the wall clock."""
+    CPU seconds per step over the same steps, which other processes' load moves less than the wall clock.
+    The first step after a save or eval is slower (the save's memory comes back as page faults, the caches
+    are cold): its extra time over the median step, a cost of the saves that the rate keeps, is given apart."""
     starts, samples = stamps["starts"], stamps["samples"]
     begin, end = starts[-1 - last], starts[-1]
     inside = [(a, b, c, d) for a, b, c, d in stamps["left_out"] if begin <= a and b <= end]
@@ -144,10 +158,17 @@ def window(stamps: dict, last: int) -> dict:
     between = [starts[i + 1] - stamps["ends"][i] for i in steps]
     between_ms = statistics.median(between) * 1000
     cpu = stamps["cpu"][-1] - stamps["cpu"][-1 - last] - excluded_cpu
+    step_cpu_ms = statistics.median(stamps["step_cpu"][i] for i in steps) * 1000
+    after = [i for i in steps if any(stamps["ends"][i - 1] <= a and b <= starts[i] for a, b, _, _ in inside)]
+    after_ms = statistics.median(stamps["ends"][i] - starts[i] for i in after) * 1000 - step_ms if after else None
+    after_cpu_ms = statistics.median(stamps["step_cpu"][i] for i in after) * 1000 - step_cpu_ms if after else None
     return {"steps_run": len(starts), "samples": trained, "seconds": round(seconds, 3),
             "left_out_s": round(excluded, 3), "rate": trained * stamps["per_sample"] / seconds,
             "cpu_ms_per_step": round(cpu / last * 1000, 3),
             "hooks_us_per_step": stamps.get("hooks_us_per_step"), "train_step_ms_median": round(step_ms, 3),
+            "train_step_cpu_ms_median": round(step_cpu_ms, 3),
+            "after_left_out": {"steps": len(after), "extra_ms": after_ms and round(after_ms, 3),
+                               "extra_cpu_ms": after_cpu_ms and round(after_cpu_ms, 3)},
             "between_steps_ms_median": round(between_ms, 3),
             # The loop's own time: outside train_step, saves and evals left out, as a share of the window.
             "between_steps_share": round((sum(between) - excluded) / seconds, 5)}
@@ -188,10 +209,17 @@ def measure(benchmark: str, steps: int, last: int, repeats: int, cpus: set[int],
     median = {side: statistics.median(rates[side]) for side in sides}
     pairs = [h / b for b, h in zip(rates["bare"], rates["harness"])]
     cpu = {side: statistics.median(r["cpu_ms_per_step"] for r in runs[side]) for side in sides}
+    step_cpu = {side: statistics.median(r["train_step_cpu_ms_median"] for r in runs[side]) for side in sides}
     found = {"unit": UNITS[benchmark], "bare": round(median["bare"], 1), "harness": round(median["harness"], 1),
              "ratio": round(median["harness"] / median["bare"], 4), "pair_ratios": [round(r, 4) for r in pairs],
+             # Launch to launch the same side moves by more than 2% (each process's memory layout, other load): a
+             # ratio means something only beside these ranges, and a close call needs more --repeats.
+             "rate_range": {side: [min(rates[side]), max(rates[side])] for side in sides},
              # The same comparison in rank 0's CPU time per step (bare / harness: 1.0 is no cost of its own).
              "cpu_ms_per_step": cpu, "cpu_ratio": round(cpu["bare"] / cpu["harness"], 4),
+             # Inside train_step, the main thread's CPU time (median step, median launch): whether the same step
+             # costs more in the harness's process (bare / harness: 1.0 is no cost of its own).
+             "train_step_cpu_ms": step_cpu, "train_step_cpu_ratio": round(step_cpu["bare"] / step_cpu["harness"], 4),
              # The harness's time between steps (its loop, run record, metrics, straggler windows, loss checks), as
              # a share of its training time: measured directly, so other load moves it far less than the ratio.
              "between_steps_share": statistics.median(r["between_steps_share"] for r in runs["harness"])}

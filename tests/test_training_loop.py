@@ -237,3 +237,36 @@ def test_a_finished_runs_loader_workers_end_when_the_campaign_closes_it(one_rank
     gc.collect()
     assert time.monotonic() - started < 30 and [w.exitcode for w in workers] == [0, 0]
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_the_inits_objects_are_frozen_while_the_run_trains_and_given_back_after(one_process_world, tmp_path):
+    """What the init leaves alive (torch's modules, the model: hundreds of thousands of objects) is out of the
+    cyclic collector's reach while the run trains, so no full collection scans it inside a step (a pause of
+    about 0.2 s in the tiny ResNet's process, docs/measured.md); after the run it is given back, so the
+    campaign's collect frees the run's workload, reference cycles and all."""
+    import gc
+    import weakref
+
+    from workloads.common.campaign import RunOptions, run_campaign
+    from workloads.resnet.train import ResNetWorkload
+
+    frozen_in_steps, workloads, frozen_at_open = [], [], []
+
+    class Recording(ResNetWorkload):
+        def open_data(self):  # after run_start: what it builds (here 1,000 lists) is frozen before the steps
+            frozen_at_open.append(gc.get_freeze_count())
+            self.listed = [[i] for i in range(1000)]
+            return super().open_data()
+
+        def train_step(self, batches):
+            if not workloads:
+                workloads.append(weakref.ref(self))
+            frozen_in_steps.append(gc.get_freeze_count())
+            return super().train_step(batches)
+
+    run_campaign(Recording, RunOptions.parse(["resnet", "--out", str(tmp_path), "--synthetic", "--max-steps", "2",
+                                              "--seed", "1", "--straggler-window", "0"]))
+    assert len(frozen_in_steps) == 2 and frozen_at_open[0] > 10_000
+    assert min(frozen_in_steps) >= frozen_at_open[0] + 900  # (a few frozen objects die by refcount meanwhile)
+    assert gc.get_freeze_count() == 0 and workloads[0]() is None
