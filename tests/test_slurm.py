@@ -75,8 +75,9 @@ argv = sys.argv[1:]
 with open(os.environ["STEPS"], "a") as steps:
     if "--decide" in argv:
         steps.write("decide\\n")
-    elif "--run" in argv:
-        run, out = argv[argv.index("--run") + 1], Path(argv[argv.index("--out") + 1])
+    elif "workloads" in argv:
+        run = argv[argv.index("--run") + 1] if "--run" in argv else "every"
+        out = Path(argv[argv.index("--out") + 1])
         taken = sorted(p.read_text().strip() for p in (out / "page_cache").glob("*"))
         steps.write(f"train {{run}} {{taken}}\\n")
         if run == os.environ.get("FAIL_RUN"):
