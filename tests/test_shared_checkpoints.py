@@ -233,9 +233,9 @@ def test_the_host_flush_step_records_what_it_did_for_the_run_to_take(tmp_path, c
 
 
 def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_later_one(tmp_path, monkeypatch, one_process_world, capsys):
-    """--run i (Slurm's batch script: one step per run, each after its own flush): the finished runs before i are
-    skipped, an unfinished one is done first, and the campaign stops after run i, leaving the next run for the next
-    step. A --run outside the campaign is refused in one line."""
+    """--last-run i (Slurm's batch script: one step per run, each after its own flush): the finished runs before
+    i are skipped, an unfinished one is done first, and the campaign stops after run i, leaving the next run for
+    the next step. A --last-run outside the campaign is refused in one line."""
     from types import SimpleNamespace
 
     from workloads.common import campaign
@@ -258,13 +258,13 @@ def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_late
     monkeypatch.setattr(campaign, "Resilience", lambda *a: SimpleNamespace(finish=lambda: None))
     monkeypatch.setattr(campaign, "train", lambda *a: True)
     argv = ["resnet", "--out", str(tmp_path), "--runs", "3", "--seed", "10", "--straggler-window", "0"]
-    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--run", "1"]))
+    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--last-run", "1"]))
     assert seeds == [10, 11] and not (tmp_path / "result_2.txt").exists()
-    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--run", "2"]))
+    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--last-run", "2"]))
     assert seeds == [10, 11, 12]  # runs 0 and 1 stopped: skipped
     with pytest.raises(SystemExit):
-        campaign.RunOptions.parse([*argv, "--run", "3"])
-    assert "--run 3 is not one of the campaign's runs: 0 to 2 (--runs 3)" in capsys.readouterr().err
+        campaign.RunOptions.parse([*argv, "--last-run", "3"])
+    assert "--last-run 3 is not one of the campaign's runs: 0 to 2 (--runs 3)" in capsys.readouterr().err
 
 
 class _Constructed(Exception):

@@ -156,12 +156,12 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
         expanded.add('--nodelist="${training_nodes}"')
     # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
     python = "python" if profile.image else sys.executable
-    # Two values exist only on the allocation, so they stay shell variables; every other word is quoted.
-    endpoint, job_id = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}"'
-    # Each run is a step of its own (see _training_lines): the workers do run ${run} (and any unfinished before it).
-    run = '"${run}"'
-    agent = [*agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=job_id), "--run", run]
-    expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}", run}
+    # Three values exist only on the allocation, so they stay shell variables; every other word is quoted.
+    # Each run is a step of its own (see _training_lines), with a rendezvous of its own (the last step's is closed):
+    # its workers do run ${run} (and any unfinished before it).
+    endpoint, step_id, run = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}-${run}"', '"${run}"'
+    agent = [*agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=step_id), "--last-run", run]
+    expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={step_id}", run}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.
     # After preflight the decide step runs on a training node, never on one preflight kept out.

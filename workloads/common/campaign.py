@@ -65,7 +65,7 @@ class RunOptions:
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
-    run: int | None = None  # this run (0-based) and any unfinished one before it, not the later ones (Slurm's steps)
+    last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
 
     @classmethod
@@ -96,16 +96,19 @@ class RunOptions:
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
         p.add_argument(ALLOW_FLAG, action="store_true")
-        p.add_argument("--run", type=int, help="do this run (0-based), and any unfinished one before it, but none "
-                       "after: Slurm's batch script gives each run its own step, after its own cache flush")
+        # Not a prefix of any torchrun option (argparse would call `--run` ambiguous with torchrun's --run-path).
+        p.add_argument("--last-run", type=int, help="do the runs up to this one (0-based; the finished ones are "
+                       "skipped) and none after: Slurm's batch script gives each run its own step, after its own "
+                       "cache flush")
         p.add_argument("--packing-factor", type=int, default=1)
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
-        if args.run is not None and not 0 <= args.run < args.runs:
-            p.error(f"--run {args.run} is not one of the campaign's runs: 0 to {args.runs - 1} (--runs {args.runs})")
+        if args.last_run is not None and not 0 <= args.last_run < args.runs:
+            p.error(f"--last-run {args.last_run} is not one of the campaign's runs: 0 to {args.runs - 1} "
+                    f"(--runs {args.runs})")
         return cls(**vars(args))
 
     @property
@@ -227,7 +230,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     untimed init again. A run whose init failed (before run_start) retries it in the same
     file, after what the failed init logged: its init_start stays the only one, so the
     rules' init limit (counted by the checker from the first init_start) sees every attempt.
-    With opts.run the campaign stops after that run, so that the next one can start after a flush of its own.
+    With opts.last_run it stops after that run, so that the next one can start after a flush of its own.
     """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
@@ -236,7 +239,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         write_facts(opts.out, ctx)
     log.info("rank %d/%d on %s (%s), %s, attempt %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
              dist.get_backend(), current_attempt())
-    for index in range(opts.runs if opts.run is None else opts.run + 1):
+    for index in range(opts.runs if opts.last_run is None else opts.last_run + 1):
         path = opts.out / f"result_{index}.txt"
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)
         if logged.stopped:
