@@ -1,11 +1,13 @@
 """The page-cache flush before each run, where each backend can do it (workloads.common.page_cache says why).
 
-Slurm: a host-side step, one task per node and outside the container, before the training step, as NVIDIA's
-run.sub does it (`srun --ntasks="${SLURM_JOB_NUM_NODES}" bash -c "... sync && ${DROPCACHE_CMD}"`); the command
-is the profile's `slurm.flush_page_cache`. Kubernetes: where the profile opts in (`kubernetes.flush_page_cache`),
-a privileged init container in each pod, the only part of the job that asks for privilege. Either leaves its
-node's record in the run folder, which the node's first run takes; a run whose flush failed says why, and a
-closed one stops unless the user accepts it (--allow-unflushed-cache).
+Slurm: a host-side step, one task per node and outside the container, before each run's training step, as
+NVIDIA's run.sub does it in its loop over the experiments (`srun --ntasks="${SLURM_JOB_NUM_NODES}" bash -c
+"... sync && ${DROPCACHE_CMD}"`, then that run's srun); the command is the profile's `slurm.flush_page_cache`.
+Kubernetes: where the profile opts in (`kubernetes.flush_page_cache`), a privileged init container in each pod,
+the only part of the job that asks for privilege. It runs once, when the pods start, so a closed campaign of
+several runs is refused there (each closed run is then a job of its own). Either leaves its node's record in
+the run folder, which the node's next run takes; a run whose flush failed says why, and a closed one stops
+unless the user accepts it (--allow-unflushed-cache).
 """
 
 from __future__ import annotations
@@ -13,17 +15,26 @@ from __future__ import annotations
 import shlex
 
 from kubernetes import client as k8s
+from mlperf_logging.mllog import constants as C
 
 from harness.errors import HarnessError
 from harness.spec import JobSpec
-from workloads.common.page_cache import HOST_FLUSH_COMMAND, host_flush_script
+from workloads.common.mlperf import division
+from workloads.common.page_cache import ALLOW_FLAG, HOST_FLUSH_COMMAND, RECORDS, host_flush_script
 
 INIT_CONTAINER = "flush-page-cache"
+FLUSH_SCRIPT_ENV = "HARNESS_FLUSH_SCRIPT"
+# What a TrainJob's ClusterTrainingRuntime must hold for the flush: the kubelet expands $(VAR) in a container's
+# command from its env, so that container runs the script the TrainJob's patch gives it, whatever the run folder.
+RUNTIME_INIT = f"an init container named {INIT_CONTAINER!r} with the harness image and command " \
+               f"[bash, -c, $({FLUSH_SCRIPT_ENV})]"
 
 
 def slurm_flush_lines(spec: JobSpec, nodelist: str | None) -> list[str]:
-    """The sbatch lines of the host-side flush step on the training nodes (none if the profile turns it off).
-    A failed step does not stop the job: each run then reads why in its node's record, or finds none."""
+    """The sbatch lines of the host-side flush step on the training nodes (none if the profile turns it off),
+    which the batch script runs before each run's training step. A failed step does not stop the job: the run
+    then reads why in its node's record, or finds none (a node's record left by an earlier step, which a run
+    continuing after a requeue did not take, is removed first, so that it never passes for this step's)."""
     command = spec.profile.slurm.flush_page_cache
     if not command:
         return []
@@ -31,18 +42,44 @@ def slurm_flush_lines(spec: JobSpec, nodelist: str | None) -> list[str]:
     where = [nodelist] if nodelist else []
     script = shlex.quote(host_flush_script(str(spec.out_dir), command))
     return ["# Flush each node's page cache on the host, outside the container, before the run (MLPerf's rules).",
+            f"rm -rf -- {shlex.quote(str(spec.out_dir / RECORDS))}",
             f"{' '.join([*map(shlex.quote, srun), *where])} bash -c {script} || true"]
 
 
 def kubernetes_flush_init(spec: JobSpec, out_dir: str, mounts: list[k8s.V1VolumeMount]
                           ) -> list[k8s.V1Container] | None:
     """The privileged init container that flushes the pod's node before the run, if the profile opts in."""
-    kube = spec.profile.kubernetes
-    if not kube.flush_page_cache:
+    if not _flush_wanted(spec):
         return None
-    if not kube.results_pvc:
-        raise HarnessError("kubernetes.flush_page_cache needs kubernetes.results_pvc: the init step leaves its "
-                           "record in the run folder on that volume, where the run reads it")
     return [k8s.V1Container(name=INIT_CONTAINER, image=spec.profile.image,
                             command=["bash", "-c", host_flush_script(out_dir, HOST_FLUSH_COMMAND)],
                             volume_mounts=mounts, security_context=k8s.V1SecurityContext(privileged=True))]
+
+
+def trainjob_flush_patch(spec: JobSpec, out_dir: str, mounts: list[dict]) -> list[dict] | None:
+    """The same init step on a TrainJob, if the profile opts in: the runtime patch of the init container
+    INIT_CONTAINER, privileged, with the results volume and the flush script in FLUSH_SCRIPT_ENV. A TrainJob's
+    patch of an init container carries only its env, volume mounts and security context (trainer v2.3's CRD),
+    so the ClusterTrainingRuntime must hold the container itself: RUNTIME_INIT says what (trainjob_notes)."""
+    if not _flush_wanted(spec):
+        return None
+    # The kubelet expands $(VAR) in env values too, and reads $$ as $: doubled, the script reaches bash unchanged.
+    script = host_flush_script(out_dir).replace("$", "$$")
+    return [{"name": INIT_CONTAINER, "env": [{"name": FLUSH_SCRIPT_ENV, "value": script}], "volumeMounts": mounts,
+             "securityContext": {"privileged": True}}]
+
+
+def _flush_wanted(spec: JobSpec) -> bool:
+    """Whether the profile opts in to the init step; refused where the step cannot do what a run needs of it."""
+    kube = spec.profile.kubernetes
+    if not kube.flush_page_cache:
+        return False
+    if not kube.results_pvc:
+        raise HarnessError("kubernetes.flush_page_cache needs kubernetes.results_pvc: the init step leaves its "
+                           "record in the run folder on that volume, where the run reads it")
+    if spec.runs > 1 and division(spec.preset) == C.CLOSED and not spec.allow_unflushed_cache:
+        raise HarnessError(f"kubernetes.flush_page_cache flushes once, when the pods start, and closed runs 2 to "
+                           f"{spec.runs} would stop unflushed (the pods cannot flush): run each closed run as a job "
+                           f"of its own (--runs 1, then `harness export` their run folders together), or accept "
+                           f"the later runs unflushed with {ALLOW_FLAG}")
+    return True

@@ -459,6 +459,59 @@ def test_the_opt_in_page_cache_flush_is_a_privileged_init_container(tmp_path):
     assert "kubernetes.flush_page_cache needs kubernetes.results_pvc" in refused.stderr
 
 
+
+def _flush_spec(tmp_path, *overrides: str, **fields) -> JobSpec:
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["kubernetes.flush_page_cache=true", *overrides])
+    return JobSpec("resnet", nodes=2, out_dir=tmp_path / "run", profile=profile, **fields).resolved()
+
+
+def test_a_closed_campaign_the_init_flush_cannot_cover_is_refused_before_anything_is_submitted(fake_api, tmp_path):
+    """The init container flushes once, when the pods start; a closed campaign's later runs would stop unflushed in
+    the middle of the job. So `harness run` refuses it up front, in one line naming the choices, and the cluster
+    sees no request. One closed run per job, an open campaign, or the user's acceptance go ahead."""
+    refused = harness("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--preset",
+                      "full", "--synthetic", "--runs", "5", "--set", "kubernetes.flush_page_cache=true",
+                      "--out", str(tmp_path / "run"), timeout=60)  # a job it submitted would be watched until then
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    [line] = refused.stderr.strip().splitlines()
+    assert "flushes once, when the pods start, and closed runs 2 to 5 would stop unflushed" in line
+    assert "--runs 1" in line and "harness export" in line and "--allow-unflushed-cache" in line
+    assert not fake_api.requests and not (tmp_path / "run").exists()
+    launcher = get_launcher("k8s")
+    for fine in ({"preset": "full", "synthetic": True}, {"preset": "full", "synthetic": True, "runs": 5,
+                                                         "allow_unflushed_cache": True}, {"runs": 5}):
+        job = launcher.render(_flush_spec(tmp_path, **fine)).payload["body"]  # the last: open runs log cache_clear false
+        assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["initContainers"], fine
+
+
+@needs_trainjob_crd
+def test_a_trainjob_patches_the_runtimes_privileged_flush_init_container(tmp_path):
+    """A TrainJob's runtime patch can give an init container only its env, volume mounts and security context (the
+    CRD), so the flush goes there: privileged, with the results volume and the flush script in an env variable that
+    the runtime's init container runs (the note says what the ClusterTrainingRuntime must hold). The kubelet reads
+    $$ as $ in env values, so the script reaches bash as the PyTorchJob's init container runs it."""
+    from harness.cache_flush import FLUSH_SCRIPT_ENV, INIT_CONTAINER
+    from workloads.common.page_cache import host_flush_script
+
+    launcher = get_launcher("k8s")
+    request = launcher.render(_flush_spec(tmp_path, "kubernetes.api=trainjob"))
+    job = yaml.safe_load(request.text)
+    jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
+    assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
+    [patch] = job["spec"]["runtimePatches"]
+    [node] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]["spec"]
+    [init], [main] = pod["initContainers"], pod["containers"]
+    assert init["name"] == INIT_CONTAINER and init["securityContext"] == {"privileged": True}
+    assert main["securityContext"]["privileged"] is False and init["volumeMounts"] == main["volumeMounts"]
+    [env] = init["env"]
+    folder = next(arg for arg in job["spec"]["trainer"]["args"] if arg.startswith("/results/run-"))
+    assert env["name"] == FLUSH_SCRIPT_ENV and env["value"].replace("$$", "$") == host_flush_script(folder)
+    assert any(f"must hold an init container named {INIT_CONTAINER!r} with the harness image and command "
+               f"[bash, -c, $({FLUSH_SCRIPT_ENV})]" in note for note in request.notes)
+    plain = launcher.render(_flush_spec(tmp_path, "kubernetes.api=trainjob", "kubernetes.flush_page_cache=false"))
+    assert "initContainers" not in plain.text and not any(INIT_CONTAINER in note for note in plain.notes)
+
 class FakeCluster:
     """What the nodes and the operator do with each job `harness run` submits to the fake API (operator on): a
     health job's pods write their nodes' reports (but the nodes in `silent`) and it succeeds; a training job's

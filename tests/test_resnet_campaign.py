@@ -75,6 +75,7 @@ def test_cache_clear_logs_whether_the_page_cache_was_dropped(tiny_campaign):
         [noted] = [r for r in read_json_lines(out / f"run_{i}.jsonl") if r["kind"] == "cache_clear"]
         assert logged == [noted["cleared"]]
         assert noted["cleared"] or ("why_not" in noted and "was not dropped" in result.stderr)
+        assert noted["by"] == ["worker"]  # a local run has no launcher step: its worker flushed, or tried
 
 
 def test_only_rank_zero_writes_the_log_and_every_rank_logs_progress(tiny_campaign):

@@ -182,14 +182,15 @@ def test_every_rank_resumes_from_rank_0s_choice(tmp_path):
 def _clear_page_caches(ctx, folder: Path, control: str) -> dict:
     from workloads.common.page_cache import clear_page_caches
 
-    return {"not_dropped": clear_page_caches(ctx, folder, folder / control.format(rank=ctx.rank))}
+    flushes = clear_page_caches(ctx, folder, folder / control.format(rank=ctx.rank))
+    return {"not_dropped": [f.problem for f in flushes if f.problem], "by": [f.by for f in flushes]}
 
 
 def test_the_page_cache_is_dropped_once_per_node(tmp_path):
     for rank in range(2):
         (tmp_path / f"drop_caches{rank}").write_text("")
     ranks = run_ranks(_clear_page_caches, 2, tmp_path, "drop_caches{rank}")
-    assert ranks == [{"not_dropped": []}] * 2
+    assert ranks == [{"not_dropped": [], "by": ["worker"]}] * 2  # one node, which flushed from its worker
     # Both ranks are on one node here (local ranks 0 and 1): only local rank 0 drops it.
     assert [(tmp_path / f"drop_caches{rank}").read_text() for rank in range(2)] == ["3\n", ""]
 
@@ -218,14 +219,52 @@ def test_the_host_flush_step_records_what_it_did_for_the_run_to_take(tmp_path, c
     record = out / "page_cache" / platform.node()
     assert record.read_text().startswith(recorded)
     control = tmp_path / "read-only" / "drop_caches"  # the container cannot flush
-    why = flush_node(out, control)
+    flush = flush_node(out, control)
+    why = flush.problem
     assert not record.exists()  # taken
     if recorded == "flushed":
-        assert why is None and "cannot write" in flush_node(out, control)  # the next run: no record left
+        assert why is None and flush.by == "host"
+        after = flush_node(out, control)  # the next run of the same launch: no record left
+        assert after.by == "worker" and "cannot write" in after.problem
     else:
-        assert why.startswith("host flush failed (echo 3 > /nonexistent/drop_caches): ") and \
+        assert flush.by == "worker" and why.startswith("host flush failed (echo 3 > /nonexistent/drop_caches): ") and \
             "No such file or directory" in why and why.endswith(f"in the container: cannot write {control}: "
                                                                 "No such file or directory")
+
+
+def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_later_one(tmp_path, monkeypatch, one_process_world, capsys):
+    """--last-run i (Slurm's batch script: one step per run, each after its own flush): the finished runs before
+    i are skipped, an unfinished one is done first, and the campaign stops after run i, leaving the next run for
+    the next step. A --last-run outside the campaign is refused in one line."""
+    from types import SimpleNamespace
+
+    from workloads.common import campaign
+
+    seeds = []
+
+    class Stub:  # a workload that records its run (by its seed) and trains nothing
+        def __init__(self, opts, ctx, seed):
+            seeds.append(seed)
+
+        def hyperparameters(self):
+            return {}
+
+        def open_data(self):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(campaign, "Resilience", lambda *a: SimpleNamespace(finish=lambda: None))
+    monkeypatch.setattr(campaign, "train", lambda *a: True)
+    argv = ["resnet", "--out", str(tmp_path), "--runs", "3", "--seed", "10", "--straggler-window", "0"]
+    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--last-run", "1"]))
+    assert seeds == [10, 11] and not (tmp_path / "result_2.txt").exists()
+    campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--last-run", "2"]))
+    assert seeds == [10, 11, 12]  # runs 0 and 1 stopped: skipped
+    with pytest.raises(SystemExit):
+        campaign.RunOptions.parse([*argv, "--last-run", "3"])
+    assert "--last-run 3 is not one of the campaign's runs: 0 to 2 (--runs 3)" in capsys.readouterr().err
 
 
 class _Constructed(Exception):

@@ -16,7 +16,8 @@ from harness import profiles
 from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
-from tests.conftest import compliance, harness
+from tests.conftest import compliance, free_port, harness
+from workloads.common.mlperf import logged_run
 from workloads.common.page_cache import host_flush_script
 from workloads.common.run_record import read_json_lines
 
@@ -32,16 +33,16 @@ def test_the_448_node_h100_script(tmp_path):
                  "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --partition=h100", "#SBATCH --time=02:00:00",
                  "export NCCL_COLLNET_ENABLE=1", "export NCCL_IB_HCA=ibp", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script.splitlines(), line
-    [srun] = [line for line in script.splitlines() if line.startswith("srun ") and "--kill-on-bad-exit" in line]
+    [srun] = [line.strip() for line in script.splitlines() if "srun " in line and "--kill-on-bad-exit" in line]
     assert "--container-image=registry.example.com/mlperf/mlperf-harness:0.1.0" in srun
     assert "--container-mounts=/mnt/data:/data,/mnt/results:/results" in srun
     assert "--nnodes=448" in srun and "--nproc-per-node=8" in srun
-    assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}"' in srun
+    assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}-${run}"' in srun
     assert not (tmp_path / "out").exists()  # a dry run starts and writes nothing
 
 
 def _flush_step(script: str) -> str:
-    [line] = [line for line in script.splitlines() if "/page_cache" in line]
+    [line] = [line.strip() for line in script.splitlines() if "/page_cache" in line and "srun " in line]
     return line
 
 
@@ -53,7 +54,7 @@ def test_the_page_cache_is_flushed_on_the_host_before_the_training_step(tmp_path
             "--gpus-per-node", "8", "--out", str(tmp_path / "it's"), "--synthetic", "--dry-run")
     script = harness(*args).stdout
     step = _flush_step(script)
-    lines = script.splitlines()
+    lines = [line.strip() for line in script.splitlines()]
     assert lines.index(step) < lines.index(next(line for line in lines if "--kill-on-bad-exit" in line))
     assert step.startswith('srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --nodelist="${training_nodes}" bash -c ')
     assert "--container" not in step and step.endswith(" || true")
@@ -63,6 +64,84 @@ def test_the_page_cache_is_flushed_on_the_host_before_the_training_step(tmp_path
     sudo = harness(*args, "--set", "slurm.flush_page_cache=sudo /sbin/sysctl vm.drop_caches=3").stdout
     assert "( sudo /sbin/sysctl vm.drop_caches=3 )" in shlex.split(_flush_step(sudo).removesuffix(" || true"))[-1]
     assert "/page_cache" not in harness(*args, "--set", "slurm.flush_page_cache=").stdout
+
+
+FAKE_SRUN = """#!{python}
+# The batch script's srun, faked: the flush step runs its bash script here; a training step logs the run it does,
+# with the flush records it finds, and ends that run (run_stop in its log) unless FAIL_RUN names it.
+import json, os, subprocess, sys
+from pathlib import Path
+argv = sys.argv[1:]
+with open(os.environ["STEPS"], "a") as steps:
+    if "--decide" in argv:
+        steps.write("decide\\n")
+    elif "workloads" in argv:
+        run = argv[argv.index("--last-run") + 1] if "--last-run" in argv else "every"
+        out = Path(argv[argv.index("--out") + 1])
+        taken = sorted(p.read_text().strip() for p in (out / "page_cache").glob("*"))
+        steps.write(f"train {{run}} {{taken}}\\n")
+        if run == os.environ.get("FAIL_RUN"):
+            sys.exit(1)
+        line = json.dumps({{"key": "{run_stop}", "value": None, "metadata": {{"status": "success"}}}})
+        (out / f"result_{{run}}.txt").write_text(f":::MLLOG {{line}}\\n")
+    else:
+        steps.write("flush\\n")
+        subprocess.run(argv[argv.index("bash"):], check=True)
+"""
+
+
+def _run_the_batch_script(tmp_path, runs: int, fail_run: str = "") -> list[str]:
+    """The rendered sbatch script, run by bash with srun and scontrol faked: the steps it ran, in order."""
+    import dataclasses
+    import sys
+
+    from mlperf_logging.mllog import constants as C
+
+    profile = profiles.load("local-cpu")
+    profile = dataclasses.replace(profile, slurm=dataclasses.replace(profile.slurm, flush_page_cache="true"))
+    spec = JobSpec("resnet", nodes=2, runs=runs, out_dir=tmp_path / "run", profile=profile).resolved()
+    script = get_launcher("slurm").render(spec).text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable, run_stop=C.RUN_STOP))
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for fake in bin_dir.iterdir():
+        fake.chmod(0o755)
+    steps = tmp_path / "steps"
+    steps.unlink(missing_ok=True)
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
+                               "STEPS": str(steps), "FAIL_RUN": fail_run})
+    assert done.returncode == (1 if fail_run else 0), done.stderr
+    return steps.read_text().splitlines()
+
+
+def test_each_run_is_a_step_of_its_own_after_its_own_host_flush(tmp_path):
+    """As NVIDIA's run.sub loops over its experiments (a host-side DROPCACHE_CMD srun, then that run's srun), the
+    batch script flushes on the host before every run, not once per job: each run's step finds the record of its
+    own flush. A failed run ends the loop (the decide step follows, as before); a requeued job goes on at the
+    first run without run_stop, with a flush of its own, and does not redo the finished ones."""
+    assert _run_the_batch_script(tmp_path, runs=3) == [
+        "flush", "train 0 ['flushed']", "flush", "train 1 ['flushed']", "flush", "train 2 ['flushed']", "decide"]
+    (tmp_path / "run" / "result_2.txt").unlink()  # as if run 2 had failed and the job was requeued
+    (tmp_path / "run" / "page_cache" / "stale").write_text("flushed")  # an earlier step's record is no flush of this one
+    assert _run_the_batch_script(tmp_path, runs=3) == ["flush", "train 2 ['flushed']", "decide"]
+    for result in (tmp_path / "run").glob("result_*.txt"):
+        result.unlink()
+    assert _run_the_batch_script(tmp_path, runs=3, fail_run="1") == [
+        "flush", "train 0 ['flushed']", "flush", "train 1 ['flushed']", "decide"]
+
+
+def test_torchrun_passes_the_run_to_the_workers():
+    """torchrun's own parser reads the training step's words: the worker's --last-run reaches the workers intact
+    (a bare `--run` is a prefix of torchrun's --run-path, which argparse refuses as ambiguous before the script)."""
+    from torch.distributed.run import get_args_parser
+
+    script = get_launcher("slurm").render(JobSpec("resnet", nodes=2, runs=3).resolved()).text
+    train = next(line for line in script.splitlines() if "--rdzv-endpoint" in line)
+    words = shlex.split(train.split(" || ")[0])
+    args = get_args_parser().parse_args(words[words.index("--") + 1:])
+    assert args.training_script == "workloads" and args.training_script_args[-2:] == ["--last-run", "${run}"]
 
 
 def test_gres_and_overrides(tmp_path):
@@ -94,7 +173,7 @@ def test_values_reach_the_shell_quoted(tmp_path):
                          text=True, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "PATH": "/usr/bin:/bin"})
     words = out.stdout.splitlines()
     assert "a'b\"c $(touch pwned)" in words and "$(touch pwned); `touch pwned`" in words
-    assert "--rdzv-id=7" in words
+    assert "--rdzv-id=7-0" in words  # the job's first run
     assert not (tmp_path / "pwned").exists()
 
 
@@ -366,3 +445,21 @@ def test_the_host_flush_step_runs_on_every_node_of_a_real_cluster(slurm_cluster,
     for record in records:
         text = record.read_text().strip()
         assert text == "flushed" or text.startswith("host flush failed (sync && echo 3 > /proc/sys/vm/drop_caches): ")
+
+
+@pytest.mark.slurm
+def test_each_run_of_a_campaign_is_flushed_by_its_own_host_step_on_a_real_cluster(slurm_cluster, tmp_path):
+    """Two runs in one job: each run's workers find the record of a host-side flush made for that run, so no run
+    needs to flush from inside (where a rootless container cannot, and a closed run would stop). The profile's flush
+    command here is harmless (the shared test machine keeps its cache) and counts itself."""
+    out, flushes = tmp_path / "run", tmp_path / "flushes"
+    result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--runs", "2", "--max-steps", "1",
+                     "--seed", "1", "--out", str(out), "--set", f"slurm.flush_page_cache=echo done >> {flushes}",
+                     "--set", f"slurm.rendezvous_port={free_port()}", env=slurm_cluster.env)
+    job = json.loads((out / "job.json").read_text())  # (one step is too short to reach the target: exit 1)
+    assert job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
+    assert flushes.read_text().splitlines() == ["done", "done"]  # one host step per run, no requeue
+    for run in range(2):
+        [noted] = [r for r in read_json_lines(out / f"run_{run}.jsonl") if r.get("kind") == "cache_clear"]
+        assert noted["cleared"] is True and noted["by"] == ["host"], (run, noted)
+        assert logged_run(out / f"result_{run}.txt").stopped  # each run went to its run_stop

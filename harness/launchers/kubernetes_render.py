@@ -25,7 +25,7 @@ from kubernetes import client as k8s
 
 from harness import preflight
 from harness.agent import HOST_ENV, NODE_ENV
-from harness.cache_flush import kubernetes_flush_init
+from harness.cache_flush import RUNTIME_INIT, kubernetes_flush_init, trainjob_flush_patch
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import agent_command, cluster_procs_per_node
@@ -220,6 +220,9 @@ def train_job(spec: JobSpec, token: str) -> dict:
     pod_patch = to_dict(pod)
     pod_patch["containers"] = [{"name": TRAINJOB.container, "volumeMounts": to_dict(parts.mounts),
                                 "securityContext": to_dict(parts.security)}]
+    flush = trainjob_flush_patch(spec, pvc_folder(spec, token), to_dict(parts.mounts))
+    if flush:
+        pod_patch["initContainers"] = flush
     patch = tj.TrainerV1alpha1RuntimePatch(
         manager=MANAGER,
         training_runtime_spec=tj.TrainerV1alpha1TrainingRuntimeSpecPatch.from_dict({"template": {"spec": {
@@ -274,6 +277,9 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
     if unsaid:
         notes.append(f"note: a TrainJob takes {', '.join(unsaid)} from its ClusterTrainingRuntime {runtime!r} "
                      "(podGroupPolicy, pod template, JobSet failurePolicy); set them there")
+    if kube.flush_page_cache:  # a TrainJob's patch cannot add an init container, only patch the runtime's
+        notes.append(f"note: kubernetes.flush_page_cache on a TrainJob patches the init container of its "
+                     f"ClusterTrainingRuntime {runtime!r}, which must hold {RUNTIME_INIT}")
     return notes
 
 

@@ -1,4 +1,4 @@
-"""Slurm: one sbatch script whose single `srun` starts one elastic agent per node.
+"""Slurm: one sbatch script whose `srun` starts one elastic agent per node, once per run of the campaign.
 
 The agents meet at a c10d rendezvous on the first node of the allocation (its
 NodeAddr as Slurm knows it) and each starts one process per GPU. After a failure
@@ -17,6 +17,7 @@ and shell lines, where every value is quoted with shlex.quote.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import shlex
@@ -24,6 +25,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mlperf_logging.mllog import constants as C
 
 from harness.agent import EXIT_RETRY
 from harness.cache_flush import slurm_flush_lines
@@ -153,10 +156,12 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
         expanded.add('--nodelist="${training_nodes}"')
     # Inside a container the image's python runs the agent; on bare nodes, the one that runs us here.
     python = "python" if profile.image else sys.executable
-    # Two values exist only on the allocation, so they stay shell variables; every other word is quoted.
-    endpoint, job_id = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}"'
-    agent = agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=job_id)
-    expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"}
+    # Three values exist only on the allocation, so they stay shell variables; every other word is quoted.
+    # Each run is a step of its own (see _training_lines), with a rendezvous of its own (the last step's is closed):
+    # its workers do run ${run} (and any unfinished before it).
+    endpoint, step_id, run = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}-${run}"', '"${run}"'
+    agent = [*agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=step_id), "--last-run", run]
+    expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={step_id}", run}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.
     # After preflight the decide step runs on a training node, never on one preflight kept out.
@@ -186,14 +191,24 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
 
 
 def _training_lines(spec: JobSpec, command: str, decide: str) -> list[str]:
+    """One training step per run, each after its own flush step, as NVIDIA's run.sub loops over its experiments
+    (`for _experiment_index in $(seq -w 1 "${NEXP}")`: the host-side drop_caches srun, then that run's srun;
+    mlcommons/training_results_v3.1 NVIDIA/benchmarks/bert/implementations/v30-pytorch/run.sub).
+    A requeued job goes on at the first run whose log has no run_stop: the finished ones keep their results."""
     first = '${training_nodes%%,*}' if spec.preflight else \
         '$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)'
+    stopped = json.dumps({"key": C.RUN_STOP})[1:-1]  # the line mllog writes for run_stop
+    result = shlex.quote(str(spec.out_dir / "result_"))  # result_<run>.txt, outside the container
+    flush = slurm_flush_lines(spec, '--nodelist="${training_nodes}"' if spec.preflight else None)
     return [
         "# The rendezvous host: the first training node, at the address Slurm uses for it.",
         f'head_addr=$(node_addr "{first}")',
-        *slurm_flush_lines(spec, '--nodelist="${training_nodes}"' if spec.preflight else None),
         "status=0",
-        f"{command} || status=$?",
+        f"for run in $(seq 0 {spec.runs - 1}); do",
+        f'  if grep -qsF {shlex.quote(stopped)} {result}"${{run}}.txt"; then continue; fi  # finished before a requeue',
+        *(f"  {line}" for line in flush),
+        f"  {command} || {{ status=$?; break; }}",
+        "done",
         f"decision=0; {decide} || decision=$?",
         f'if [ "${{decision}}" -eq {EXIT_RETRY} ]; then',
         "  # An infrastructure failure with restarts left: back into the queue; SLURM_RESTART_COUNT counts it.",

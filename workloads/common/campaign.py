@@ -28,7 +28,7 @@ from workloads.common.compiling import COMPILE_CHOICES, compile_wanted
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
-from workloads.common.mlperf import ResultLog, logged_run, submission_keys
+from workloads.common.mlperf import ResultLog, division, logged_run, submission_keys
 from workloads.common.page_cache import ALLOW_FLAG, clear_page_caches, refuse_unflushed
 from workloads.common.progress import announce
 from workloads.common.resilience import Block, Resilience
@@ -65,6 +65,7 @@ class RunOptions:
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
+    last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
 
     @classmethod
@@ -95,18 +96,24 @@ class RunOptions:
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
         p.add_argument(ALLOW_FLAG, action="store_true")
+        # Not a prefix of any torchrun option (argparse would call `--run` ambiguous with torchrun's --run-path).
+        p.add_argument("--last-run", type=int, help="do the runs up to this one (0-based; the finished ones are "
+                       "skipped) and none after: Slurm's batch script gives each run its own step, after its own "
+                       "cache flush")
         p.add_argument("--packing-factor", type=int, default=1)
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
+        if args.last_run is not None and not 0 <= args.last_run < args.runs:
+            p.error(f"--last-run {args.last_run} is not one of the campaign's runs: 0 to {args.runs - 1} "
+                    f"(--runs {args.runs})")
         return cls(**vars(args))
 
     @property
     def division(self) -> str:
-        """Tiny presets change the benchmark, so they are open division; full presets are closed."""
-        return C.CLOSED if self.preset == "full" else C.OPEN
+        return division(self.preset)
 
 
 class Workload(ABC):
@@ -249,6 +256,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     untimed init again. A run whose init failed (before run_start) retries it in the same
     file, after what the failed init logged: its init_start stays the only one, so the
     rules' init limit (counted by the checker from the first init_start) sees every attempt.
+    With opts.last_run it stops after that run, so that the next one can start after a flush of its own.
     """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
@@ -257,7 +265,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         write_facts(opts.out, ctx)
     log.info("rank %d/%d on %s (%s), %s, attempt %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
              dist.get_backend(), current_attempt())
-    for index in range(opts.runs):
+    for index in range(opts.runs if opts.last_run is None else opts.last_run + 1):
         path = opts.out / f"result_{index}.txt"
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)
         if logged.stopped:
@@ -267,12 +275,13 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             announce(f"run {index + 1}/{opts.runs}: continuing after a failure (attempt {current_attempt()})",
                      show=ctx.is_main)
         else:
-            not_dropped = clear_page_caches(ctx, opts.out)  # the nodes that did not flush, and why
+            flushes = clear_page_caches(ctx, opts.out)
+            not_dropped = [f"{f.node}: {f.problem}" for f in flushes if f.problem]
             cleared = not not_dropped
             mlog.event(C.CACHE_CLEAR, cleared)
             record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
-            record.moment("cache_clear", cleared=cleared, **({} if cleared else {
-                "why_not": not_dropped, "accepted": opts.allow_unflushed_cache}))
+            record.moment("cache_clear", cleared=cleared, by=sorted({f.by for f in flushes}), **(
+                {} if cleared else {"why_not": not_dropped, "accepted": opts.allow_unflushed_cache}))
             if not cleared and opts.division == C.CLOSED and not opts.allow_unflushed_cache:
                 raise SystemExit(refuse_unflushed(index, not_dropped))
             record.moment("input", synthetic=opts.synthetic)  # a synthetic run is kept out of scores

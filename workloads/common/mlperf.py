@@ -128,6 +128,11 @@ class ResultLog:
             self._handler.close()
 
 
+def division(preset: str) -> str:
+    """Tiny presets change the benchmark, so they are open division; full presets are closed."""
+    return C.CLOSED if preset == "full" else C.OPEN
+
+
 def submission_keys(benchmark: str, division: str, org: str, platform: str, status: str = C.ONPREM) -> dict:
     return {
         C.SUBMISSION_BENCHMARK: benchmark,

@@ -3,13 +3,14 @@
 The rules: "You must flush the cache or restart the system prior to benchmarking" (training_rules.adoc, Data
 State at Start of Run). NVIDIA's submission scripts do it on the host, outside the container, on every node
 before each run: `srun --ntasks="${SLURM_JOB_NUM_NODES}" bash -c "... sync && ${DROPCACHE_CMD}"` with
-DROPCACHE_CMD `sudo /sbin/sysctl vm.drop_caches=3`, then log cache_clear true (run.sub in
-mlcommons/training_results_v3.1 NVIDIA/benchmarks/bert/implementations/pytorch). An unprivileged pod or a
-rootless container cannot write /proc/sys/vm/drop_caches, so the launchers run the flush where it can work:
-Slurm as a host-side step per node before the training step, Kubernetes as a privileged init container per
-pod where the profile opts in (harness.cache_flush renders both). That step leaves one record per node in
-<out>/page_cache/<hostname>: "flushed", or why not. A run takes its node's record (once: the next run of the
-same launch has none) and otherwise tries the flush itself, which works where the worker is root on the host.
+DROPCACHE_CMD `sudo /sbin/sysctl vm.drop_caches=3`, then log cache_clear true, in their loop over the runs
+(run.sub in mlcommons/training_results_v3.1 NVIDIA/benchmarks/bert/implementations/v30-pytorch). An
+unprivileged pod or a rootless container cannot write /proc/sys/vm/drop_caches, so the launchers run the flush
+where it can work: Slurm as a host-side step per node before each run's own training step, Kubernetes as a
+privileged init container per pod where the profile opts in (harness.cache_flush renders both). That step
+leaves one record per node in <out>/page_cache/<hostname>: "flushed", or why not. A run takes its node's
+record (once: a later run of the same launch has none) and otherwise tries the flush itself, which works
+where the worker is root on the host; the run record says which did it (NodeFlush.by).
 
 A closed run whose cache was not flushed on every node stops with the reasons before init_start, unless
 the user accepts it (--allow-unflushed-cache); either way the log's cache_clear says what happened and the
@@ -22,6 +23,7 @@ import os
 import platform
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,16 @@ HOST_FLUSH_COMMAND = f"sync && echo 3 > {DROP_CACHES}"  # the reference scripts'
 RECORDS = "page_cache"  # <out>/page_cache/<hostname>: what the launcher's per-node flush step did
 FLUSHED = "flushed"
 ALLOW_FLAG = "--allow-unflushed-cache"
+HOST, WORKER = "host", "worker"  # who flushed a node (or tried last): the launcher's step, or the run's own worker
+
+
+@dataclass(frozen=True)
+class NodeFlush:
+    """One node's flush before a run: who did it (HOST or WORKER) and, if it was not done, why not."""
+
+    node: str
+    by: str
+    problem: str | None = None
 
 
 def host_flush_script(out_dir: str, command: str = HOST_FLUSH_COMMAND) -> str:
@@ -67,28 +79,28 @@ def take_host_record(out: Path) -> str | None:
     return text
 
 
-def flush_node(out: Path, control: Path | None = None) -> str | None:
-    """Flush this node's page cache, or take the launcher's flush of it; None if flushed, else why not."""
+def flush_node(out: Path, control: Path | None = None) -> NodeFlush:
+    """Take the launcher's flush of this node's page cache, or else flush it from here."""
     host = take_host_record(out)
     if host == FLUSHED:
-        return None
+        return NodeFlush(platform.node(), HOST)
     problem = drop_page_cache(control)
-    return f"{host}; in the container: {problem}" if host and problem else problem
+    return NodeFlush(platform.node(), WORKER, f"{host}; in the container: {problem}" if host and problem else problem)
 
 
-def clear_page_caches(ctx: "DistContext", out: Path, control: Path | None = None) -> list[str]:
-    """Flush once per node (its local rank 0); every rank gets the nodes' reasons for not having flushed."""
+def clear_page_caches(ctx: "DistContext", out: Path, control: Path | None = None) -> list[NodeFlush]:
+    """Flush once per node (its local rank 0); every rank gets every node's NodeFlush."""
     import torch.distributed as dist
 
-    problem = None
+    flush = None
     if ctx.local_rank == 0:
-        problem = flush_node(out, control)
-        if problem:
-            print(f"workloads: cache_clear: the page cache of {platform.node()} was not dropped ({problem}); "
+        flush = flush_node(out, control)
+        if flush.problem:
+            print(f"workloads: cache_clear: the page cache of {flush.node} was not dropped ({flush.problem}); "
                   "the run logs cache_clear false", file=sys.stderr, flush=True)
-    problems: list = [None] * ctx.world_size
-    dist.all_gather_object(problems, f"{platform.node()}: {problem}" if problem else None)
-    return [p for p in problems if p]
+    flushes: list = [None] * ctx.world_size
+    dist.all_gather_object(flushes, flush)
+    return [f for f in flushes if f is not None]
 
 
 def refuse_unflushed(run: int, problems: list[str]) -> str:
