@@ -27,6 +27,7 @@ same ops on both sides: `train_step_cpu_ms`), and the first step after each save
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -118,6 +119,7 @@ def worker(side: str, benchmark: str, steps: int, out: Path, stamps_file: Path) 
         # falls inside one side's timed steps or the other's, wherever their allocations happen to make it due.
         freeze_init_objects()
         workload.open_data()
+        gc.freeze()  # and what open_data built, as the harness does after run_start
         batches = workload.batches(0)
         for _ in range(steps):
             workload.train_step(batches)

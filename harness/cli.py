@@ -287,7 +287,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.pod_monitor:
         if launcher.name != "k8s":
             raise HarnessError(f"--pod-monitor is for --backend k8s; on {launcher.name} Prometheus finds the nodes "
-                               "through the run folder's prometheus-targets.json")
+                               "through the run folder's prometheus-targets/*.json (one file a node)")
         import yaml
 
         from harness.launchers.kubernetes_render import pod_monitor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,8 +83,10 @@ def session_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_threads():
-    """Each pytest-xdist worker's share of the cores: torch in the worker and in the runs it starts uses that many
-    threads (the local launcher keeps an OMP_NUM_THREADS it is given), so two workers do not oversubscribe."""
+    """Each pytest-xdist worker's share of the cores for torch in the worker and in the processes it starts itself
+    (closed proxies, benches, torchrun jobs), so that two workers do not oversubscribe the machine. A `harness run`
+    it starts divides the machine's cores among its ranks as it does for a user (local launcher: one thread a rank
+    here), and the two workers' runs then share the cores."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -114,6 +117,7 @@ def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
     out, record = root / "run", root / "completed.json"
     with FileLock(str(root / "lock")):
         if not record.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed here left
             result = harness("run", "resnet", "--runs", str(TINY_RUNS), "--out", str(out))
             record.write_text(json.dumps(vars(result)))
     result = Completed(**json.loads(record.read_text()))

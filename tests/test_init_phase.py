@@ -158,6 +158,55 @@ def test_a_dataset_found_damaged_after_run_start_ends_the_log_aborted(tmp_path, 
     assert mlperf.logged_run(tmp_path / "out" / "result_0.txt").stopped
 
 
+@pytest.mark.parametrize("error, refused", [
+    (FileNotFoundError(2, "No such file or directory", "/data/c4/train.idx"), True),
+    (OSError("Unable to open file (file signature not found)"), True),  # h5py's, on a damaged file: no errno
+    (ValueError("/data/c4/train.bin is shorter than its index says: truncated?"), True),
+    (OSError(116, "Stale file handle", "/data/c4/train.idx"), False),  # ESTALE: NFS after a remount
+    (OSError(5, "Input/output error", "/data/c4/train.bin"), False),
+])
+def test_a_dataset_the_readers_refuse_stops_the_run_and_a_passing_file_system_error_does_not(error, refused):
+    """The readers' verdict on the data stops the run with one line (its log is then ended aborted); an error that
+    the shared file system gives for a while goes on to the failure policy, whose restart continues the run."""
+    from workloads.common.data import data_errors
+
+    with pytest.raises(SystemExit if refused else type(error)) as raised:
+        with data_errors():
+            raise error
+    assert (str(raised.value) == f"workloads: {error}") if refused else raised.value is error
+
+
+class NodeLost(RuntimeError):
+    pass
+
+
+def test_a_run_whose_node_was_lost_while_its_data_opened_logs_the_data_keys_when_it_resumes(tmp_path, monkeypatch,
+                                                                                          one_process_world):
+    """Attempt 0 logs run_start, then fails while its data opens (a node lost while ImageNet is listed, which takes
+    minutes on NFS). Attempt 1 continues the run: it logs train_samples and eval_samples, which the checker wants
+    exactly once, and the failed attempt left nothing frozen in the process."""
+    import gc
+
+    opts = RunOptions.parse(["resnet", "--out", str(tmp_path / "out"), "--max-steps", "1", "--straggler-window", "0",
+                             *tiny_resnet_inputs(tmp_path)])
+    resnet = BENCHMARKS["resnet"].workload_class()
+
+    class LosesItsNode(resnet):
+        def open_data(self):
+            raise NodeLost("node lost")
+
+    with pytest.raises(NodeLost):
+        run_campaign(LosesItsNode, opts)
+    assert gc.get_freeze_count() == 0
+    torch.distributed.destroy_process_group()
+    log_path = tmp_path / "out" / "result_0.txt"
+    assert mlperf.logged_run(log_path).started and not mlperf.logged_run(log_path).stopped
+    monkeypatch.setenv("HARNESS_ATTEMPT", "1")
+    run_campaign(resnet, opts)
+    keys = [e["key"] for e in iter_events(log_path.read_bytes())]
+    assert [keys.count(key) for key in (C.RUN_START, C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP)] == [1, 1, 1, 1]
+
+
 class FailedInit(RuntimeError):
     pass
 

@@ -295,31 +295,35 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         seed_everything(seed + ctx.rank)
         FEED.run(index)
         workload = workload_cls(opts, ctx, seed)
-        freeze_init_objects()  # still the untimed init, a resumed attempt's too
-        if not logged.started:
-            mlog.events(workload.hyperparameters(), logged.values)
-            dist.barrier()
-            mlog.end(C.INIT_STOP)
-            mlog.start(C.RUN_START)
-        data_keys = open_data(workload, mlog)  # inside the timed run
-        if not logged.started:
-            mlog.events(data_keys)
-        gc.freeze()  # the data's objects too (ImageNet's list: 1.28M entries), with no collection in the timed run
-        support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
-                             opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
-                             opts.straggler_threshold)
-        reached = train(workload, mlog, f"run {index + 1}/{opts.runs}", support)
-        status = C.SUCCESS if reached else C.ABORTED
-        mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
-        mlog.close()
-        FEED.state("stopped")
-        support.finish()  # after run_stop: a failure in between must not make the run start over
-        announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
-        # The loaders' workers end with the run; the rest of the workload (in reference cycles) is collected
-        # now instead of piling up over the campaign.
-        workload.close()
-        del workload, support
-        gc.unfreeze()  # frozen cycles are never freed: the collect below would leave the run's workload
+        # The untimed init of a fresh run (a resumed attempt's clock has run since the first run_start).
+        freeze_init_objects()
+        try:
+            if not logged.started:
+                mlog.events(workload.hyperparameters(), logged.values)
+                dist.barrier()
+                mlog.end(C.INIT_STOP)
+                mlog.start(C.RUN_START)
+            # Inside the timed run. What an attempt that failed after run_start logged is not logged twice, and
+            # what it did not reach (it failed while the data opened) is logged now.
+            data_keys = open_data(workload, mlog)
+            mlog.events(data_keys, logged.values)
+            gc.freeze()  # the data's objects too (ImageNet's list: 1.28M entries), with no collection in the run
+            support = Resilience(workload, opts.out, index, opts.checkpoint_every, opts.keep_checkpoints,
+                                 opts.async_checkpoint, opts.inject_failure, mlog, opts.straggler_window,
+                                 opts.straggler_threshold)
+            reached = train(workload, mlog, f"run {index + 1}/{opts.runs}", support)
+            status = C.SUCCESS if reached else C.ABORTED
+            mlog.end(C.RUN_STOP, metadata={C.STATUS: status})
+            mlog.close()
+            FEED.state("stopped")
+            support.finish()  # after run_stop: a failure in between must not make the run start over
+            announce(f"run {index + 1}/{opts.runs}: {status} -> {path}", show=ctx.is_main)
+            # The loaders' workers end with the run; the rest of the workload (in reference cycles) is collected
+            # now instead of piling up over the campaign.
+            workload.close()
+            del workload, support
+        finally:
+            gc.unfreeze()  # frozen cycles are never freed: the collect below would leave the run's workload
         gc.collect()
         dist.barrier()
     shutdown_distributed()
