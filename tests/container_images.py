@@ -157,11 +157,19 @@ def harness_version() -> str:
     return re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
 
 
+TEST_IMAGE_LABEL = "org.mlperf-harness.test-image=1"
+
+
 def harness_image(env: dict, base: str, work: Path) -> str:
     """manifests/image/Containerfile on `base`, built as a user builds it (from the repository root); its ID,
-    which no other test session's build can retag meanwhile."""
+    which no other test session's build can retag meanwhile.
+
+    Each session's build takes the tag from the last one's image, which would stay behind untagged (0.6 GB of
+    its own each): those with the tests' label that no container uses are removed (a session still running
+    another's image keeps it)."""
     iidfile = work / "harness-image.id"
     podman(env, "build", "--network", "host", "-f", str(HARNESS_CONTAINERFILE), *pip_build_args(host_pip_config()),
            "--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"HARNESS_VERSION={harness_version()}",
-           "--iidfile", str(iidfile), "-t", "localhost/mlperf-harness:test", str(REPO))
+           "--label", TEST_IMAGE_LABEL, "--iidfile", str(iidfile), "-t", "localhost/mlperf-harness:test", str(REPO))
+    podman(env, "image", "prune", "--force", "--filter", f"label={TEST_IMAGE_LABEL}", check=False)
     return iidfile.read_text().strip()
