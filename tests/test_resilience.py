@@ -158,6 +158,8 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    # Its faulthandler would point at this test's captured stderr for the rest of the session.
+    monkeypatch.setattr(worker.error_handler, "initialize", lambda: None)
     for argv, said in ((["resnet", "--no-such-option"], "unrecognized arguments: --no-such-option"),
                        (["llama31_8b", "--preset", "full"], "give --data PATH")):
         monkeypatch.setattr(sys, "argv", ["workloads", *argv, "--out", str(tmp_path / "out")])
