@@ -59,7 +59,8 @@ EXIT_FOLDER_TAKEN = 7  # (6 is harness run's "too few healthy nodes", harness.pr
 # 128 + SIGUSR1, so that a PyTorchJob's ExitCode policy recreates the pod: the training operator retries
 # every code of 128 or more, and its releases before that only 130, 137, 143 and this one.
 EXIT_RETRY = 138
-EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload or configuration error (not retried)", EXIT_BUDGET_SPENT: "restart budget spent",
+EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload or configuration error (not retried)",
+              EXIT_BUDGET_SPENT: "restart budget spent",
               EXIT_REPEATED_FAILURE: "the same failure 3 times at the same step",
               EXIT_FOLDER_TAKEN: "the run folder holds another job's results", EXIT_RETRY: "retry"}
 HOST_ENV = "HARNESS_HOST"  # the machine's name where NODE_ENV names a pod: the metrics' node label
@@ -99,10 +100,11 @@ def classify(rank: int, exit_code: int, signal_name: str | None, message: str, h
         return Failure(INFRASTRUCTURE, f"rank {rank} killed by {signal_name}", rank, exit_code, signal_name)
     if has_error_file:
         first_line = message.strip().splitlines()[0] if message.strip() else "an exception"
+        if _INFRASTRUCTURE_ERRORS.search(message):  # first: a refusal that reads as the machine's is retried as before
+            return Failure(INFRASTRUCTURE, f"rank {rank}: {first_line[:300]}", rank, exit_code)
         if first_line.startswith(REFUSAL):
             return Failure(CONFIGURATION, f"rank {rank}: {first_line.removeprefix(REFUSAL)[:300]}", rank, exit_code)
-        kind = INFRASTRUCTURE if _INFRASTRUCTURE_ERRORS.search(message) else WORKLOAD
-        return Failure(kind, f"rank {rank}: {first_line[:300]}", rank, exit_code)
+        return Failure(WORKLOAD, f"rank {rank}: {first_line[:300]}", rank, exit_code)
     return Failure(WORKLOAD, f"rank {rank} exited with code {exit_code}", rank, exit_code)
 
 

@@ -172,6 +172,8 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
         assert attempt_failure([peer, verdict]) is verdict  # the cause, not the peer that lost it
         assert not (tmp_path / "out").exists()  # refused before anything was written
         error_file.unlink()
+    # A refusal whose reason reads as the machine's (a data file's server gone) is retried as it was.
+    assert classify(0, 1, None, "SystemExit: workloads: [Errno 111] Connection refused", True).kind == INFRASTRUCTURE
 
 
 def test_option_parsing_names_the_choices():

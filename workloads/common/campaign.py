@@ -79,7 +79,8 @@ class RunOptions:
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
-        p = _Parser(prog="python -m workloads", description="One rank of a benchmark campaign (started by `harness run`).")
+        p = _Parser(prog="python -m workloads",
+                    description="One rank of a benchmark campaign (started by `harness run`).")
         p.add_argument("benchmark", choices=BENCHMARKS)
         p.add_argument("--preset", default="tiny")
         p.add_argument("--out", type=Path, required=True)

@@ -186,6 +186,6 @@ def plan_run(cfg: ResNetConfig, world: int, optimizer: str | None = None) -> Pla
 def describe(plan: Plan) -> list[str]:
     """The line `--dry-run` shows."""
     s = plan.schedule
-    return [f"resnet batch: global {plan.global_batch:,} = {plan.world} processes x {plan.batch_size}; {plan.optimizer} "
-            f"at base LR {s.base_lr:g}, {s.warmup_epochs} warmup epochs of {s.epochs}, momentum {s.momentum:g}, "
-            f"weight decay {s.weight_decay:g} ({s.source})"]
+    return [f"resnet batch: global {plan.global_batch:,} = {plan.world} processes x {plan.batch_size}; "
+            f"{plan.optimizer} at base LR {s.base_lr:g}, {s.warmup_epochs} warmup epochs of {s.epochs}, "
+            f"momentum {s.momentum:g}, weight decay {s.weight_decay:g} ({s.source})"]
