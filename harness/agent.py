@@ -9,12 +9,13 @@ no restarts of its own, and this wrapper:
    exit code or signal, the failed rank, the cause, and the run and step it reached (the
    decider merges every node's file into <out>/attempts.jsonl);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
-   error or timeout, a rendezvous that timed out or could not reach its store, out of memory)
-   or `workload` (an exception in the training code,
-   a diverged loss, an exit with an error code);
+   error or timeout, a rendezvous that timed out or could not reach its store, out of memory),
+   `workload` (an exception in the training code, a diverged loss, an exit with an error code)
+   or `configuration` (a command torchrun or the workload refuses: an argument it does not take,
+   a preset without its dataset; the same on every node and at every attempt);
 3. decides, against one restart budget for every backend: retry an infrastructure
    failure while restarts are left, unless the last 3 attempts failed the same way at
-   the same step; never retry a workload error.
+   the same step; never retry a workload or configuration error (harness.blame blames no node for either).
 
 Who restarts differs per backend: locally this loop does (`--restart-here`); on Slurm
 the batch script requeues the job when `--decide` says so; on Kubernetes the exit code
@@ -32,6 +33,7 @@ scheduler restarts them into the same attempt: one budget, every restart counted
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -45,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.blame import GPU_HARDWARE, PEER_LOSS
+from harness.blame import CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, NOT_RETRIED, PEER_LOSS, WORKLOAD
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
 from workloads.common.requirements_check import exit_if_unfit
@@ -57,14 +59,17 @@ EXIT_FOLDER_TAKEN = 7  # (6 is harness run's "too few healthy nodes", harness.pr
 # 128 + SIGUSR1, so that a PyTorchJob's ExitCode policy recreates the pod: the training operator retries
 # every code of 128 or more, and its releases before that only 130, 137, 143 and this one.
 EXIT_RETRY = 138
-EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload error (not retried)", EXIT_BUDGET_SPENT: "restart budget spent",
+EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload or configuration error (not retried)",
+              EXIT_BUDGET_SPENT: "restart budget spent",
               EXIT_REPEATED_FAILURE: "the same failure 3 times at the same step",
               EXIT_FOLDER_TAKEN: "the run folder holds another job's results", EXIT_RETRY: "retry"}
 HOST_ENV = "HARNESS_HOST"  # the machine's name where NODE_ENV names a pod: the metrics' node label
 NODE_ENV = "HARNESS_NODE"  # the node's name where the hostname is not stable (a Kubernetes pod's name)
 CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose results it holds
 REPEATS_TO_STOP = 3
-INFRASTRUCTURE, WORKLOAD = "infrastructure", "workload"
+# How a worker's refusal with its reason (workloads.__main__: a bad command line, a missing input) reads in its
+# error file: torch's ErrorHandler writes "<exception type>: <text>".
+REFUSAL = "SystemExit: "
 # Exception text that means the machine, the network or a peer failed, not the training code.
 # Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
 _INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}")
@@ -72,7 +77,7 @@ _INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # INFRASTRUCTURE or WORKLOAD
+    kind: str  # INFRASTRUCTURE, WORKLOAD or CONFIGURATION
     cause: str
     rank: int | None = None
     exit_code: int | None = None
@@ -95,15 +100,18 @@ def classify(rank: int, exit_code: int, signal_name: str | None, message: str, h
         return Failure(INFRASTRUCTURE, f"rank {rank} killed by {signal_name}", rank, exit_code, signal_name)
     if has_error_file:
         first_line = message.strip().splitlines()[0] if message.strip() else "an exception"
-        kind = INFRASTRUCTURE if _INFRASTRUCTURE_ERRORS.search(message) else WORKLOAD
-        return Failure(kind, f"rank {rank}: {first_line[:300]}", rank, exit_code)
+        if _INFRASTRUCTURE_ERRORS.search(message):  # first: a refusal that reads as the machine's is retried as before
+            return Failure(INFRASTRUCTURE, f"rank {rank}: {first_line[:300]}", rank, exit_code)
+        if first_line.startswith(REFUSAL):
+            return Failure(CONFIGURATION, f"rank {rank}: {first_line.removeprefix(REFUSAL)[:300]}", rank, exit_code)
+        return Failure(WORKLOAD, f"rank {rank}: {first_line[:300]}", rank, exit_code)
     return Failure(WORKLOAD, f"rank {rank} exited with code {exit_code}", rank, exit_code)
 
 
 def attempt_failure(failures: list[Failure]) -> Failure:
-    """The root cause among the failed ranks: a workload error if any rank had one (the others then lost
-    their peer), else a failure other than the SIGTERM the agent sends to the survivors."""
-    return min(failures, key=lambda f: (f.kind != WORKLOAD, f.signal == "SIGTERM", f.rank or 0))
+    """The root cause among the failed ranks: a workload or configuration error if any rank had one (the others
+    then lost their peer), else a failure other than the SIGTERM the agent sends to the survivors."""
+    return min(failures, key=lambda f: (f.kind not in NOT_RETRIED, f.signal == "SIGTERM", f.rank or 0))
 
 
 # --- the record ----------------------------------------------------------------------------------
@@ -242,7 +250,7 @@ def summarize(records: list[dict], attempt: int) -> dict | None:
     failed = [r for r in ends if not r.get("ok")]
     if not failed:
         return {"ok": True}
-    worst = next((r for r in failed if r.get("kind") == WORKLOAD), failed[0])
+    worst = next((r for r in failed if r.get("kind") in NOT_RETRIED), failed[0])
     return {"ok": False, "kind": worst.get("kind"), "cause": worst.get("cause"), "run": worst.get("run"),
             "step": worst.get("step")}
 
@@ -254,10 +262,14 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
         return Decision(0, f"attempt {attempt} succeeded")
     where = "" if outcome.get("run") is None else f" (run {outcome['run'] + 1}" + \
         (f", step {outcome['step']})" if outcome.get("step") is not None else ")")
-    what = f"attempt {attempt} failed{where}: {outcome['cause']}"
+    what = f"attempt {attempt} failed{where}: {str(outcome['cause']).rstrip('.')}"  # a sentence follows
     if outcome["kind"] == WORKLOAD:
         return Decision(EXIT_WORKLOAD_ERROR, f"{what}. This is a workload error, which a restart would "
                                              "repeat, so the job stops; fix the cause and run again")
+    if outcome["kind"] == CONFIGURATION:
+        return Decision(EXIT_WORKLOAD_ERROR, f"{what}. This is a configuration error (the job's command or input, "
+                                             "the same on every node), which a restart would repeat, so the job "
+                                             "stops and no node is blamed; fix it and run again")
     if attempt >= budget:
         return Decision(EXIT_BUDGET_SPENT, f"{what}. The restart budget ({budget}) is spent, so the job stops; "
                                            "raise --max-restarts to allow more")
@@ -281,8 +293,10 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    args = torchrun.parse_args(torchrun_argv)
-    args.max_restarts = 0
+    try:
+        args = torchrun_args(torchrun_argv)
+    except ValueError as exc:
+        return False, Failure(CONFIGURATION, f"torchrun refused the node's command: {exc}")
     try:
         torchrun.run(args)
         return False, None
@@ -298,6 +312,28 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
         # The nodes never met (a node late or lost, the store's host unreachable): no worker ran, so it is the
         # cluster's failure, not the workload's, and worth a retry like any other.
         return False, Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
+
+
+def torchrun_args(torchrun_argv: list[str]):
+    """torchrun's arguments with no restarts of its own, checked as torchrun.run checks them first; ValueError
+    with torchrun's reason where it refuses them. Such a command is the job's configuration error (an option the
+    image's torch does not take, a malformed value): left to torchrun it would exit 2 or raise before this node
+    recorded its attempt's end, and the failure policy would read every node as lost, retry and blame them."""
+    from torch.distributed import run as torchrun
+
+    parser = torchrun.get_args_parser()
+
+    def refuse(message: str):  # argparse would print its usage and exit 2
+        raise ValueError(message)
+
+    parser.error = refuse
+    args = parser.parse_args(torchrun_argv)
+    args.max_restarts = 0
+    try:
+        torchrun.config_from_args(copy.copy(args))  # torchrun.run's first step, which it repeats on `args`
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise ValueError(str(exc) or type(exc).__name__) from None
+    return args
 
 
 def _rendezvous_reason(exc: Exception, args) -> str:

@@ -13,7 +13,8 @@ node agent's start and end, harness.agent):
   is the culprit, and only when no node was lost;
 - a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), is a victim, never blamed; when
   only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
-- a workload error is the program's: it blames no node.
+- a workload error is the program's, and a configuration error (a command torchrun or the workload refuses,
+  the same on every node) the job's: neither blames a node.
 
 Nodes are ordered by when their agent recorded the end: the culprit's agent ends as soon as its rank dies,
 its peers' only after NCCL gave up on it. Stragglers are judged apart (harness.results.goodput).
@@ -30,7 +31,10 @@ PEER_LOSS = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|NCCL|[
 GPU_HARDWARE = re.compile(r"ECC error|unspecified launch failure|CUDA error: unknown error|fallen off the bus|"
                           r"\bXid\b|CUDA-capable device\(s\) is/are busy or unavailable")
 VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
-WORKLOAD = "workload"  # harness.agent's kind for the program's own errors
+# harness.agent's kinds of failure. The program's own errors and a job whose command is wrong fail the same way on
+# any node, at every attempt: never retried, never blamed on a node.
+INFRASTRUCTURE, WORKLOAD, CONFIGURATION = "infrastructure", "workload", "configuration"
+NOT_RETRIED = (WORKLOAD, CONFIGURATION)
 
 
 def culprits(records: list[dict]) -> dict[str, str]:
@@ -45,7 +49,7 @@ def culprits(records: list[dict]) -> dict[str, str]:
     for node in host:
         if node not in ended:
             blamed[host[node]] = "the node was lost: its agent never recorded the attempt's end"
-    failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") != WORKLOAD),
+    failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") not in NOT_RETRIED),
                     key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else float("inf"))
     for record in failed:
         if GPU_HARDWARE.search(record.get("cause") or ""):

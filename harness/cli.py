@@ -282,6 +282,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = spec.resolved(runs_root=launcher.runs_root(spec))
     notes = validate(spec, dry_run=args.dry_run, paths_here=launcher.paths_here)
     request = launcher.render(spec)
+    submits = not (args.dry_run or args.pod_monitor)
+    if submits:  # before the request's notes: a folder the job cannot use is then the one line said
+        check_writable(spec.out_dir)
+        if any(spec.out_dir.glob("result_*.txt")):
+            raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
     for note in (*request.notes, *notes):
         print(f"harness: {note}", file=sys.stderr)
     if args.pod_monitor:
@@ -297,9 +302,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(request.text)
         return 0
-    check_writable(spec.out_dir)
-    if any(spec.out_dir.glob("result_*.txt")):
-        raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
     print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
           flush=True)
     watcher = None
@@ -436,7 +438,7 @@ def _summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: 
               "succeeded", file=sys.stderr)
         return 0
     if missed or len(results.records) < runs:
-        failed = sum(not r.compliant for r in missed)
+        failed = sum(r.left_out for r in missed)
         why = f" ({failed} left out by the compliance checker, named above)" if failed else ""
         print(f"harness: {len(missed)} of {runs} run(s) did not reach the quality target{why}", file=sys.stderr)
         return 1

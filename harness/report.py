@@ -11,7 +11,8 @@ platform) and `system_id` the folder. `campaign` is the folder of the logs outsi
 (each campaign is its own group), null inside one. `compliant` is mlperf-logging's compliance
 checker's verdict on the file and `compliance_error` its first error; a file that fails is left out
 of the score as the summarizer leaves it out (counted as a failed run), and `left_out` counts those
-files of the group. `score_min` is the MLPerf score when the group has the runs the
+files of the group, less the runs that ended aborted (failed already; the table says "aborted" instead of the
+checker's verdict on a log that stopped early). `score_min` is the MLPerf score when the group has the runs the
 rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
 the RCP verdict the official summarizer gives closed results (Pass, Fail, Interp. Fail, Missing, No
 RCP, Unknown state; null where the checker cannot run, with the reason in `rcp_message`); `scaling_factor`
@@ -125,7 +126,7 @@ def _table(results: ResultSet) -> str:
             status = "unfinished" if run.unfinished else run.status or "?"
             if run.synthetic:
                 status += ", synthetic input"
-            elif not run.compliant:  # a synthetic run misses any closed target: not news
+            elif run.left_out:  # a synthetic run misses any closed target: not news
                 status += ", non-compliant"
             rows.append((str(i), status, _number(run.time_to_train_min, 4), _number(run.quality, 4),
                          _number(run.samples_per_s, 1),
@@ -137,6 +138,8 @@ def _table(results: ResultSet) -> str:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
         lines.extend(f"  left out by the compliance checker: {run.file}: {run.compliance_error}"
                      for run in group.left_out)
+        lines.extend(f"  aborted: {run.file}: the run stopped before its quality target; its log is kept"
+                     for run in group.runs if run.aborted and not run.synthetic)
     return "\n".join(lines) if lines else "no result files found"
 
 

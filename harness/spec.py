@@ -21,10 +21,7 @@ from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.llama.config import RCP_GLOBAL_BATCHES  # torch-free
-from workloads.registry import BENCHMARKS  # torch-free
-
-# Presets that read a real dataset unless --synthetic is given.
-DATASET_PRESETS = ("full",)
+from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
@@ -321,13 +318,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         missing.append(f"dataset path {spec.data} does not exist or is not a folder")
     if paths_here and spec.init_checkpoint is not None and not spec.init_checkpoint.exists():
         missing.append(f"--init-checkpoint path {spec.init_checkpoint} does not exist")
-    if spec.preset in DATASET_PRESETS and spec.data is None and not spec.synthetic:
-        missing.append(f"preset {spec.preset!r} trains on the real dataset: give --data PATH, "
-                       "or --synthetic to measure throughput on generated input")
-    starts_from = BENCHMARKS[spec.benchmark].init_checkpoint
-    if starts_from and spec.preset == "full" and spec.init_checkpoint is None and not spec.synthetic:
-        missing.append(f"{spec.benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint "
-                       f"{starts_from}")
+    missing += missing_inputs(spec.benchmark, spec.preset, spec.data, spec.init_checkpoint, spec.synthetic)
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]

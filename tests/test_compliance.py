@@ -74,6 +74,40 @@ def test_one_broken_file_counts_as_a_failed_run_as_the_summarizer_counts_it(tmp_
     assert group.score_min != pytest.approx(load([BASELINE]).groups[0].score_min)
 
 
+def test_a_run_that_ended_aborted_is_named_aborted_not_by_the_checkers_noise(tmp_path, capsys):
+    """A run whose data failed to open logs run_start, then run_stop aborted (workloads.common.campaign.open_data):
+    no train_samples, which the checker then names ("Required EXACTLY_ONE occurrence of 'train_samples'"). Such a
+    run failed already; the report and `harness run`'s summary say it ended aborted, its log kept, in one line.
+    A run that ended success without train_samples is still left out, with the checker's words."""
+    from harness.cli import _summarize
+    from harness.report import render
+
+    aborted = tmp_path / "aborted"
+    aborted.mkdir()
+    lines = (BASELINE / "result_0.txt").read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if '"key": "run_start"' in line)
+    stop = next(line for line in lines if '"key": "run_stop"' in line).replace('"success"', '"aborted"')
+    opened = ('"key": "train_samples"', '"key": "eval_samples"')  # logged once the data is open
+    kept = [line for line in lines[:start + 1] if not any(key in line for key in opened)]
+    (aborted / "result_0.txt").write_text("".join(kept) + stop)
+    assert "train_samples" in check_file(str(aborted / "result_0.txt"), "4.0.0").error  # what was shown before
+    [group] = load([aborted]).groups
+    assert group.left_out == [] and group.runs[0].aborted and not group.runs[0].converged
+    table = render(load([aborted]), "table")
+    assert "train_samples" not in table and "compliance checker" not in table and "non-compliant" not in table
+    assert f"aborted: {aborted / 'result_0.txt'}: the run stopped before its quality target; its log is kept" in table
+    assert _summarize(aborted, job_ok=True, runs=1, ruleset="4.0.0") == 1
+    out, err = capsys.readouterr()
+    assert "train_samples" not in out + err and "did not reach the quality target" in err and "left out" not in err
+
+    finished = broken_copy(tmp_path / "finished", drop="train_samples", files=1)
+    [group] = load([finished]).groups
+    assert [Path(r.file).name for r in group.left_out] == ["result_0.txt"]
+    table = render(load([finished]), "table")
+    assert f"left out by the compliance checker: {finished / 'result_0.txt'}: Required EXACTLY_ONE occurrence of " \
+           "'train_samples'" in table and "aborted:" not in table
+
+
 def test_the_checkers_own_failure_is_a_failed_verdict_and_spoils_no_later_file(tmp_path):
     """resnet has no 5.0.0 rule file: the checker raises (its command exits 1 with a traceback)."""
     log = str(BASELINE / "result_0.txt")

@@ -102,6 +102,80 @@ def test_retry_decisions():
     assert decide(lost, 0, budget=1).exit_code == EXIT_RETRY
 
 
+def test_a_command_torchrun_refuses_is_a_configuration_error_not_a_lost_node(tmp_path, monkeypatch, capsys):
+    """The node agent with a torchrun option the image's torch does not take. Before, torchrun's parser exited 2
+    after the attempt's start was recorded and before its end: every node read as lost, so the policy retried the
+    job (Slurm's --decide) and blamed each node (Kubernetes' watcher, preflight's exclusions). Now the attempt ends
+    with torchrun's reason as a configuration error: one line, exit 3, not retried (even by --restart-here), no
+    node blamed."""
+    import signal
+
+    from harness import agent, blame
+    from workloads.common.metrics_feed import METRICS_DIR_ENV
+
+    monkeypatch.setenv(agent.NODE_ENV, "node-a")
+    monkeypatch.delenv(METRICS_DIR_ENV, raising=False)  # the agent sets it for its workers
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        code = agent.main(["--out", str(tmp_path), "--max-restarts", "3", "--restart-here", "--metrics-port", "0",
+                           "--", "--nproc-per-node=1", "--standalone", "--no-such-option", "-m", "workloads",
+                           "resnet"])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err
+    assert code == EXIT_WORKLOAD_ERROR
+    assert err.count("\n") == 1 and "unrecognized arguments: --no-such-option" in err and "configuration" in err
+    records = agent.read_records(tmp_path)
+    assert [(r["event"], r["attempt"]) for r in records] == [("start", 0), ("end", 0)]  # one attempt, ended
+    assert records[1]["kind"] == blame.CONFIGURATION and "torchrun refused" in records[1]["cause"]
+    assert blame.culprits(records) == {}
+    assert decide(records, 0, budget=3).exit_code == EXIT_WORKLOAD_ERROR  # what Slurm's script asks
+
+
+def test_torchrun_values_it_refuses_are_named():
+    from harness.agent import torchrun_args
+
+    with pytest.raises(ValueError, match="Unsupported nproc_per_node value: many"):
+        torchrun_args(["--nproc-per-node=many", "--standalone", "-m", "workloads", "resnet"])
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        torchrun_args(["--nnodes=1:2:3", "-m", "workloads", "resnet"])
+    assert torchrun_args(["--nproc-per-node=2", "--standalone", "-m", "workloads", "resnet"]).max_restarts == 0
+
+
+def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path, monkeypatch, capfd):
+    """A worker's refusal (a bad option, a preset without its input) reaches the agent through the worker's error
+    file, as the real `python -m workloads` writes it: a configuration error with the worker's own line (a usage
+    error was `rank 0 exited with code 2`, a workload error), never retried or blamed. A worker's real fault
+    keeps its kind (test_failures_are_classified_by_what_failed)."""
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    import workloads.__main__ as worker
+    from harness.agent import _error_text, attempt_failure
+    from harness.blame import CONFIGURATION
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    # Its faulthandler would point at this test's captured stderr for the rest of the session.
+    monkeypatch.setattr(worker.error_handler, "initialize", lambda: None)
+    for argv, said in ((["resnet", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+                       (["llama31_8b", "--preset", "full"], "give --data PATH")):
+        monkeypatch.setattr(sys, "argv", ["workloads", *argv, "--out", str(tmp_path / "out")])
+        assert worker.main() == 1
+        assert capfd.readouterr().err.count("\n") == 1
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+        verdict = classify(0, 1, None, _error_text(failure.message), True)
+        assert verdict.kind == CONFIGURATION and said in verdict.cause and "SystemExit" not in verdict.cause
+        peer = classify(1, 1, None, "RuntimeError: [gloo] Connection closed by peer", True)
+        assert attempt_failure([peer, verdict]) is verdict  # the cause, not the peer that lost it
+        assert not (tmp_path / "out").exists()  # refused before anything was written
+        error_file.unlink()
+    # A refusal whose reason reads as the machine's (a data file's server gone) is retried as it was.
+    assert classify(0, 1, None, "SystemExit: workloads: [Errno 111] Connection refused", True).kind == INFRASTRUCTURE
+
+
 def test_option_parsing_names_the_choices():
     assert CheckpointEvery.parse("50") == CheckpointEvery(steps=50)
     assert CheckpointEvery.parse("10m") == CheckpointEvery(seconds=600)

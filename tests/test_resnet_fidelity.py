@@ -118,13 +118,44 @@ def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover(one
     assert lars_schedule(full, 4097).batch == 8192 and lars_schedule(full, 13056).base_lr == 12.8
     assert lars_schedule(full, 57344).source.endswith("(NVIDIA+CoreWeave's v3.0 run)")
     for batch in (13057, 20000, 32767, 67841, 131072):
-        with pytest.raises(SystemExit) as refused:
+        with pytest.raises(ValueError) as refused:
             lars_schedule(full, batch)
         message = str(refused.value)
         assert f"global batch of {batch:,}" in message and "1 to 13,056, 32,768 to 67,840" in message
         assert "\n" not in message
-    with pytest.raises(SystemExit, match="global batch of 20,000"):  # before its 20,000 synthetic images exist
+    with pytest.raises(SystemExit, match="global batch of 20,000"):  # before its model or 20,000 images exist
         full_workload(one_rank_world, tmp_path, "lars", batch=20000)
+
+
+@pytest.mark.parametrize("backend, args", [
+    ("local", ["--procs-per-node", "2", "--batch-size", "10000"]),  # 20,000
+    ("slurm", ["--nodes", "80", "--procs-per-node", "1", "--batch-size", "256"]),  # 20,480: 80 nodes x 256
+])
+def test_a_global_batch_the_lars_table_does_not_cover_is_refused_before_anything_starts(backend, args, tmp_path,
+                                                                                        capsys):
+    """The closed preset's LARS gap (13,057 to 32,767) is refused when `harness run` renders the request, dry run or
+    not, in one line naming the covered batches and the split: no run folder, no job; before, the workers
+    refused it once they had started (a whole allocation for one line)."""
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    for dry in (["--dry-run"], []):
+        code = main(["run", "resnet", "--preset", "full", "--synthetic", "--backend", backend, "--out", str(out),
+                     *args, *dry])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "1 to 13,056, 32,768 to 67,840" in err and "--batch-size" in err
+        assert not out.exists()
+
+
+def test_the_dry_run_shows_the_batch_and_the_lars_row_it_takes(tmp_path, capsys):
+    from harness.cli import main
+
+    assert main(["run", "resnet", "--preset", "full", "--synthetic", "--procs-per-node", "2", "--batch-size", "2048",
+                 "--out", str(tmp_path / "run"), "--dry-run"]) == 0
+    row = lars_schedule(PRESETS["full"], 4096)
+    assert (f"resnet batch: global 4,096 = 2 processes x 2048; lars at base LR {row.base_lr:g}, "
+            f"{row.warmup_epochs} warmup epochs of {row.epochs}") in capsys.readouterr().err
 
 
 # --- the table against the RCPs: at each RCP's batch, the run logs the RCP's hyperparameters -------------------

@@ -232,7 +232,7 @@ def test_the_host_flush_step_records_what_it_did_for_the_run_to_take(tmp_path, c
                                                                 "No such file or directory")
 
 
-def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_later_one(tmp_path, monkeypatch, one_process_world, capsys):
+def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_later_one(tmp_path, monkeypatch, one_process_world):
     """--last-run i (Slurm's batch script: one step per run, each after its own flush): the finished runs before
     i are skipped, an unfinished one is done first, and the campaign stops after run i, leaving the next run for
     the next step. A --last-run outside the campaign is refused in one line."""
@@ -262,9 +262,9 @@ def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_late
     assert seeds == [10, 11] and not (tmp_path / "result_2.txt").exists()
     campaign.run_campaign(Stub, campaign.RunOptions.parse([*argv, "--last-run", "2"]))
     assert seeds == [10, 11, 12]  # runs 0 and 1 stopped: skipped
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:  # a refusal with its line (workloads.__main__ prints and records it)
         campaign.RunOptions.parse([*argv, "--last-run", "3"])
-    assert "--last-run 3 is not one of the campaign's runs: 0 to 2 (--runs 3)" in capsys.readouterr().err
+    assert "--last-run 3 is not one of the campaign's runs: 0 to 2 (--runs 3)" in refused.value.code
 
 
 class _Constructed(Exception):

@@ -33,6 +33,40 @@ def test_worker_args_round_trip_through_the_worker_parser(tmp_path):
     assert opts.data is None and opts.division == "closed"
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["llama31_8b", "--preset", "full"], "give --data PATH"),
+    (["resnet", "--preset", "full"], "give --data PATH"),  # trained a closed ResNet-50 on the tiny images before
+    (["gpt3", "--preset", "full", "--synthetic"], None),  # synthetic: no dataset, random weights
+    (["gpt3", "--preset", "full", "--data", "/d"], "give --init-checkpoint DIR"),
+    (["llama2_70b_lora", "--synthetic"], "also with --synthetic"),  # a LoRA needs its base even on tokens drawn
+    (["llama2_70b_lora", "--preset", "huge"], "choose one of: tiny, full"),
+    (["nosuchbench"], "invalid choice: 'nosuchbench'"),
+])
+def test_a_worker_started_by_hand_refuses_missing_inputs_before_anything_starts(argv, said, tmp_path):
+    """`python -m workloads` checks what its preset needs on its command line, with the spec's own function
+    (workloads.registry.missing_inputs): a refusal is one line, before a process group, a model or a log line
+    (before, llama's full preset without --data was refused only once its model was built and run_start logged)."""
+    from workloads.common.campaign import RunOptions
+
+    argv = [*argv, "--out", str(tmp_path / "out")]
+    if said is None:
+        assert RunOptions.parse(argv).preset == "full"
+        return
+    with pytest.raises(SystemExit) as refused:
+        RunOptions.parse(argv)
+    assert isinstance(refused.value.code, str) and said in refused.value.code and "\n" not in refused.value.code
+    assert refused.value.code.startswith("python -m workloads: error: ")
+
+
+def test_the_spec_refuses_what_the_worker_would_for_the_same_reason():
+    """One decision, both doors: a LoRA on synthetic tokens still needs its base, refused by `harness run` too."""
+    with pytest.raises(HarnessError, match="fine-tunes pretrained weights.*also with --synthetic"):
+        validate(JobSpec("llama2_70b_lora", synthetic=True))
+    assert validate(JobSpec("llama2_70b_lora", synthetic=True), dry_run=True) == [
+        "note: llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR (a checkpoint `python -m "
+        "workloads.llama.convert` wrote from Hugging Face's), also with --synthetic"]
+
+
 def test_command_line_and_job_json_round_trip_to_the_same_spec(tmp_path):
     from harness.cli import _spec_from_args, build_parser
 

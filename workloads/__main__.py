@@ -20,22 +20,16 @@ from workloads.common.rank_output import redirect_rank_output  # noqa: E402
 from workloads.registry import BENCHMARKS  # noqa: E402
 
 
-def workload_class(benchmark: str):
-    if benchmark not in BENCHMARKS:
-        raise SystemExit(f"workloads: no workload named {benchmark!r} in this version (available: "
-                         f"{', '.join(BENCHMARKS)})")
-    return BENCHMARKS[benchmark].workload_class()
-
-
 @partial(record, error_handler=error_handler)  # the exception goes to torchelastic's error file: the agent's cause
 def main() -> int:
-    opts = RunOptions.parse()
-    redirect_rank_output(opts.out)
     try:
-        run_campaign(workload_class(opts.benchmark), opts)
+        opts = RunOptions.parse()  # a bad command line is refused here, as a line (RunOptions' parser)
+        redirect_rank_output(opts.out)
+        run_campaign(BENCHMARKS[opts.benchmark].workload_class(), opts)
     except SystemExit as exc:
-        # A refusal with its reason (bad input, a missing file): @record leaves SystemExit out of the error
-        # file, so record it here for the agent's one-line cause; the worker prints it, without a traceback.
+        # A refusal with its reason (a bad command line, bad input, a missing file): @record leaves SystemExit out
+        # of the error file, so record it here for the agent's one-line cause (a configuration error, not retried:
+        # harness.agent.classify); the worker prints it, without a traceback.
         if not isinstance(exc.code, str):
             raise
         error_handler.record_exception(exc)

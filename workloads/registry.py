@@ -20,6 +20,7 @@ class Benchmark:
     presets: tuple[str, ...]  # the first is the default
     ruleset: str  # the newest MLPerf Training ruleset that has this benchmark: what its logs are checked against
     init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
+    fine_tunes: bool = False  # trains adapters on given weights: --init-checkpoint even on synthetic input
     config: str | None = None  # the torch-free module whose PRESETS[preset].model.params counts the parameters
 
     def checkpoint_bytes(self, preset: str) -> int | None:
@@ -43,5 +44,29 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
               config="workloads.llama.config"),
     Benchmark("llama2_70b_lora", "workloads.llama.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
-              init_checkpoint="DIR (a checkpoint `python -m workloads.llama.convert` wrote from Hugging Face's)"),
+              init_checkpoint="DIR (a checkpoint `python -m workloads.llama.convert` wrote from Hugging Face's)",
+              fine_tunes=True),
 )}
+
+# Presets that read a real dataset unless --synthetic is given (the tiny ones generate theirs).
+DATASET_PRESETS = ("full",)
+
+
+def missing_inputs(benchmark: str, preset: str, data, init_checkpoint, synthetic: bool) -> list[str]:
+    """What a run of `preset` lacks before it can start, one line each. One place for both doors: `harness run`'s
+    spec (a dry run shows them as notes) and the worker's own command line, so that a run started by hand
+    (`python -m workloads ...`) stops before it builds a model or logs a line, and a full preset never trains on
+    a tiny preset's generated input."""
+    b = BENCHMARKS[benchmark]
+    missing = []
+    if preset in DATASET_PRESETS and data is None and not synthetic:
+        missing.append(f"preset {preset!r} trains on the real dataset: give --data PATH, "
+                       "or --synthetic to measure throughput on generated input")
+    if init_checkpoint is None and b.init_checkpoint:
+        if b.fine_tunes and synthetic:
+            missing.append(f"{benchmark} fine-tunes pretrained weights: give --init-checkpoint {b.init_checkpoint}, "
+                           "also with --synthetic")
+        elif preset in DATASET_PRESETS and not synthetic:
+            missing.append(f"{benchmark} starts from MLPerf's reference checkpoint: give --init-checkpoint "
+                           f"{b.init_checkpoint}")
+    return missing

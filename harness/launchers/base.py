@@ -184,12 +184,20 @@ def show_files(files: list[Path]) -> str:
 
 
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
-    """What the workload will make of this many processes, shown with the request: for bert the batch plan
-    (an MLPerf reference batch and its split), for gpt3 and the Llama benchmarks the parallel layout and the
-    memory estimate per GPU (and for the Llamas the bytes each GPU sends per step).
-    A world that cannot take the batch, or a config that cannot fit, is refused here, with the numbers."""
+    """What the workload will make of this many processes, shown with the request: for resnet the global batch
+    and its optimizer's schedule, for bert the batch plan (an MLPerf reference batch and its split), for gpt3 and
+    the Llama benchmarks the parallel layout and the memory estimate per GPU (and for the Llamas the bytes each
+    GPU sends per step). A world that cannot take the batch (a resnet global batch the LARS table does not cover),
+    or a config that cannot fit, is refused here, with the numbers: by the same functions the workers call."""
     world = spec.nodes * nproc_per_node
     try:
+        if spec.benchmark == "resnet":
+            from workloads.resnet import config as resnet  # torch-free
+
+            cfg = resnet.PRESETS[spec.preset]
+            if spec.batch_size:
+                cfg = dataclasses.replace(cfg, batch_size=spec.batch_size)
+            return tuple(resnet.describe(resnet.plan_run(cfg, world, spec.optimizer)))
         if spec.benchmark == "bert":
             from workloads.bert import config as bert  # torch-free: sizes and arithmetic only
 

@@ -68,8 +68,9 @@ class Group:
 
     @property
     def left_out(self) -> list[Run]:
-        """The runs whose files failed the compliance checker: counted as failed runs, their times unscored."""
-        return [r for r in self.runs if not r.compliant]
+        """The runs whose files failed the compliance checker (Run.left_out: aborted ones had failed already):
+        counted as failed runs, their times unscored."""
+        return [r for r in self.runs if r.left_out]
 
     @property
     def division(self) -> str | None:

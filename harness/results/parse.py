@@ -76,6 +76,18 @@ class Run:
         return self.compliance_error is None
 
     @property
+    def aborted(self) -> bool:
+        """run_stop said aborted: a failed run, whatever the checker finds in its log."""
+        return self.status == C.ABORTED
+
+    @property
+    def left_out(self) -> bool:
+        """Failed by the compliance checker alone: a run that ended aborted failed already, and the checker's
+        verdict on its log is noise (a run whose data failed to open never logged train_samples, which the checker
+        wants), so it is not named; a finished run's compliance failure always is."""
+        return not self.compliant and not self.aborted
+
+    @property
     def unfinished(self) -> bool:
         return self.run_stop_ms is None
 

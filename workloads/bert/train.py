@@ -76,10 +76,7 @@ class BertWorkload(Workload):
         path = self.opts.init_checkpoint
         if path is None and self.opts.synthetic:
             return
-        if path is None:
-            if self.opts.preset != "tiny":
-                raise SystemExit("workloads: bert starts from MLPerf's reference checkpoint: give --init-checkpoint "
-                                 "FILE (a PyTorch state dict, e.g. the converted model.ckpt-28252.pt)")
+        if path is None:  # the tiny preset (workloads.registry.missing_inputs refuses the full one without)
             if self.ctx.local_rank == 0:
                 ensure_tiny_init_checkpoint(self.preset)
             dist.barrier()
@@ -133,10 +130,7 @@ class BertWorkload(Workload):
             return (SyntheticStream(cfg, self.seed, ctx.rank),
                     (share(rows, plan.micro_batch, cfg.model.max_seq_len, ctx.rank, ctx.world_size), len(rows)))
         root = self.opts.data
-        if root is None:
-            if self.opts.preset != "tiny":
-                raise SystemExit("workloads: bert's full preset reads MLPerf's BERT data: give --data DIR (with "
-                                 "train/*.hdf5 and eval/*.hdf5), or --synthetic")
+        if root is None:  # the tiny preset's generated data (the full one is refused without --data)
             if ctx.local_rank == 0:
                 ensure_tiny_dataset(cfg.model.vocab_size, cfg.model.max_seq_len, cfg.max_predictions)
             dist.barrier()

@@ -34,8 +34,17 @@ from workloads.common.progress import announce
 from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
+from workloads.registry import BENCHMARKS, missing_inputs
 
 log = logging.getLogger("workloads")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a refusal with its reason (SystemExit with the text, not argparse's usage
+    and exit 2): workloads.__main__ records it for the node agent, whose cause is then that one line."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: error: {message}")
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,9 @@ class RunOptions:
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
-        p = argparse.ArgumentParser(prog="python -m workloads",
-                                    description="One rank of a benchmark campaign (started by `harness run`).")
-        p.add_argument("benchmark")
+        p = _Parser(prog="python -m workloads",
+                    description="One rank of a benchmark campaign (started by `harness run`).")
+        p.add_argument("benchmark", choices=BENCHMARKS)
         p.add_argument("--preset", default="tiny")
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--runs", type=int, default=1)
@@ -109,6 +118,13 @@ class RunOptions:
         if args.last_run is not None and not 0 <= args.last_run < args.runs:
             p.error(f"--last-run {args.last_run} is not one of the campaign's runs: 0 to {args.runs - 1} "
                     f"(--runs {args.runs})")
+        presets = BENCHMARKS[args.benchmark].presets
+        if args.preset not in presets:
+            p.error(f"unknown preset {args.preset!r} for {args.benchmark}; choose one of: {', '.join(presets)}")
+        # Before any process group, model or log line (harness run refuses the same when it builds the spec).
+        missing = missing_inputs(args.benchmark, args.preset, args.data, args.init_checkpoint, args.synthetic)
+        if missing:
+            p.error("; ".join(missing))
         return cls(**vars(args))
 
     @property

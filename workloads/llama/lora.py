@@ -93,22 +93,17 @@ class LlamaLoraWorkload(LlamaWorkload):
             sequences = torch.stack((tokens, tokens), dim=1).numpy()  # labels: the inputs
             return token_loaders(PackedSamples(sequences, samples, seed), Sequences(sequences), cfg.micro_batch,
                                  data_rank, layout.data, **reading)
-        root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(cfg.model.seq_len),
-                                                 "reads MLCommons' GovReport: give --data DIR")
+        root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(cfg.model.seq_len))
         return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
                                  data_rank, layout.data, **reading)
 
     def _base_checkpoint(self) -> Path:
         if self.opts.init_checkpoint:
             return self.opts.init_checkpoint
-        if self.opts.synthetic:
-            raise SystemExit("workloads: llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR "
-                             "(a checkpoint `python -m workloads.llama.convert` wrote), also with --synthetic")
         from workloads.llama.warm_start import ensure_tiny_base
 
-        return self.built_once(lambda: ensure_tiny_base(self.cfg.model),
-                               "starts from MLCommons' Llama 2 70B: give --init-checkpoint DIR (a checkpoint `python "
-                               "-m workloads.llama.convert` wrote)")
+        # The tiny preset's base (workloads.registry.missing_inputs refuses the others, synthetic ones too)
+        return self.built_once(lambda: ensure_tiny_base(self.cfg.model))
 
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -66,8 +66,7 @@ class LlamaPretrainWorkload(LlamaWorkload):
             return token_loaders(RandomTokens(m.vocab_size, m.seq_len, samples, seed),
                                  RandomTokens(m.vocab_size, m.seq_len, cfg.eval_sequences, seed + 1),
                                  cfg.micro_batch, data_rank, layout.data, **reading)
-        root = self.opts.data or self.built_once(ensure_tiny_corpus, "reads MLCommons' C4 for Llama 3.1: give "
-                                                                     "--data DIR (or --synthetic for a throughput run)")
+        root = self.opts.data or self.built_once(ensure_tiny_corpus)
         return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
                           layout.data, **reading)
 

@@ -135,13 +135,13 @@ def lars_coverage(rows: tuple[Schedule, ...]) -> list[tuple[int, int]]:
 
 
 def lars_schedule(cfg: ResNetConfig, global_batch: int) -> Schedule:
-    """The row that serves `global_batch`. A batch no row serves is refused in one line that names the batches
-    the table covers."""
+    """The row that serves `global_batch`. A batch no row serves is refused (ValueError) in one line that names
+    the batches the table covers."""
     for lowest, row in _served(cfg.lars):
         if lowest <= global_batch <= row.batch:
             return row
     covered = ", ".join(f"{low:,} to {high:,}" for low, high in lars_coverage(cfg.lars))
-    raise SystemExit(f"resnet: no reference point's LARS hyperparameters cover a global batch of "
+    raise ValueError(f"resnet: no reference point's LARS hyperparameters cover a global batch of "
                      f"{global_batch:,}; the table (workloads/resnet/config.py) covers {covered}")
 
 
@@ -153,3 +153,39 @@ def sgd_schedule(cfg: ResNetConfig, global_batch: int) -> Schedule:
 
 def schedule(cfg: ResNetConfig, optimizer: str, global_batch: int) -> Schedule:
     return lars_schedule(cfg, global_batch) if optimizer == C.LARS else sgd_schedule(cfg, global_batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run trains with on `world` processes: decided the same way by the worker and by the dry run."""
+
+    world: int
+    batch_size: int  # per process
+    optimizer: str  # mllog's constants.LARS or constants.SGD
+    schedule: Schedule
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.batch_size
+
+
+def plan_run(cfg: ResNetConfig, world: int, optimizer: str | None = None) -> Plan:
+    """The global batch, the optimizer (`optimizer`, else the preset's choice for that batch) and its schedule.
+    A global batch the LARS table does not cover raises ValueError naming the covered batches, so that `harness
+    run` refuses it when it renders the request (harness.launchers.base.workload_plan), before any process starts,
+    and a worker started some other way refuses it before the model is built."""
+    global_batch = world * cfg.batch_size
+    chosen = optimizer or default_optimizer(cfg, global_batch)
+    try:
+        return Plan(world, cfg.batch_size, chosen, schedule(cfg, chosen, global_batch))
+    except ValueError as exc:
+        raise ValueError(f"{exc}: choose the processes ({world} now) and --batch-size ({cfg.batch_size} now) "
+                         "for a global batch it covers") from None
+
+
+def describe(plan: Plan) -> list[str]:
+    """The line `--dry-run` shows."""
+    s = plan.schedule
+    return [f"resnet batch: global {plan.global_batch:,} = {plan.world} processes x {plan.batch_size}; "
+            f"{plan.optimizer} at base LR {s.base_lr:g}, {s.warmup_epochs} warmup epochs of {s.epochs}, "
+            f"momentum {s.momentum:g}, weight decay {s.weight_decay:g} ({s.source})"]

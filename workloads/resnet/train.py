@@ -29,7 +29,7 @@ from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.resilience import Block
-from workloads.resnet.config import PRESETS, ResNetConfig, Schedule, default_optimizer, schedule
+from workloads.resnet.config import PRESETS, ResNetConfig, Schedule, plan_run
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
                                    shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
 from workloads.resnet.lars import EPSILON, Lars
@@ -71,11 +71,14 @@ class ResNetWorkload(Workload):
         if opts.batch_size:
             cfg = replace(cfg, batch_size=opts.batch_size)
         self.cfg: ResNetConfig = cfg
-        self.global_batch = cfg.batch_size * ctx.world_size
-        self.optimizer_name = opts.optimizer or default_optimizer(cfg, self.global_batch)
-        # The LR, warmup, length, momentum and decay for this optimizer at this global batch (config.schedule),
-        # decided first: a batch the LARS table does not cover is refused before any data is touched.
-        self.schedule = schedule(cfg, self.optimizer_name, self.global_batch)
+        # The optimizer, and its LR, warmup, length, momentum and decay at this global batch (config.plan_run),
+        # decided first: a batch the LARS table does not cover is refused before the model is built (`harness run`
+        # refuses it earlier still, when it renders the request).
+        try:
+            plan = plan_run(cfg, ctx.world_size, opts.optimizer)
+        except ValueError as exc:
+            raise SystemExit(f"workloads: {exc}") from None
+        self.global_batch, self.optimizer_name, self.schedule = plan.global_batch, plan.optimizer, plan.schedule
         self.epochs = self.schedule.epochs
         self.target = Target("top-1", "top1", cfg.target)
 
