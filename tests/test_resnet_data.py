@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import random
 import statistics
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 import torch
+from mlperf_logging.mllog import constants as C
 from PIL import Image
 from torch.utils.data._utils.pin_memory import pin_memory
 from torchvision.datasets.folder import default_loader
 from torchvision.io import read_file
 from torchvision.transforms.v2 import functional as F
-
-from mlperf_logging.mllog import constants as C
 
 from harness.cli import _spec_from_args, build_parser
 from harness.errors import HarnessError
@@ -24,8 +24,8 @@ from harness.results.parse import iter_events
 from harness.spec import JobSpec, validate
 from tests.test_resnet_campaign import _ctx, _write_images
 from workloads.common.campaign import RunOptions, run_campaign
-from workloads.resnet.data import (CROP_ASPECT, Augmentation, Encoded, EncodedBatch, decode, device_jpeg_size,
-                                   image_folder_loaders, reference_crop, scan_images, train_image)
+from workloads.resnet.data import (CROP_ASPECT, Augmentation, Encoded, EncodedBatch, EvalImages, TrainImages, decode,
+                                   device_jpeg_size, image_folder_loaders, reference_crop, scan_images, train_image)
 from workloads.resnet.train import ResNetWorkload
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
@@ -124,7 +124,7 @@ def _write_mixed_images(root):
     """_write_images' RGB JPEGs and PNGs (varied sizes), and of each class folder's JPEGs one grayscale, one CMYK
     and one a PNG named .JPEG, as ImageNet holds: the device decodes the RGB and grayscale JPEGs, the workers the
     rest."""
-    _write_images(root, classes=2, per_class=8, val_per_class=5)
+    _write_images(root, classes=2, per_class=8, val_per_class=7)
     for name, mode, fmt in (("0.JPEG", "L", "JPEG"), ("2.JPEG", "CMYK", "JPEG"), ("4.JPEG", "RGB", "PNG")):
         for path in root.glob(f"*/*/{name}"):
             with Image.open(path) as image:
@@ -142,6 +142,18 @@ def test_the_device_takes_rgb_and_grayscale_jpegs_by_their_header_and_leaves_the
         Image.fromarray(pixels).convert(mode).save(path, fmt, quality=90)
         assert device_jpeg_size(read_file(str(path))) == expected, (mode, fmt)
     assert device_jpeg_size(torch.frombuffer(bytearray(b"not an image at all"), dtype=torch.uint8)) is None
+
+
+def test_the_bytes_for_the_device_can_cross_to_the_training_process(tmp_path):
+    """A loader worker sends its batch through a queue, pickled as torch shares CPU tensors (by their storage's
+    file descriptor: importing torch registers that with ForkingPickler). read_file's tensor maps the file and cannot be sent (EBADF in the worker's feeder thread,
+    which drops the batch: the loader waited forever), so the dataset copies the bytes out for the device."""
+    _write_mixed_images(tmp_path)
+    for dataset, key in ((TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True),
+                          (1, 0)), (EvalImages(tmp_path / "val", scan_images(tmp_path / "val"), 16, on_device=True), 0)):
+        image, _ = dataset[key]  # 0.JPEG of the first class: a grayscale JPEG
+        assert isinstance(image, Encoded)
+        ForkingPickler.dumps(image)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -164,12 +176,12 @@ def test_decoding_on_the_device_gives_the_batches_the_workers_give(tmp_path, wor
     for epoch, skip in ((1, 0), (2, 1)):
         want, got = _epoch(on_workers, epoch, skip, batch), _epoch(on_device, epoch, skip, batch)
         want, got = want + list(on_workers.eval), got + list(on_device.eval)
-        assert len(got) == len(want) == 4 - skip + 3
+        assert len(got) == len(want) == 4 - skip + 4
         for (images, labels), (want_images, want_labels) in zip(got, want):
             assert images.dtype == torch.uint8 and images.shape[1:] == (3, 16, 16)
             assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
             compared += len(labels)
-    assert compared == (8 + 5) + (6 + 5)
+    assert compared == (8 + 7) + (6 + 7)
 
 
 @pytest.mark.slow
@@ -217,7 +229,7 @@ def test_a_pinned_encoded_batch_pins_every_tensor_it_holds(monkeypatch):
     assert [id(t) for t in pinned] == [id(batch.images[0].data), id(batch.images[1]), id(batch.labels)]
 
 
-def test_the_decode_option_reaches_the_workers_and_is_resnet_only(tmp_path):
+def test_the_decode_option_reaches_the_workers_and_is_resnet_only(tmp_path, capsys):
     spec = JobSpec("resnet", out_dir=tmp_path, decode="device").resolved()
     validate(spec)
     assert RunOptions.parse(spec.worker_args()).decode == "device"
@@ -227,3 +239,6 @@ def test_the_decode_option_reaches_the_workers_and_is_resnet_only(tmp_path):
         validate(JobSpec("resnet", decode="gpu").resolved())
     with pytest.raises(HarnessError, match="--decode 'device': resnet takes"):
         validate(JobSpec("bert", decode="device").resolved())
+    with pytest.raises(SystemExit):  # the worker's own parser, for a command line written by hand
+        RunOptions.parse(["bert", "--out", str(tmp_path), "--decode", "device"])
+    assert "--decode applies to resnet only, not bert" in capsys.readouterr().err

@@ -169,8 +169,8 @@ def device_jpeg_size(data: torch.Tensor) -> tuple[int, int] | None:
 
     The device decoder is torchvision's decode_jpeg: nvjpeg on CUDA, which takes JPEGs only, and of those the
     1-component (grayscale) and 3-component (YCbCr) ones. CMYK and YCCK JPEGs (4 components; ImageNet holds a few
-    dozen) are left out: torchvision's own GPU decode tests skip its CMYK image, and nvjpeg's RGB output of
-    them is not the RGB that libjpeg-turbo's inversion gives. PNG (the tiny dataset's; the one PNG in ImageNet,
+    dozen) are left out: torchvision's GPU decoder is not tested on them (its tests leave its CMYK image out),
+    and libjpeg-turbo's RGB of them is the one the tests hold the loader to. PNG (the tiny dataset's; the one PNG in ImageNet,
     named .JPEG) is not a JPEG. nvjpeg decodes a whole batch or nothing, so a file it cannot take must never
     reach it. The rule is the same on every device, so the CPU tests see the batches a GPU run sees. A file PIL
     cannot read is left to the worker too, which fails on it as --decode workers does."""
