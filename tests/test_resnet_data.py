@@ -146,12 +146,13 @@ def test_the_device_takes_rgb_and_grayscale_jpegs_by_their_header_and_leaves_the
 
 def test_the_bytes_for_the_device_can_cross_to_the_training_process(tmp_path):
     """A loader worker sends its batch through a queue, pickled as torch shares CPU tensors (by their storage's
-    file descriptor: importing torch registers that with ForkingPickler). read_file's tensor maps the file and cannot be sent (EBADF in the worker's feeder thread,
-    which drops the batch: the loader waited forever), so the dataset copies the bytes out for the device."""
+    file descriptor: importing torch registers that with ForkingPickler). read_file's tensor maps the file and
+    cannot be sent (EBADF in the worker's feeder thread, which drops the batch: the loader waited forever), so
+    the dataset copies the bytes out for the device."""
     _write_mixed_images(tmp_path)
-    for dataset, key in ((TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True),
-                          (1, 0)), (EvalImages(tmp_path / "val", scan_images(tmp_path / "val"), 16, on_device=True), 0)):
-        image, _ = dataset[key]  # 0.JPEG of the first class: a grayscale JPEG
+    train = TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True)
+    evaluation = EvalImages(tmp_path / "val", scan_images(tmp_path / "val"), 16, on_device=True)
+    for image, _ in (train[(1, 0)], evaluation[0]):  # 0.JPEG of the first class: a grayscale JPEG
         assert isinstance(image, Encoded)
         ForkingPickler.dumps(image)
 
