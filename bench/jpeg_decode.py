@@ -3,6 +3,7 @@ against the same transform through PIL, both measured in one run on one pinned c
 
     python bench/jpeg_decode.py [--images 64] [--repeats 3] [--json results/bench/jpeg_decode.json]
     python bench/jpeg_decode.py --quick --json /tmp/jpeg.json    # 4 images, one pass: the output, not a speed
+    python bench/jpeg_decode.py --device cuda --json results/bench/jpeg_decode_cuda.json    # where a GPU is lent
 
 Each image goes through what a loader worker does for one training sample: read the file, decode it to RGB, the
 reference's random crop resized to 224 and the flip, kept uint8 (the loader's own TrainImages). The PIL path is
@@ -18,6 +19,15 @@ else the core runs) and of wall time (`*_img_s_wall`: the same on an idle core, 
 the median of its passes, and each ratio the median of the passes' ratios.
 The JSON also says whether both paths decoded every image to the same size and pixels, and how far their
 224 px outputs differ: the two antialiased resizes round differently, by one level up as often as down.
+
+The device path (ResNet's --decode device) is timed in the same alternation, in two parts: what a loader worker
+does (read the file, parse the JPEG's header, draw the crop and flip: `device_worker_img_s`, per CPU second), then
+the whole set as one batch, decoded in one call on `--device` and cropped there, as the training process does
+(`device_decode_img_s` per CPU second of that process, `device_decode_img_s_wall` per wall second, the device
+synchronised). On the CPU (libjpeg-turbo in the main process) `device_img_s` is both parts per core, and
+`device_ratio` its ratio to the loader's path. With `--device cuda` (nvjpeg; run it where a GPU is lent)
+`device_ratio` is the GPU's batched decode per wall second against one core's loader path per wall second.
+`device_output_max_difference` is how far its 224 px outputs are from the loader path's: 0 on the CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from torchvision.transforms.v2 import functional as F
 
 from gpu_formats import IMAGENET_LIKE_SIZE, JPEG_QUALITY, jpeg_image  # bench/, beside this script
 from summary import machine, publish
-from workloads.resnet.data import TrainImages, augmentation_rng, decode, train_image
+from workloads.resnet.data import TrainImages, augmentation_rng, collate_encoded, decode, decode_batch, train_image
 
 GOAL_IMG_S = 600
 CROP = 224
@@ -75,18 +85,36 @@ def rate(one, count: int) -> tuple[float, float]:
     return count / (time.process_time() - cpu), count / (time.perf_counter() - wall)
 
 
-def compare(folder: Path, samples: list[tuple[str, int]], tensors: TrainImages) -> dict:
-    """Both paths on every image: the decoded sizes and pixels, and the 224 px outputs."""
+def device_rate(encoded: TrainImages, count: int, device: torch.device) -> tuple[float, float, float]:
+    """One pass of the device path: the workers' part (read, header, draws) per CPU second, then the set decoded
+    and cropped as one batch on `device`, per CPU second and per wall second of this process."""
+    cpu = time.process_time()
+    batch = collate_encoded([encoded[(0, i)] for i in range(count)])
+    worker_cpu = time.process_time() - cpu
+    cpu, wall = time.process_time(), time.perf_counter()
+    decode_batch(batch, CROP, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return count / worker_cpu, count / (time.process_time() - cpu), count / (time.perf_counter() - wall)
+
+
+def compare(folder: Path, samples: list[tuple[str, int]], tensors: TrainImages, encoded: TrainImages,
+            device: torch.device) -> dict:
+    """Both paths on every image: the decoded sizes and pixels, and the 224 px outputs; the device path's outputs
+    against the loader path's."""
     decoded = [(decode(folder / name), F.pil_to_tensor(default_loader(str(folder / name)))) for name, _ in samples]
     outputs = [(tensors[(0, i)][0].int(), pil_image(folder, samples, i).int()) for i in range(len(samples))]
     out_diff = torch.cat([(a - b).flatten() for a, b in outputs])  # in uint8 levels, tensor path minus PIL
+    on_device = decode_batch(collate_encoded([encoded[(0, i)] for i in range(len(samples))]), CROP, device)
+    device_diff = on_device.cpu().int() - torch.stack([a for a, _ in outputs])
     return {"same_decoded_sizes": all(a.shape == b.shape for a, b in decoded),
             "decoded_sizes": sorted({tuple(a.shape) for a, _ in decoded}),
             "decoded_max_difference": max(int((a.int() - b.int()).abs().max()) for a, b in decoded),
             "output_size": list(outputs[0][0].shape),
             "output_max_difference": int(out_diff.abs().max()),
             "output_share_differing": round(float((out_diff != 0).float().mean()), 5),
-            "output_mean_difference": round(float(out_diff.float().mean()), 5)}
+            "output_mean_difference": round(float(out_diff.float().mean()), 5),
+            "device_output_max_difference": int(device_diff.abs().max())}
 
 
 def main() -> int:
@@ -94,6 +122,8 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=64, help="distinct JPEGs to write and decode")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path (the median is kept)")
     parser.add_argument("--quick", action="store_true", help="4 images, one pass: checks the output, not a speed")
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"),
+                        help="where the device path decodes: cpu (libjpeg-turbo in this process) or cuda (nvjpeg)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     count, repeats = (4, 1) if args.quick else (args.images, args.repeats)
@@ -107,26 +137,36 @@ def main() -> int:
         folder = Path(tmp)
         samples = write_images(folder, count)
         tensors = TrainImages(folder, samples, CROP, SEED)
+        encoded = TrainImages(folder, samples, CROP, SEED, on_device=True)
         paths = {"pil": lambda i: pil_image(folder, samples, i), "tensor": lambda i: tensors[(0, i)]}
         load_before = os.getloadavg()
         for one in paths.values():  # warm-up: page cache, allocator, lazy imports
             rate(one, count)
+        device_rate(encoded, count, args.device)  # and the device's decoder (nvjpeg's handle, CUDA's context)
         runs, walls = {name: [] for name in paths}, {name: [] for name in paths}
+        device_runs = []  # (workers' part, decode per CPU second, decode per wall second) per pass
         for _ in range(repeats):
             for name, one in paths.items():
                 per_cpu_s, per_wall_s = rate(one, count)
                 runs[name].append(per_cpu_s)
                 walls[name].append(per_wall_s)
+            device_runs.append(device_rate(encoded, count, args.device))
         load_after = os.getloadavg()
-        checked = compare(folder, samples, tensors)
+        checked = compare(folder, samples, tensors, encoded, args.device)
         mean_kib = sum((folder / name).stat().st_size for name, _ in samples) / count / 1024
 
     pil, tensor = statistics.median(runs["pil"]), statistics.median(runs["tensor"])
+    per_core = [1 / (1 / worker + 1 / decoding) for worker, decoding, _ in device_runs]  # both parts on one core
+    if args.device.type == "cpu":
+        device_ratio = statistics.median(d / t for d, t in zip(per_core, runs["tensor"]))
+    else:  # one GPU's batched decode against one core's loader path
+        device_ratio = statistics.median(d[2] / t for d, t in zip(device_runs, walls["tensor"]))
     figures = {
         "machine": machine(),
         "measured": f"read + decode to RGB + reference random crop resized to {CROP} + flip, uint8, one image at a "
-                    f"time, {count} images x {repeats} passes per path, alternating; img/s per CPU second "
-                    f"(*_img_s) and per wall second (*_img_s_wall)",
+                    f"time (the device path: the {count} images as one batch on {args.device}), {count} images x "
+                    f"{repeats} passes per path, alternating; img/s per CPU second (*_img_s) and per wall second "
+                    f"(*_img_s_wall)",
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__, "pillow": PIL.__version__,
                      "pillow_libjpeg_turbo": features.version("libjpeg_turbo")},
         "conditions": {"torch_threads": torch.get_num_threads(), "pinned_cpu": cpu,
@@ -142,6 +182,12 @@ def main() -> int:
         "pil_img_s_wall": round(statistics.median(walls["pil"]), 1),
         "tensor_img_s_wall": round(statistics.median(walls["tensor"]), 1),
         "ratio_wall": round(statistics.median(t / p for t, p in zip(walls["tensor"], walls["pil"])), 3),
+        "device": str(args.device),
+        "device_worker_img_s": round(statistics.median(d[0] for d in device_runs), 1),
+        "device_decode_img_s": round(statistics.median(d[1] for d in device_runs), 1),
+        "device_decode_img_s_wall": round(statistics.median(d[2] for d in device_runs), 1),
+        "device_img_s": round(statistics.median(per_core), 1) if args.device.type == "cpu" else None,
+        "device_ratio": round(device_ratio, 3),
         **checked,
         "goal_img_s_per_core": GOAL_IMG_S,
         "met": tensor >= GOAL_IMG_S,

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--optimizer", metavar="sgd|lars",
                      help="resnet: this optimizer whatever the global batch (default: the preset's: LARS at every "
                           "batch for full, as every RCP and reference submission; SGD below 4,096 for tiny)")
+    run.add_argument("--decode", metavar="workers|device",
+                     help="resnet: where the JPEGs are decoded: in the loader workers (default), or on the run's "
+                          "device in one batched call per batch (nvjpeg on GPUs), the workers only reading the files "
+                          "and drawing the crops")
     run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
                      help="torch.compile the model: auto compiles on GPUs and runs eagerly on CPU")
     run.add_argument("--straggler-window", default="60", metavar="SECONDS|Nsteps",
@@ -265,7 +269,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
                    allow_unflushed_cache=args.allow_unflushed_cache,
-                   packing_factor=args.packing_factor,
+                   packing_factor=args.packing_factor, decode=args.decode,
                    submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,

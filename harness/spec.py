@@ -22,6 +22,7 @@ from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.llama.config import RCP_GLOBAL_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
+from workloads.resnet.config import DECODE_CHOICES  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
@@ -69,6 +70,7 @@ class JobSpec:
     force_batch: bool = False  # the Llamas: accept a global batch that has no RCP
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
+    decode: str | None = None  # resnet: where its JPEGs are decoded, "workers" or "device"; None: the preset's
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
@@ -153,6 +155,8 @@ class JobSpec:
             args += ["--inject-failure", self.inject_failure]
         if self.optimizer is not None:
             args += ["--optimizer", self.optimizer]
+        if self.decode is not None:
+            args += ["--decode", self.decode]
         args += ["--compile", self.compile]
         args += ["--straggler-window", self.straggler_window,
                  "--straggler-threshold", f"{self.straggler_threshold:g}"]
@@ -174,6 +178,7 @@ class JobSpec:
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--metrics-port", self.metrics_port), ("--pushgateway", self.pushgateway),
                             ("--straggler-window", self.straggler_window), ("--optimizer", self.optimizer),
+                            ("--decode", self.decode),
                             ("--straggler-threshold", self.straggler_threshold), ("--compile", self.compile),
                             ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
@@ -275,6 +280,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.optimizer is not None and (spec.benchmark != "resnet" or spec.optimizer not in RESNET_OPTIMIZERS):
         raise HarnessError(f"--optimizer {spec.optimizer!r}: resnet takes one of {', '.join(RESNET_OPTIMIZERS)} "
                            "(default: LARS from a global batch of 4,096 up); bert and gpt3 use their reference's")
+    if spec.decode is not None and (spec.benchmark != "resnet" or spec.decode not in DECODE_CHOICES):
+        raise HarnessError(f"--decode {spec.decode!r}: resnet takes one of {', '.join(DECODE_CHOICES)} (workers: "
+                           "in the loader workers, the default; device: in one batched call on the run's device, "
+                           "nvjpeg on GPUs); the other benchmarks read no images")
     if spec.compile not in COMPILE_CHOICES:
         raise HarnessError(f"--compile {spec.compile!r}: choose one of {', '.join(COMPILE_CHOICES)} (auto: compiled "
                            "on GPUs, eager on CPU)")

@@ -23,6 +23,7 @@ from tests.conftest import harness
     (["run", "resnet", "--preset", "full"], ["--data", "--synthetic"]),
     (["run", "resnet", "--env", "NOEQUALS"], ["KEY=VALUE"]),
     (["run", "resnet", "--compile", "fast"], ["--compile 'fast'", "auto", "on", "off"]),
+    (["run", "resnet", "--decode", "gpu"], ["--decode 'gpu'", "workers", "device"]),
     (["run", "resnet", "--straggler-window", "1.5steps"], ["--straggler-window '1.5steps'", "90s", "20steps", "0"]),
     (["run", "resnet", "--inject-failure", "0:3:freeze"], ["'freeze'", "stall", "hang"]),
     (["run", "resnet", "--out", "/proc/harness-cannot-write-here"], ["cannot write", "/proc/harness"]),

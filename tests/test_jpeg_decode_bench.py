@@ -19,7 +19,7 @@ import jpeg_decode  # noqa: E402  (bench/ is not a package)
 from workloads.resnet.data import decode  # noqa: E402
 
 
-def test_quick_mode_writes_both_rates_their_ratio_and_what_both_paths_decoded(tmp_path):
+def test_quick_mode_writes_the_rates_their_ratios_and_what_the_paths_decoded(tmp_path):
     out = tmp_path / "jpeg_decode.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "jpeg_decode.py"), "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -37,6 +37,11 @@ def test_quick_mode_writes_both_rates_their_ratio_and_what_both_paths_decoded(tm
     assert figures["decoded_max_difference"] == 0
     assert figures["output_size"] == [3, 224, 224] and figures["output_max_difference"] <= 1
     assert abs(figures["output_mean_difference"]) < 0.05  # one level up as often as down
+    # The device path on the CPU: the same outputs as the loader's path, and its two parts timed per core.
+    assert figures["device"] == "cpu" and figures["device_output_max_difference"] == 0
+    assert figures["device_worker_img_s"] > 0 and figures["device_decode_img_s"] > 0
+    assert figures["device_img_s"] < min(figures["device_worker_img_s"], figures["device_decode_img_s"])
+    assert abs(figures["device_ratio"] - figures["device_img_s"] / figures["tensor_img_s"]) < 0.01
 
 
 def test_both_paths_decode_the_bench_images_to_the_same_size_and_pixels(tmp_path):

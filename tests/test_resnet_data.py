@@ -1,20 +1,32 @@
 """ResNet's input: the training crop against the reference's (bounds and fallback, counted over seeded draws),
-a resumed run's augmentations with loader workers, and the decoder against PIL's."""
+a resumed run's augmentations with loader workers, the decoder against PIL's, and decoding on the device
+(--decode device) against decoding in the workers."""
 
 from __future__ import annotations
 
 import random
 import statistics
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import pytest
 import torch
+from mlperf_logging.mllog import constants as C
 from PIL import Image
+from torch.utils.data._utils.pin_memory import pin_memory
 from torchvision.datasets.folder import default_loader
+from torchvision.io import read_file
 from torchvision.transforms.v2 import functional as F
 
+from harness.cli import _spec_from_args, build_parser
+from harness.errors import HarnessError
+from harness.results.parse import iter_events
+from harness.spec import JobSpec, validate
 from tests.test_resnet_campaign import _ctx, _write_images
-from workloads.resnet.data import (CROP_ASPECT, decode, image_folder_loaders, reference_crop, scan_images,
-                                   train_image)
+from workloads.common.campaign import RunOptions, run_campaign
+from workloads.resnet.data import (CROP_ASPECT, Augmentation, Encoded, EncodedBatch, EvalImages, TrainImages, decode,
+                                   device_jpeg_size, image_folder_loaders, reference_crop, scan_images, train_image)
+from workloads.resnet.train import ResNetWorkload
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
 # counts below are far from their bounds; the generator is seeded, so the counts are the same on every machine.
@@ -62,10 +74,10 @@ def test_the_training_image_is_the_crop_resized_and_flipped_half_the_time():
     assert 160 < flips < 240
 
 
-def _epoch(loaders, epoch: int, skip: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _epoch(loaders, epoch: int, skip: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch's batches after the first `skip`, as the workload asks for them (ResNetWorkload._epoch_batches)."""
     loaders.sampler.set_epoch(epoch)
-    loaders.sampler.skip = skip * loaders.train.batch_size
+    loaders.sampler.skip = skip * batch
     return list(loaders.train)
 
 
@@ -82,12 +94,12 @@ def test_a_run_resumed_with_two_workers_draws_the_batches_it_would_have(tmp_path
 
     torch.manual_seed(5)
     uninterrupted = loaders()
-    whole = [_epoch(uninterrupted, 1, 0), _epoch(uninterrupted, 2, 0)]
+    whole = [_epoch(uninterrupted, 1, 0, 2), _epoch(uninterrupted, 2, 0, 2)]
     checkpointed_rng = torch.get_rng_state()
     resumed_loaders = loaders()
     torch.manual_seed(6)  # the fresh process's own start, then the checkpoint's state
     torch.set_rng_state(checkpointed_rng)
-    resumed = [_epoch(resumed_loaders, 1, 3), _epoch(resumed_loaders, 2, 0)]
+    resumed = [_epoch(resumed_loaders, 1, 3, 2), _epoch(resumed_loaders, 2, 0, 2)]
     assert [len(b) for b in whole] == [6, 6] and [len(b) for b in resumed] == [3, 6]
     for want, got in zip(whole[0][3:] + whole[1], resumed[0] + resumed[1]):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -104,3 +116,130 @@ def test_grayscale_cmyk_and_png_files_decode_to_the_rgb_pil_gave(tmp_path):
         Image.fromarray(pixels).convert(mode).save(path, fmt, quality=90)
         ours = decode(path)
         assert ours.shape == (3, 30, 40) and torch.equal(ours, F.pil_to_tensor(default_loader(str(path))))
+
+
+# --- decoding on the device (--decode device) ---------------------------------------------------------------------
+
+def _write_mixed_images(root):
+    """_write_images' RGB JPEGs and PNGs (varied sizes), and of each class folder's JPEGs one grayscale, one CMYK
+    and one a PNG named .JPEG, as ImageNet holds: the device decodes the RGB and grayscale JPEGs, the workers the
+    rest."""
+    _write_images(root, classes=2, per_class=8, val_per_class=7)
+    for name, mode, fmt in (("0.JPEG", "L", "JPEG"), ("2.JPEG", "CMYK", "JPEG"), ("4.JPEG", "RGB", "PNG")):
+        for path in root.glob(f"*/*/{name}"):
+            with Image.open(path) as image:
+                converted = image.convert(mode)
+            converted.save(path, fmt, quality=90)
+
+
+def test_the_device_takes_rgb_and_grayscale_jpegs_by_their_header_and_leaves_the_rest_to_the_workers(tmp_path):
+    """The size comes from the header, as (height, width); CMYK JPEGs (nvjpeg's RGB of them is not libjpeg-turbo's),
+    PNG whatever its name, and a file that is no image go to the worker's own decode."""
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)
+    for mode, fmt, expected in (("RGB", "JPEG", (30, 40)), ("L", "JPEG", (30, 40)), ("CMYK", "JPEG", None),
+                                ("RGB", "PNG", None)):
+        path = tmp_path / f"{mode}-{fmt}.JPEG"
+        Image.fromarray(pixels).convert(mode).save(path, fmt, quality=90)
+        assert device_jpeg_size(read_file(str(path))) == expected, (mode, fmt)
+    assert device_jpeg_size(torch.frombuffer(bytearray(b"not an image at all"), dtype=torch.uint8)) is None
+
+
+def test_the_bytes_for_the_device_can_cross_to_the_training_process(tmp_path):
+    """A loader worker sends its batch through a queue, pickled as torch shares CPU tensors (by their storage's
+    file descriptor: importing torch registers that with ForkingPickler). read_file's tensor maps the file and
+    cannot be sent (EBADF in the worker's feeder thread, which drops the batch: the loader waited forever), so
+    the dataset copies the bytes out for the device."""
+    _write_mixed_images(tmp_path)
+    train = TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True)
+    evaluation = EvalImages(tmp_path / "val", scan_images(tmp_path / "val"), 16, on_device=True)
+    for image, _ in (train[(1, 0)], evaluation[0]):  # 0.JPEG of the first class: a grayscale JPEG
+        assert isinstance(image, Encoded)
+        ForkingPickler.dumps(image)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decoding_on_the_device_gives_the_batches_the_workers_give(tmp_path, workers):
+    """--decode device on the CPU against --decode workers, same seed and sampler, rank 1 of 2: the same uint8
+    batches, pixel for pixel, and labels, from the start and after a resume's skip, train and eval, over RGB,
+    grayscale and CMYK JPEGs and PNGs. The device's batches mix JPEGs the workers left encoded (with their drawn
+    crop and flip) and images the workers finished."""
+    _write_mixed_images(tmp_path)
+    images = scan_images(tmp_path / "train"), scan_images(tmp_path / "val")
+    batch = 2
+
+    def loaders(decode):
+        return image_folder_loaders(tmp_path, *images, 16, batch, workers, _ctx(rank=1), seed=5, decode=decode)
+
+    on_workers, on_device = loaders("workers"), loaders("device")
+    kinds = [{type(image) for image in encoded.images} for encoded in on_device.train.loader]
+    assert {Encoded, torch.Tensor} in kinds  # a batch that mixes both
+    compared = 0
+    for epoch, skip in ((1, 0), (2, 1)):
+        want, got = _epoch(on_workers, epoch, skip, batch), _epoch(on_device, epoch, skip, batch)
+        want, got = want + list(on_workers.eval), got + list(on_device.eval)
+        assert len(got) == len(want) == 4 - skip + 4
+        for (images, labels), (want_images, want_labels) in zip(got, want):
+            assert images.dtype == torch.uint8 and images.shape[1:] == (3, 16, 16)
+            assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+            compared += len(labels)
+    assert compared == (8 + 7) + (6 + 7)
+
+
+@pytest.mark.slow
+def test_a_tiny_run_decoding_on_the_device_trains_as_one_decoding_in_the_workers(tmp_path, monkeypatch,
+                                                                                   one_process_world):
+    """The tiny ResNet for 8 steps (2 epochs of 4 batches of 4, an eval after each) on the mixed folder, seed 1,
+    in this process: --decode device gives the loss of every step and the eval accuracies --decode workers gives."""
+    _write_mixed_images(tmp_path / "data")
+    losses, train_step = [], ResNetWorkload.train_step
+
+    def recorded(self, batches):
+        loss, samples = train_step(self, batches)
+        losses.append(loss.item())
+        return loss, samples
+
+    monkeypatch.setattr(ResNetWorkload, "train_step", recorded)
+    runs = {}
+    for decode in ("workers", "device"):
+        losses.clear()
+        out = tmp_path / decode
+        run_campaign(ResNetWorkload, RunOptions.parse(["resnet", "--out", str(out), "--data", str(tmp_path / "data"),
+                                                       "--seed", "1", "--batch-size", "4", "--max-steps", "8",
+                                                       "--straggler-window", "0", "--decode", decode]))
+        events = list(iter_events((out / "result_0.txt").read_bytes()))
+        runs[decode] = (list(losses), [e["value"] for e in events if e["key"] == C.EVAL_ACCURACY])
+    assert len(runs["workers"][0]) == 8 and len(runs["workers"][1]) == 2
+    assert runs["device"] == runs["workers"]
+
+
+def test_a_pinned_encoded_batch_pins_every_tensor_it_holds(monkeypatch):
+    """The DataLoader's pin thread (pin_memory=True on GPUs) pins an EncodedBatch through its own pin_memory():
+    the encoded bytes, the finished images and the labels; torch would hand an unknown object back unpinned."""
+    pinned = []
+
+    def fake_pin(tensor, *args):
+        pinned.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)  # pinning needs a GPU
+    augmentation = Augmentation((0, 0, 4, 4), flip=True)
+    batch = EncodedBatch([Encoded(torch.arange(5, dtype=torch.uint8), augmentation),
+                          torch.zeros(3, 2, 2, dtype=torch.uint8)], torch.tensor([1, 0]))
+    out = pin_memory(batch)
+    assert isinstance(out, EncodedBatch) and out.images[0].augmentation == augmentation
+    assert [id(t) for t in pinned] == [id(batch.images[0].data), id(batch.images[1]), id(batch.labels)]
+
+
+def test_the_decode_option_reaches_the_workers_and_is_resnet_only(tmp_path, capsys):
+    spec = JobSpec("resnet", out_dir=tmp_path, decode="device").resolved()
+    validate(spec)
+    assert RunOptions.parse(spec.worker_args()).decode == "device"
+    assert _spec_from_args(build_parser().parse_args(spec.command_line("local")[1:])).resolved() == spec
+    assert RunOptions.parse(JobSpec("resnet", out_dir=tmp_path).resolved().worker_args()).decode is None
+    with pytest.raises(HarnessError, match="--decode 'gpu': resnet takes one of workers, device"):
+        validate(JobSpec("resnet", decode="gpu").resolved())
+    with pytest.raises(HarnessError, match="--decode 'device': resnet takes"):
+        validate(JobSpec("bert", decode="device").resolved())
+    with pytest.raises(SystemExit):  # the worker's own parser, for a command line written by hand
+        RunOptions.parse(["bert", "--out", str(tmp_path), "--decode", "device"])
+    assert "--decode applies to resnet only, not bert" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 from workloads.registry import BENCHMARKS, missing_inputs
+from workloads.resnet.config import DECODE_CHOICES  # torch-free
 
 log = logging.getLogger("workloads")
 
@@ -76,6 +77,7 @@ class RunOptions:
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
     last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
+    decode: str | None = None  # resnet: where its JPEGs are decoded, "workers" or "device" (default: the preset's)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> "RunOptions":
@@ -110,9 +112,13 @@ class RunOptions:
                        "skipped) and none after: Slurm's batch script gives each run its own step, after its own "
                        "cache flush")
         p.add_argument("--packing-factor", type=int, default=1)
+        p.add_argument("--decode", choices=DECODE_CHOICES,
+                       help="resnet only: decode the JPEGs in the loader workers or on the run's device")
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
+        if args.decode and args.benchmark != "resnet":
+            p.error(f"--decode applies to resnet only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
         if args.last_run is not None and not 0 <= args.last_run < args.runs:

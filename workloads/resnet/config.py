@@ -67,6 +67,11 @@ REFERENCE_LARS = (
 # fails every run ("Missing RCP").
 FREE_MOMENTUM_FROM = 32768
 
+# Where the training and eval JPEGs are decoded (see workloads/resnet/data.py): "workers", in the DataLoader's
+# worker processes (libjpeg-turbo); "device", in one batched call on the run's device (nvjpeg on CUDA), the
+# workers only reading the files and drawing each sample's crop and flip.
+DECODE_CHOICES = ("workers", "device")
+
 
 @dataclass(frozen=True)
 class ResNetConfig:
@@ -88,6 +93,7 @@ class ResNetConfig:
     weight_decay: float = 0.00005  # SGD's: a power-of-two multiple of 1e-4, as the closed rules require
     label_smoothing: float = 0.1
     workers: int = 8  # data-loader processes per rank
+    decode: str = "workers"  # one of DECODE_CHOICES; --decode on `harness run`
     # DDP's all-reduce bucket: ResNet-50's 100 MB of fp32 gradients in 4 buckets, the first of them ready
     # early in the backward pass (torch's default, not yet tuned on a GPU: bench/gpu_throughput.py measures it).
     bucket_mb: int = 25

@@ -8,6 +8,7 @@ loader and the MLPerf preprocessing the full preset uses on real ImageNet.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import os
 import random
@@ -19,7 +20,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms.v2 import functional as F
 
 from workloads.common.cache import build_once, cache_root
@@ -89,12 +90,32 @@ def _random_crop(height: int, width: int, aspect: float, rng: random.Random) -> 
     return top, left, crop_h, crop_w
 
 
+@dataclass(frozen=True)
+class Augmentation:
+    """One training sample's draws: the reference's crop box (top, left, height, width) and the flip."""
+
+    box: tuple[int, int, int, int]
+    flip: bool
+
+
+def draw_augmentation(height: int, width: int, rng: random.Random) -> Augmentation:
+    """The draws of one height x width image's augmentation, in the reference's order: its random crop
+    (reference_crop), then the left-right flip with probability 1/2. Needs the image's size only, so a loader
+    worker can draw them from a JPEG's header and leave the decoding to the device."""
+    box = reference_crop(height, width, rng)
+    return Augmentation(box, rng.random() < 0.5)
+
+
+def augment(image, crop: int, augmentation: Augmentation):
+    """Apply drawn augmentation to one image (PIL, or a uint8 tensor on any device): the box resized to crop x
+    crop (bilinear, antialiased), flipped if drawn so."""
+    image = F.resized_crop(image, *augmentation.box, [crop, crop], antialias=True)
+    return F.horizontal_flip(image) if augmentation.flip else image
+
+
 def train_image(image, crop: int, rng: random.Random):
-    """The reference's training augmentation of one image (PIL or uint8 tensor): its random crop (reference_crop),
-    resized to crop x crop (bilinear, antialiased), flipped left-right with probability 1/2."""
-    height, width = F.get_size(image)
-    image = F.resized_crop(image, *reference_crop(height, width, rng), [crop, crop], antialias=True)
-    return F.horizontal_flip(image) if rng.random() < 0.5 else image
+    """The reference's training augmentation of one image (PIL or uint8 tensor), drawn from `rng` and applied."""
+    return augment(image, crop, draw_augmentation(*F.get_size(image), rng))
 
 
 def augmentation_rng(seed: int, epoch: int, index: int) -> random.Random:
@@ -118,8 +139,104 @@ def decode(path: Path) -> torch.Tensor:
     dataset's) by libpng, whatever the file's name says (ImageNet holds one PNG named .JPEG); grayscale and CMYK
     JPEGs (ImageNet has both) converted to RGB, to the pixels PIL's convert("RGB") gave. With the crop and resize
     on uint8 tensors, faster per core than PIL's decode and resize (bench/jpeg_decode.py, docs/measured.md).
-    torchvision 0.29 deprecates its decoders for TorchCodec's: this is the one place to change."""
-    return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+    torchvision 0.29 deprecates its decoders for TorchCodec's: decode_bytes and decode_batch are the places to
+    change."""
+    return decode_bytes(read_file(str(path)))
+
+
+def decode_bytes(data: torch.Tensor) -> torch.Tensor:
+    """An image file's bytes (a uint8 tensor, as read_file gives them) to a uint8 RGB tensor: see decode."""
+    return decode_image(data, mode=ImageReadMode.RGB)
+
+
+# --- decoding on the device (--decode device) --------------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    """A JPEG the device decodes: the file's bytes (a uint8 tensor on the host) and, for training, the sample's
+    drawn augmentation (None: eval's fixed resize and center crop)."""
+
+    data: torch.Tensor
+    augmentation: Augmentation | None
+
+    def pin_memory(self) -> "Encoded":
+        return Encoded(self.data.pin_memory(), self.augmentation)
+
+
+def device_jpeg_size(data: torch.Tensor) -> tuple[int, int] | None:
+    """(height, width) of an image file the device decoder takes, from its header alone; None for one it does
+    not, which the loader worker decodes itself (decode_bytes) as with --decode workers.
+
+    The device decoder is torchvision's decode_jpeg: nvjpeg on CUDA, which takes JPEGs only, and of those the
+    1-component (grayscale) and 3-component (YCbCr) ones. CMYK and YCCK JPEGs (4 components; ImageNet holds a few
+    dozen) are left out: torchvision's GPU decoder is not tested on them (its tests leave its CMYK image out),
+    and libjpeg-turbo's RGB of them is the one the tests hold the loader to. PNG (the tiny dataset's; the one PNG
+    in ImageNet, named .JPEG) is not a JPEG. nvjpeg decodes a whole batch or nothing, so a file it cannot take
+    must never reach it. The rule is the same on every device, so the CPU tests see the batches a GPU run sees. A
+    file PIL cannot read is left to the worker too, which fails on it as --decode workers does."""
+    try:
+        with Image.open(io.BytesIO(data.numpy())) as image:  # parses the header, decodes nothing
+            if image.format == "JPEG" and image.mode in ("L", "RGB"):
+                return image.height, image.width
+    except (OSError, SyntaxError, ValueError):  # PIL's UnidentifiedImageError is an OSError
+        pass
+    return None
+
+
+@dataclass
+class EncodedBatch:
+    """A batch as the loader workers leave it with --decode device: each image an Encoded JPEG or, where the
+    device decoder cannot take the file (device_jpeg_size), the worker's finished uint8 (3, crop, crop) tensor;
+    the labels. pin_memory() pins every tensor, so a DataLoader with pin_memory=True pins it as it pins tensors."""
+
+    images: list[Encoded | torch.Tensor]
+    labels: torch.Tensor
+
+    def pin_memory(self) -> "EncodedBatch":
+        return EncodedBatch([image.pin_memory() for image in self.images], self.labels.pin_memory())
+
+
+def collate_encoded(samples: list[tuple[Encoded | torch.Tensor, int]]) -> EncodedBatch:
+    """The DataLoader's collate_fn with --decode device: the images kept apart (they differ in size until the
+    device has cropped them), the labels one tensor as default_collate makes it."""
+    return EncodedBatch([image for image, _ in samples], torch.tensor([label for _, label in samples]))
+
+
+def decode_batch(batch: EncodedBatch, crop: int, device: torch.device) -> torch.Tensor:
+    """An EncodedBatch to the uint8 (N, 3, crop, crop) batch on `device` that to_model_input takes: its JPEGs
+    decoded in one call on `device` (torchvision's decode_jpeg: nvjpeg on CUDA, libjpeg-turbo on the CPU),
+    each then augmented or eval-cropped there by the same functions the workers use (augment, eval_image); the
+    workers' finished images copied in at their places.
+
+    On the CPU this gives the --decode workers batches exactly. On CUDA, not measured here: nvjpeg's pixels
+    differ from libjpeg-turbo's by a little (torchvision's tests allow a mean of 2 levels), and torchvision
+    resizes uint8 on CUDA in float32 then rounds, where the CPU has its own fixed-point uint8 kernel (they
+    differ in rounding). The crop and resize run one image at a time (the boxes differ): a few small kernels per
+    image on a GPU."""
+    positions = [i for i, image in enumerate(batch.images) if isinstance(image, Encoded)]
+    images = list(batch.images)
+    if positions:
+        encoded = [batch.images[i] for i in positions]
+        decoded = decode_jpeg([e.data for e in encoded], mode=ImageReadMode.RGB, device=device)
+        for i, e, image in zip(positions, encoded, decoded):
+            images[i] = eval_image(image, crop) if e.augmentation is None else augment(image, crop, e.augmentation)
+    return torch.stack([image.to(device, non_blocking=True) for image in images])
+
+
+class DeviceDecoded:
+    """A DataLoader of EncodedBatches as an iterable of (uint8 images on `device`, labels) batches, like the
+    DataLoader of --decode workers: the decoding happens here, in the training process, batch by batch."""
+
+    def __init__(self, loader: DataLoader, crop: int, device: torch.device):
+        self.loader, self.crop, self.device = loader, crop, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield decode_batch(batch, self.crop, self.device), batch.labels
 
 
 def to_model_input(images: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -173,39 +290,52 @@ class EpochSampler(ResumableSampler):
 
 
 class ListedImages(Dataset):
-    """The images of a list from scan_images, under `folder`, with their class index."""
+    """The images of a list from scan_images, under `folder`, with their class index. With `on_device`, the JPEGs
+    the device decoder takes (device_jpeg_size) come out as Encoded bytes, the rest decoded here as without."""
 
-    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int):
-        self.folder, self.samples, self.crop = folder, samples, crop
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int, on_device: bool = False):
+        self.folder, self.samples, self.crop, self.on_device = folder, samples, crop, on_device
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, i: int) -> tuple[torch.Tensor, int]:
+    def read(self, i: int) -> tuple[torch.Tensor, tuple[int, int] | None, int]:
+        """The i-th file's bytes; its (height, width) if the device decodes it, else None; its class index."""
         path, label = self.samples[i]
-        return decode(self.folder / path), label
+        data = read_file(str(self.folder / path))
+        size = device_jpeg_size(data) if self.on_device else None
+        # read_file maps the file, and a mapped storage cannot cross to the training process (torch shares a CPU
+        # tensor by its storage's file descriptor, the mapping's is gone: the worker's queue drops the batch and the
+        # loader waits forever), so bytes bound for the device are copied out of the mapping.
+        return (data if size is None else data.clone()), size, label
 
 
 class TrainImages(ListedImages):
-    """Training images by (epoch, index) key (see EpochSampler), augmented by train_image with the sample's own
-    draws (augmentation_rng): (uint8 image tensor, class index)."""
+    """Training images by (epoch, index) key (see EpochSampler), augmented with the sample's own draws
+    (augmentation_rng): (uint8 image tensor, or Encoded with its drawn augmentation; class index)."""
 
-    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int, seed: int):
-        super().__init__(folder, samples, crop)
+    def __init__(self, folder: Path, samples: list[tuple[str, int]], crop: int, seed: int, on_device: bool = False):
+        super().__init__(folder, samples, crop, on_device)
         self.seed = seed
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | Encoded, int]:
         epoch, i = key
-        image, label = self.load(i)
-        return train_image(image, self.crop, augmentation_rng(self.seed, epoch, i)), label
+        data, size, label = self.read(i)
+        rng = augmentation_rng(self.seed, epoch, i)
+        if size is not None:
+            return Encoded(data, draw_augmentation(*size, rng)), label
+        return train_image(decode_bytes(data), self.crop, rng), label
 
 
 class EvalImages(ListedImages):
-    """Eval images by index, resized and center-cropped (eval_image): (uint8 image tensor, class index)."""
+    """Eval images by index, resized and center-cropped (eval_image): (uint8 image tensor, or Encoded; class
+    index)."""
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image, label = self.load(i)
-        return eval_image(image, self.crop), label
+    def __getitem__(self, i: int) -> tuple[torch.Tensor | Encoded, int]:
+        data, size, label = self.read(i)
+        if size is not None:
+            return Encoded(data, None), label
+        return eval_image(decode_bytes(data), self.crop), label
 
 
 @dataclass
@@ -225,25 +355,32 @@ def check_layout(root: Path) -> None:
 
 
 def image_folder_loaders(root: Path, train_images: list[tuple[str, int]], eval_images: list[tuple[str, int]],
-                         crop: int, batch_size: int, workers: int, ctx: DistContext, seed: int) -> Loaders:
+                         crop: int, batch_size: int, workers: int, ctx: DistContext, seed: int,
+                         decode: str = "workers") -> Loaders:
     """Loaders over an ImageNet-layout folder (root/train/<class>/..., root/val/<class>/...), whose images
-    `train_images` and `eval_images` list (see shared_image_list). The workers decode and crop to uint8 tensors.
+    `train_images` and `eval_images` list (see shared_image_list). With `decode` "workers" the loader workers
+    decode and crop to uint8 tensors; with "device" they read the files and draw the augmentations, and the
+    batches are decoded and cropped on ctx.device (DeviceDecoded), to the same uint8 batches.
 
     The training order and each sample's augmentation follow the run's seed (the same on every rank, so the
     ranks' shards stay disjoint): each run of a campaign sees its own order and crops, and a resumed run, with
     any number of workers, the order and crops it had.
     """
-    train_set = TrainImages(root / "train", train_images, crop, seed)
-    eval_set = EvalImages(root / "val", eval_images, crop)
+    on_device = decode == "device"
+    train_set = TrainImages(root / "train", train_images, crop, seed, on_device)
+    eval_set = EvalImages(root / "val", eval_images, crop, on_device)
     sampler = EpochSampler(DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True, seed=seed,
                                               drop_last=True))
     # Each rank scores a disjoint slice, so the summed counts cover every eval image exactly once.
     eval_shard = Subset(eval_set, range(ctx.rank, len(eval_set), ctx.world_size))
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
-                  persistent_workers=workers > 0)
-    return Loaders(train=DataLoader(train_set, sampler=sampler, drop_last=True, **common),
-                   eval=DataLoader(eval_shard, shuffle=False, **common),
-                   train_samples=len(train_set), eval_samples=len(eval_set), sampler=sampler)
+                  persistent_workers=workers > 0, collate_fn=collate_encoded if on_device else None)
+    train = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
+    evaluation = DataLoader(eval_shard, shuffle=False, **common)
+    if on_device:
+        train, evaluation = DeviceDecoded(train, crop, ctx.device), DeviceDecoded(evaluation, crop, ctx.device)
+    return Loaders(train=train, eval=evaluation, train_samples=len(train_set), eval_samples=len(eval_set),
+                   sampler=sampler)
 
 
 class SyntheticBatches:

@@ -70,6 +70,8 @@ class ResNetWorkload(Workload):
         cfg = PRESETS[opts.preset]
         if opts.batch_size:
             cfg = replace(cfg, batch_size=opts.batch_size)
+        if opts.decode:
+            cfg = replace(cfg, decode=opts.decode)
         self.cfg: ResNetConfig = cfg
         # The optimizer, and its LR, warmup, length, momentum and decay at this global batch (config.plan_run),
         # decided first: a batch the LARS table does not cover is refused before the model is built (`harness run`
@@ -121,7 +123,8 @@ class ResNetWorkload(Workload):
             torch.distributed.barrier()  # the other ranks wait until the dataset exists
         with data_errors():
             images = shared_image_list(root / "train", ctx), shared_image_list(root / "val", ctx)
-        return image_folder_loaders(root, *images, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed)
+        return image_folder_loaders(root, *images, cfg.crop, cfg.batch_size, cfg.workers, ctx, self.seed,
+                                    cfg.decode)
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup to base_lr, then (1 - progress)^power decay down to end_lr."""
