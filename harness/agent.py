@@ -273,11 +273,11 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
 
 # --- one attempt ---------------------------------------------------------------------------------
 
-def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
-    """Run torchrun's agent once with no restarts of its own; (stopped by a signal, failure or None)."""
+def run_attempt(torchrun_argv: list[str]) -> Failure | None:
+    """Run torchrun's agent once with no restarts of its own: its failure, or None. A signal passes through
+    (SignalException): the caller records it, whatever this was doing when it came."""
     from torch.distributed import DistError
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -285,19 +285,16 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
     args.max_restarts = 0
     try:
         torchrun.run(args)
-        return False, None
+        return None
     except ChildFailedError as exc:
         failures = [classify(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None, _error_text(f.message),
                              os.path.isfile(f.error_file))
                     for rank, f in sorted(exc.failures.items())]
-        return False, attempt_failure(failures)
-    except SignalException as exc:
-        return True, Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled "
-                                             "or preempted, or its node was lost)", signal=exc.sigval.name)
+        return attempt_failure(failures)
     except (RendezvousError, DistError, TimeoutError, ConnectionError) as exc:
         # The nodes never met (a node late or lost, the store's host unreachable): no worker ran, so it is the
         # cluster's failure, not the workload's, and worth a retry like any other.
-        return False, Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
+        return Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
 
 
 def _rendezvous_reason(exc: Exception, args) -> str:
@@ -403,6 +400,8 @@ def _stop_on_sigterm() -> None:
 def _attempts(args, node: str) -> int:
     """Run attempts until one succeeds or the decision says stop (or restart elsewhere)."""
     _stop_on_sigterm()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
@@ -412,9 +411,18 @@ def _attempts(args, node: str) -> int:
         return EXIT_BUDGET_SPENT
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
+        watch = NewerAttemptWatch(args.out, attempt)
         _append(args.out, node, {"event": "start", "attempt": attempt, **identity, "time": time.time()})
-        with NewerAttemptWatch(args.out, attempt) as watch:
-            cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        try:
+            with watch:
+                cancelled, failure = False, run_attempt(attempt_argv(torchrun_argv, attempt))
+        except SignalException as exc:
+            # Caught here, from the start record on, not only inside torchrun: importing torchrun alone takes
+            # seconds on a busy node, and a SIGTERM then (a cancel just after the start) still ends the attempt
+            # with its record instead of a traceback and a start without an end (read as a lost node).
+            cancelled, failure = True, Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job "
+                                                               "was cancelled or preempted, or its node was lost)",
+                                               signal=exc.sigval.name)
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)

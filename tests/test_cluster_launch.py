@@ -233,18 +233,29 @@ def test_the_resnet_optimizer_can_be_forced_and_is_checked():
         assert refused.returncode == 2 and "resnet takes one of sgd, lars" in refused.stderr
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
     """Before torch's agent starts workers it has no SIGTERM handler of its own: the node agent's ends the
     attempt anyway (a pod's agent is PID 1, which would otherwise ignore the signal), and records it."""
+    port = _free_port()
     argv = [sys.executable, "-m", "harness.agent", "--out", str(tmp_path), "--max-restarts", "2", "--",
-            "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=test", "--rdzv-conf=join_timeout=120", "-m", "workloads", "resnet", "--out", str(tmp_path)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not read_records(tmp_path):
+        # In the rendezvous once this node's c10d store listens (it hosts it), waiting for a second node that
+        # never comes: an event, not a pause (importing torchrun alone can take seconds on a busy machine).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not _listening(port):
             time.sleep(0.2)
-        time.sleep(2)  # inside torch's rendezvous by now
+        assert read_records(tmp_path) and proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
@@ -253,3 +264,28 @@ def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
     assert proc.returncode == 143, stderr
     (end,) = [r for r in read_records(tmp_path) if r["event"] == "end"]
     assert end["signal"] == "SIGTERM" and end["kind"] == "infrastructure"
+
+
+def test_a_sigterm_before_torchrun_has_started_still_ends_the_attempt_with_a_record(tmp_path, monkeypatch):
+    """Between the attempt's start record and torch's rendezvous the node agent imports torchrun, seconds on a
+    busy node: a SIGTERM there (a cancel right after the start) ends the attempt as one in the rendezvous does,
+    with its end recorded, not with a traceback and a start without an end (read as a lost node)."""
+    import argparse
+
+    from torch.distributed import run as torchrun
+
+    from harness import agent
+
+    def signalled(argv):  # the real signal and the agent's real handler, where torchrun is still loading
+        signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
+        raise AssertionError("the SIGTERM handler did not run")
+
+    monkeypatch.setattr(torchrun, "parse_args", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = agent._attempts(argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=2, restart_here=True),
+                               "node-a")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 143
+    assert [(r["event"], r.get("signal")) for r in read_records(tmp_path)] == [("start", None), ("end", "SIGTERM")]
