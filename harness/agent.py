@@ -63,6 +63,10 @@ EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload error (not retried)", EXIT_BUDGET_S
 HOST_ENV = "HARNESS_HOST"  # the machine's name where NODE_ENV names a pod: the metrics' node label
 NODE_ENV = "HARNESS_NODE"  # the node's name where the hostname is not stable (a Kubernetes pod's name)
 CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose results it holds
+# How long a node waits for the token of the node that created CLAIM_FILE first. It is written right after, but
+# on a shared file system that hundreds of starting nodes hammer it can show seconds later; the deadline only
+# matters where the winner died in between, and refusing too early fails the job for good (EXIT_FOLDER_TAKEN).
+CLAIM_WAIT_S = 120.0
 REPEATS_TO_STOP = 3
 INFRASTRUCTURE, WORKLOAD = "infrastructure", "workload"
 # Exception text that means the machine, the network or a peer failed, not the training code.
@@ -191,7 +195,7 @@ class NewerAttemptWatch:
                                        "restarted after a failure), so this node's attempt ended to join it")
 
 
-def claim_run_folder(out: Path, token: str, wait_s: float = 5.0) -> str | None:
+def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str | None:
     """Claim the run folder for the job `token` names; the reason to refuse it, or None.
 
     On Kubernetes every job writes into a folder of its own on a shared volume, but the pods cannot ask
