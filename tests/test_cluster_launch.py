@@ -19,7 +19,7 @@ from harness.agent import EXIT_BUDGET_SPENT, EXIT_RETRY, read_records
 from harness.errors import HarnessError
 from harness.launchers.base import rendezvous_timeouts
 from harness.spec import JobSpec, parse_env
-from tests.conftest import REPO, harness
+from tests.conftest import REPO, free_port, harness
 from workloads.common.run_record import ATTEMPTS_FILE, node_attempts_path, read_attempts
 
 CW = ("--profile", "coreweave-h100")
@@ -129,16 +129,23 @@ def test_rendezvous_timeouts_scale_with_nodes_and_come_from_the_profile():
     assert bad.returncode == 2 and "rendezvous.join_timeout_s must be at least 1 second" in bad.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_free_port_is_drawn_where_no_other_process_is_handed_it_meanwhile():
+    """A test picks a port, then starts a process that listens on it seconds later. A port from bind(0), closed
+    again, is the next bind(0)'s of any process (the other worker's gloo pairs and stores listen on port 0: one
+    took it after 6,924 such listeners here); one below the kernel's ephemeral range is never handed out."""
+    from tests.conftest import ephemeral_ports
+
+    ports = {free_port() for _ in range(20)}
+    assert not ports & set(ephemeral_ports()) and len(ports) > 1  # outside the range, and drawn, not fixed
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def _agent(out: Path, *agent_args: str, rdzv_conf: str, nnodes: int = 2) -> subprocess.CompletedProcess:
     """The node agent with a rendezvous that cannot complete: one node of `nnodes`, short timeouts."""
     argv = [sys.executable, "-m", "harness.agent", "--out", str(out), *agent_args, "--", "--nproc-per-node=1",
-            f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--rdzv-id=test", f"--rdzv-conf={rdzv_conf}", "-m", "workloads", "resnet", "--out", str(out)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=REPO)
 
@@ -244,7 +251,7 @@ def _listening(port: int) -> bool:
 def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
     """Before torch's agent starts workers it has no SIGTERM handler of its own: the node agent's ends the
     attempt anyway (a pod's agent is PID 1, which would otherwise ignore the signal), and records it."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "harness.agent", "--out", str(tmp_path), "--max-restarts", "2", "--",
             "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=test", "--rdzv-conf=join_timeout=120", "-m", "workloads", "resnet", "--out", str(tmp_path)]

@@ -16,7 +16,7 @@ from harness import profiles
 from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
-from tests.conftest import compliance, free_port, harness
+from tests.conftest import compliance, harness
 from workloads.common.mlperf import logged_run
 from workloads.common.page_cache import host_flush_script
 from workloads.common.run_record import read_json_lines
@@ -198,7 +198,7 @@ def test_a_requeued_job_pending_on_busy_nodes_waits_and_one_without_enough_nodes
 def test_tiny_resnet_across_two_slurm_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--backend", "slurm", "--nodes", "2", "--out", str(out),
-                     "--submitter", "it's $(not) run", env=slurm_cluster.env)
+                     "--submitter", "it's $(not) run", *slurm_cluster.run_args, env=slurm_cluster.env)
     assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
     assert "time-to-train (min)" in result.stdout and "RUNNING" in result.stdout
     run = parse_file(out / "result_0.txt")
@@ -219,7 +219,8 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
     launcher = get_launcher("slurm")
-    spec = JobSpec("resnet", nodes=2, runs=3, out_dir=tmp_path / "job", profile=profiles.load("local-cpu"))
+    profile = profiles.apply_overrides(profiles.load("local-cpu"), slurm_cluster.overrides)
+    spec = JobSpec("resnet", nodes=2, runs=3, out_dir=tmp_path / "job", profile=profile)
     handle = launcher.submit(launcher.render(spec.resolved()))
     states = []
     for state in launcher.watch(handle, poll_s=0.5):
@@ -262,7 +263,8 @@ def _run_with_admin(slurm_cluster, out, *args, on_step=None):
     admin = _Admin(out, on_step)
     admin.start()
     try:
-        return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, env=slurm_cluster.env)
+        return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, *slurm_cluster.run_args,
+                       env=slurm_cluster.env)
     finally:
         admin.stopped = True
         admin.join()
@@ -388,7 +390,8 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 def test_preflight_on_both_slurm_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "check"
-    result = harness("preflight", "--backend", "slurm", "--nodes", "2", "--out", str(out), env=slurm_cluster.env)
+    result = harness("preflight", "--backend", "slurm", "--nodes", "2", "--out", str(out), *slurm_cluster.run_args,
+                     env=slurm_cluster.env)
     assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
     record = json.loads((out / "preflight.json").read_text())
     assert record["passed"] and record["kept"] == ["node1", "node2"]
@@ -405,7 +408,8 @@ def test_a_spare_replaces_a_node_that_fails_preflight_and_the_bad_one_is_drained
     try:
         result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--spare-nodes", "1", "--preflight",
                          "--drain-bad-nodes", "--max-steps", "2", "--out", str(out),
-                         "--env", "HARNESS_PREFLIGHT_FAULT=node2:allreduce_busbw:0.001", env=slurm_cluster.env)
+                         "--env", "HARNESS_PREFLIGHT_FAULT=node2:allreduce_busbw:0.001", *slurm_cluster.run_args,
+                         env=slurm_cluster.env)
         drained = _slurm(slurm_cluster, "sinfo", "-R", "-h", "-o", "%N|%E")
     finally:
         _resume(slurm_cluster, ["node2"])
@@ -455,7 +459,7 @@ def test_each_run_of_a_campaign_is_flushed_by_its_own_host_step_on_a_real_cluste
     out, flushes = tmp_path / "run", tmp_path / "flushes"
     result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--runs", "2", "--max-steps", "1",
                      "--seed", "1", "--out", str(out), "--set", f"slurm.flush_page_cache=echo done >> {flushes}",
-                     "--set", f"slurm.rendezvous_port={free_port()}", env=slurm_cluster.env)
+                     *slurm_cluster.run_args, env=slurm_cluster.env)
     job = json.loads((out / "job.json").read_text())  # (one step is too short to reach the target: exit 1)
     assert job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
     assert flushes.read_text().splitlines() == ["done", "done"]  # one host step per run, no requeue
