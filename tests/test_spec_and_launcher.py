@@ -173,7 +173,7 @@ sys.exit("the write went through")
 
 
 def test_job_json_is_replaced_whole(tmp_path):
-    """`harness status`, `logs` or `cancel` in another shell read job.json while `harness run` records a state in
+    """`harness logs`, `cancel` or `collect` in another shell read job.json while `harness run` records a state in
     it, and a write can fail half way (a results disk full of checkpoints): it is written aside and renamed over,
     so no reader sees half of it and a failed write keeps the record it had. It keeps the mode a plain write
     gives it (the umask's), so the rest of the team can still read it."""

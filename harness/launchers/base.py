@@ -77,7 +77,7 @@ class Handle:
         self._write(record)
 
     def _write(self, record: dict) -> None:
-        # Replaced whole: `harness status`, `logs` or `cancel` in another shell reads it while `harness run`
+        # Replaced whole: `harness logs`, `cancel` or `collect` in another shell reads it while `harness run`
         # records a state, and a write that fails half way (a results disk full of checkpoints) keeps the old one.
         replace_whole(self.out_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
 
