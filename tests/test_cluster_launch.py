@@ -288,6 +288,7 @@ def test_a_sigterm_before_torchrun_has_started_still_ends_the_attempt_with_a_rec
         raise AssertionError("the SIGTERM handler did not run")
 
     monkeypatch.setattr(torchrun, "parse_args", signalled)
+    monkeypatch.setenv(agent.ATTEMPT_ENV, "0")  # the agent sets it for its workers: undone after the test
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = agent._attempts(argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=2, restart_here=True),
