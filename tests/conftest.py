@@ -129,14 +129,10 @@ def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node Slurm cluster on loopback (see tests/slurm_cluster.py), when Slurm is installed."""
-    from tests.slurm_cluster import SlurmCluster, missing_programs
+    from tests.slurm_cluster import SlurmCluster, unavailable
 
-    missing = missing_programs()
-    if missing:
-        pytest.skip(f"Slurm is not installed here (missing {', '.join(missing)}); the README's test command "
-                    "installs Debian's slurm-wlm and munge when run as root")
-    if os.geteuid() != 0:
-        pytest.skip("the private Slurm cluster runs its daemons as root; run the tests as root")
+    if why := unavailable():
+        pytest.skip(why)
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster.start()

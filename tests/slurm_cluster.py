@@ -26,6 +26,17 @@ def missing_programs() -> list[str]:
     return [name for name in DAEMONS if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
 
 
+def unavailable() -> str | None:
+    """Why no test cluster can start here, or None."""
+    missing = missing_programs()
+    if missing:
+        return (f"Slurm is not installed here (missing {', '.join(missing)}); the README's test command installs "
+                "Debian's slurm-wlm and munge when run as root")
+    if os.geteuid() != 0:
+        return "the private Slurm cluster runs its daemons as root; run the tests as root"
+    return None
+
+
 def _program(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -156,6 +167,18 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
                          for p in sorted(self.root.rglob("*.log")))
 
     def stop(self) -> None:
+        """Cancel the jobs still there (a failed test's), then stop the daemons. slurmd leaves its jobs' steps
+        running when it stops, as across a restart of its own: they would outlive the session, holding their
+        ports (a rendezvous left hung here waited on for 10 minutes after its test had failed)."""
+        env = {**os.environ, **self.env}
+        try:
+            subprocess.run([_program("scancel"), "--partition=debug"], env=env, capture_output=True, timeout=60)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and subprocess.run(
+                    [_program("squeue"), "-h"], env=env, capture_output=True, text=True, timeout=60).stdout.strip():
+                time.sleep(0.5)
+        except subprocess.TimeoutExpired:
+            pass  # a controller that does not answer: stop it anyway
         for pid_file in reversed(self._pids):
             try:
                 pid = int(pid_file.read_text().split()[0])

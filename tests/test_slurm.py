@@ -6,9 +6,11 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -93,7 +95,6 @@ with open(os.environ["STEPS"], "a") as steps:
 def _run_the_batch_script(tmp_path, runs: int, fail_run: str = "") -> list[str]:
     """The rendered sbatch script, run by bash with srun and scontrol faked: the steps it ran, in order."""
     import dataclasses
-    import sys
 
     from mlperf_logging.mllog import constants as C
 
@@ -236,6 +237,45 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
         time.sleep(0.5)
     assert not subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True).stdout.strip()
     assert get_launcher("slurm").status(handle) is JobState.CANCELLED  # as another shell would see it
+
+
+@pytest.mark.slurm
+def test_a_stopped_test_cluster_leaves_no_job_running(tmp_path):
+    """A failed test can leave its job running, and slurmd leaves its jobs' steps running when it stops: the test
+    cluster cancels what is left before it stops, so nothing of it outlives the session (a cluster of its own
+    here, so that the session's is not stopped)."""
+    import uuid
+
+    from tests.slurm_cluster import SlurmCluster, unavailable
+
+    if why := unavailable():
+        pytest.skip(why)
+    marker = f"harness-test-{uuid.uuid4().hex}"  # in the job's command line, to find its process by
+
+    def running() -> list[str]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if marker.encode() in cmdline.read_bytes():
+                    found.append(cmdline.parent.name)
+            except OSError:
+                continue  # gone meanwhile
+        return found
+
+    cluster = SlurmCluster(tmp_path / "slurm").start()
+    try:
+        wrap = f"exec {shlex.quote(sys.executable)} -c 'import time; time.sleep(600)' {marker}"
+        submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", "--wrap", wrap],
+                                   capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **cluster.env},
+                                   timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        deadline = time.monotonic() + 120
+        while not running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert running(), cluster.logs()
+    finally:
+        cluster.stop()
+    assert not running()
 
 
 def _slurm(slurm_cluster, *argv: str) -> str:
