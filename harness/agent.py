@@ -277,11 +277,11 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
 
 # --- one attempt ---------------------------------------------------------------------------------
 
-def run_attempt(torchrun_argv: list[str]) -> Failure | None:
-    """Run torchrun's agent once with no restarts of its own: its failure, or None. A signal passes through
-    (SignalException): the caller records it, whatever this was doing when it came."""
+def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
+    """Run torchrun's agent once with no restarts of its own; (stopped by a signal, failure or None)."""
     from torch.distributed import DistError
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -289,16 +289,24 @@ def run_attempt(torchrun_argv: list[str]) -> Failure | None:
     args.max_restarts = 0
     try:
         torchrun.run(args)
-        return None
+        return False, None
     except ChildFailedError as exc:
         failures = [classify(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None, _error_text(f.message),
                              os.path.isfile(f.error_file))
                     for rank, f in sorted(exc.failures.items())]
-        return attempt_failure(failures)
+        return False, attempt_failure(failures)
+    except SignalException as exc:
+        return True, signalled(exc)
     except (RendezvousError, DistError, TimeoutError, ConnectionError) as exc:
         # The nodes never met (a node late or lost, the store's host unreachable): no worker ran, so it is the
         # cluster's failure, not the workload's, and worth a retry like any other.
-        return Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
+        return False, Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
+
+
+def signalled(exc) -> Failure:
+    """What a signal to the node agent (torch's SignalException, or ours: _stop_on_sigterm) makes of its attempt."""
+    return Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled or preempted, "
+                                   "or its node was lost)", signal=exc.sigval.name)
 
 
 def _rendezvous_reason(exc: Exception, args) -> str:
@@ -419,14 +427,12 @@ def _attempts(args, node: str) -> int:
         _append(args.out, node, {"event": "start", "attempt": attempt, **identity, "time": time.time()})
         try:
             with watch:
-                cancelled, failure = False, run_attempt(attempt_argv(torchrun_argv, attempt))
+                cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
         except SignalException as exc:
-            # Caught here, from the start record on, not only inside torchrun: importing torchrun alone takes
+            # Also here, from the start record on, not only inside torchrun's run: importing torchrun alone takes
             # seconds on a busy node, and a SIGTERM then (a cancel just after the start) still ends the attempt
             # with its record instead of a traceback and a start without an end (read as a lost node).
-            cancelled, failure = True, Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job "
-                                                               "was cancelled or preempted, or its node was lost)",
-                                               signal=exc.sigval.name)
+            cancelled, failure = True, signalled(exc)
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)

@@ -283,11 +283,11 @@ def test_a_sigterm_before_torchrun_has_started_still_ends_the_attempt_with_a_rec
 
     from harness import agent
 
-    def signalled(argv):  # the real signal and the agent's real handler, where torchrun is still loading
+    def signalled():  # the real signal and the agent's real handler, while torchrun reads its arguments
         signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
         raise AssertionError("the SIGTERM handler did not run")
 
-    monkeypatch.setattr(torchrun, "parse_args", signalled)
+    monkeypatch.setattr(torchrun, "get_args_parser", signalled)
     monkeypatch.setenv(agent.ATTEMPT_ENV, "0")  # the agent sets it for its workers: undone after the test
     before = signal.getsignal(signal.SIGTERM)
     try:

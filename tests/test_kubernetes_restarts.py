@@ -321,7 +321,7 @@ def test_an_agent_in_a_pod_records_the_machine_under_it(tmp_path, monkeypatch):
 
     monkeypatch.setenv(agent.HOST_ENV, "gpu-b")
     monkeypatch.setattr(agent, "_stop_on_sigterm", lambda: None)
-    monkeypatch.setattr(agent, "run_attempt", lambda argv: None)
+    monkeypatch.setattr(agent, "run_attempt", lambda argv: (False, None))
     args = argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=0, restart_here=False)
     assert agent._attempts(args, "rn-worker-0") == 0
     assert [(r["event"], r["node"], r["host"]) for r in read_records(tmp_path)] == [
