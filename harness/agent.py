@@ -303,12 +303,6 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
         return False, Failure(INFRASTRUCTURE, f"rendezvous failed: {_rendezvous_reason(exc, args)}")
 
 
-def signalled(exc) -> Failure:
-    """What a signal to the node agent (torch's SignalException, or ours: _stop_on_sigterm) makes of its attempt."""
-    return Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled or preempted, "
-                                   "or its node was lost)", signal=exc.sigval.name)
-
-
 def _rendezvous_reason(exc: Exception, args) -> str:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
 
@@ -407,6 +401,12 @@ def _stop_on_sigterm() -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def signalled(exc) -> Failure:
+    """What a signal to the node agent (torch's SignalException, or ours: _stop_on_sigterm) makes of its attempt."""
+    return Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled or preempted, "
+                                   "or its node was lost)", signal=exc.sigval.name)
 
 
 def _attempts(args, node: str) -> int:
