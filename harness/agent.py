@@ -66,6 +66,10 @@ EXIT_CODES = {EXIT_WORKLOAD_ERROR: "workload or configuration error (not retried
 HOST_ENV = "HARNESS_HOST"  # the machine's name where NODE_ENV names a pod: the metrics' node label
 NODE_ENV = "HARNESS_NODE"  # the node's name where the hostname is not stable (a Kubernetes pod's name)
 CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose results it holds
+# How long a node waits for the token of the node that created CLAIM_FILE first. It is written right after, but
+# on a shared file system that hundreds of starting nodes hammer it can show seconds later; the deadline only
+# matters where the winner died in between, and refusing too early fails the job for good (EXIT_FOLDER_TAKEN).
+CLAIM_WAIT_S = 120.0
 REPEATS_TO_STOP = 3
 # How a worker's refusal with its reason (workloads.__main__: a bad command line, a missing input) reads in its
 # error file: torch's ErrorHandler writes "<exception type>: <text>".
@@ -199,7 +203,7 @@ class NewerAttemptWatch:
                                        "restarted after a failure), so this node's attempt ended to join it")
 
 
-def claim_run_folder(out: Path, token: str, wait_s: float = 5.0) -> str | None:
+def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str | None:
     """Claim the run folder for the job `token` names; the reason to refuse it, or None.
 
     On Kubernetes every job writes into a folder of its own on a shared volume, but the pods cannot ask
@@ -306,8 +310,7 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
                     for rank, f in sorted(exc.failures.items())]
         return False, attempt_failure(failures)
     except SignalException as exc:
-        return True, Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled "
-                                             "or preempted, or its node was lost)", signal=exc.sigval.name)
+        return True, signalled(exc)
     except (RendezvousError, DistError, TimeoutError, ConnectionError) as exc:
         # The nodes never met (a node late or lost, the store's host unreachable): no worker ran, so it is the
         # cluster's failure, not the workload's, and worth a retry like any other.
@@ -436,9 +439,17 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def signalled(exc) -> Failure:
+    """What a signal to the node agent (torch's SignalException, or ours: _stop_on_sigterm) makes of its attempt."""
+    return Failure(INFRASTRUCTURE, f"the node agent received {exc.sigval.name} (the job was cancelled or preempted, "
+                                   "or its node was lost)", signal=exc.sigval.name)
+
+
 def _attempts(args, node: str) -> int:
     """Run attempts until one succeeds or the decision says stop (or restart elsewhere)."""
     _stop_on_sigterm()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
@@ -448,9 +459,16 @@ def _attempts(args, node: str) -> int:
         return EXIT_BUDGET_SPENT
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
+        watch = NewerAttemptWatch(args.out, attempt)
         _append(args.out, node, {"event": "start", "attempt": attempt, **identity, "time": time.time()})
-        with NewerAttemptWatch(args.out, attempt) as watch:
-            cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        try:
+            with watch:
+                cancelled, failure = run_attempt(attempt_argv(torchrun_argv, attempt))
+        except SignalException as exc:
+            # Also here, from the start record on, not only inside torchrun's run: importing torchrun alone takes
+            # seconds on a busy node, and a SIGTERM then (a cancel just after the start) still ends the attempt
+            # with its record instead of a traceback and a start without an end (read as a lost node).
+            cancelled, failure = True, signalled(exc)
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)

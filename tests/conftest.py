@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -128,14 +129,10 @@ def tiny_campaign(tmp_path_factory) -> tuple[Path, Completed]:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node Slurm cluster on loopback (see tests/slurm_cluster.py), when Slurm is installed."""
-    from tests.slurm_cluster import SlurmCluster, missing_programs
+    from tests.slurm_cluster import SlurmCluster, unavailable
 
-    missing = missing_programs()
-    if missing:
-        pytest.skip(f"Slurm is not installed here (missing {', '.join(missing)}); the README's test command "
-                    "installs Debian's slurm-wlm and munge when run as root")
-    if os.geteuid() != 0:
-        pytest.skip("the private Slurm cluster runs its daemons as root; run the tests as root")
+    if why := unavailable():
+        pytest.skip(why)
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster.start()
@@ -153,10 +150,35 @@ def closed_proxy_run(benchmark: str, *args: str, procs: int = 1, timeout: float 
     return Completed(proc.returncode, proc.stdout, proc.stderr)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for bind(0) and outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(taken: tuple[int, ...] = ()) -> int:
+    """A TCP port free now, for a process started later to listen on (a store, a daemon, an exporter). Drawn at
+    random below the kernel's ephemeral range: a port that bind(0) gave out and this closed is free for the next
+    bind(0) of any process, and in the seconds before ours listens the other worker's gloo pairs, torchrun
+    --standalone stores and exporters, all listening on port 0, can take it. Random (from the OS, not the
+    `random` module that tests seed), so two workers, or two CI runs on one host, rarely draw the same."""
+    draw = random.SystemRandom()
+    below = ephemeral_ports().start
+    low = 15000 if below > 20000 else 1024
+    for _ in range(1000):
+        port = draw.randrange(low, below)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # someone listens there
+        return port
+    raise RuntimeError(f"no free TCP port found in {low}-{below - 1}")
 
 
 @pytest.fixture

@@ -38,6 +38,11 @@ Where `nodes` holds Nodes, a fake scheduler binds each new job pod (spec.nodeNam
 the first Node that its required node affinity (metadata.name or kubernetes.io/hostname In / NotIn)
 admits, whose NoSchedule and NoExecute taints it tolerates, and that holds no other pod
 of the same job (one training pod fills a node's GPUs); with none left it stays Pending.
+
+The server answers requests on threads of its own while tests act on the same state from theirs: every change,
+and every read of more than one object, holds `lock`, so a job is never seen half made (the operator's pass
+over a new PyTorchJob creates its pods within the create, and a reader that takes the lock sees both or
+neither). A pod the fake kubelet runs runs outside it, so that pods run side by side, as on a cluster.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class FakeKubeAPI:
         self.requests: list[tuple[str, str]] = []
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
         self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
+        self.lock = threading.RLock()  # held by every change and every read of several objects (module notes)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -136,11 +142,12 @@ class FakeKubeAPI:
 
     # What the operator and kubelet would do.
     def set_condition(self, namespace: str, name: str, kind: str, message: str = "") -> None:
-        job = self.jobs[(namespace, name)]
-        conditions = job.setdefault("status", {}).setdefault("conditions", [])
-        for condition in conditions:
-            condition["status"] = "False" if condition["type"] in ("Running", "Restarting") else condition["status"]
-        conditions.append({"type": kind, "status": "True", "message": message or f"PyTorchJob {name} is {kind}"})
+        with self.lock:
+            job = self.jobs[(namespace, name)]
+            conditions = job.setdefault("status", {}).setdefault("conditions", [])
+            for condition in conditions:
+                condition["status"] = "False" if condition["type"] in ("Running", "Restarting") else condition["status"]
+            conditions.append({"type": kind, "status": "True", "message": message or f"PyTorchJob {name} is {kind}"})
 
     def job_reads(self, namespace: str, name: str) -> int:
         """How many times the job has been read (GET), by `harness run`'s watch or anyone."""
@@ -269,8 +276,9 @@ class FakeKubeAPI:
 
     # The training operator, for PyTorchJobs.
     def job_pods(self, namespace: str, name: str) -> dict[str, dict]:
-        return {key[1]: pod for key, pod in self.pods.items()
-                if key[0] == namespace and pod["metadata"]["labels"].get(JOB_LABEL) == name}
+        with self.lock:
+            return {key[1]: pod for key, pod in self.pods.items()
+                    if key[0] == namespace and pod["metadata"]["labels"].get(JOB_LABEL) == name}
 
     def run_pod(self, namespace: str, name: str) -> int:
         """The kubelet runs a job's pod to its end; then the operator reconciles. Returns its exit code."""
@@ -282,14 +290,16 @@ class FakeKubeAPI:
     def exit_pod(self, namespace: str, name: str, exit_code: int) -> None:
         """A job's pod ends with `exit_code` (137: killed), without running anything; then the operator
         reconciles."""
-        pod = self.pods[(namespace, name)]
-        self._ended(pod, exit_code)
-        self.reconcile(namespace, pod["metadata"]["labels"][JOB_LABEL])
+        with self.lock:
+            pod = self.pods[(namespace, name)]
+            self._ended(pod, exit_code)
+            self.reconcile(namespace, pod["metadata"]["labels"][JOB_LABEL])
 
     def reconcile(self, namespace: str, name: str) -> None:
         """The operator's passes over one PyTorchJob until nothing more changes (see the module's notes)."""
-        while self._reconcile_once(namespace, name):
-            pass
+        with self.lock:
+            while self._reconcile_once(namespace, name):
+                pass
 
     def _reconcile_once(self, namespace: str, name: str) -> bool:
         job = self.jobs[(namespace, name)]
@@ -410,17 +420,26 @@ class FakeKubeAPI:
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
                 fake.requests.append((method, url.path))
-                if m := JOBS.match(url.path):
-                    return self._jobs(method, m.group(3), m.group(2), m.group(4))
                 if (m := PODS.match(url.path)) and method == "POST":
-                    pod = self._body()
-                    if (m.group(1), pod["metadata"]["name"]) in fake.pods:  # as the API server refuses it
+                    return self._create_pod(m.group(1))
+                with fake.lock:  # the rest changes or reads the state at once (the module's notes)
+                    self._locked_route(method, url)
+
+            def _create_pod(self, namespace: str) -> None:
+                pod = self._body()
+                with fake.lock:
+                    if (namespace, pod["metadata"]["name"]) in fake.pods:  # as the API server refuses it
                         return self._send(409, {"kind": "Status", "status": "Failure", "reason": "AlreadyExists",
                                                 "code": 409, "message": f"pods {pod['metadata']['name']!r} already "
                                                                         "exists"})
-                    pod = fake._run_pod(pod)
-                    fake.pods[(m.group(1), pod["metadata"]["name"])] = pod
-                    return self._send(201, {k: v for k, v in pod.items() if k != "log"})
+                pod = fake._run_pod(pod)  # outside the lock: pods run side by side
+                with fake.lock:
+                    fake.pods[(namespace, pod["metadata"]["name"])] = pod
+                self._send(201, {k: v for k, v in pod.items() if k != "log"})
+
+            def _locked_route(self, method: str, url) -> None:
+                if m := JOBS.match(url.path):
+                    return self._jobs(method, m.group(3), m.group(2), m.group(4))
                 if m := POD.match(url.path):
                     pod = fake.pods.get((m.group(1), m.group(2)))
                     if pod is None:

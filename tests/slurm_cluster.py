@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 
 
@@ -24,19 +26,39 @@ def missing_programs() -> list[str]:
     return [name for name in DAEMONS if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
 
 
+def unavailable() -> str | None:
+    """Why no test cluster can start here, or None."""
+    missing = missing_programs()
+    if missing:
+        return (f"Slurm is not installed here (missing {', '.join(missing)}); the README's test command installs "
+                "Debian's slurm-wlm and munge when run as root")
+    if os.geteuid() != 0:
+        return "the private Slurm cluster runs its daemons as root; run the tests as root"
+    return None
+
+
 def _program(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(free_port(taken=tuple(ports)))
+    return ports
+
+
+def _free_pair(taken: tuple[int, ...]) -> int:
+    """A free port whose next one is free too (a job's rendezvous, and preflight's one above it)."""
+    while True:
+        port = free_port(taken)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        if port + 1 not in taken:
+            return port
 
 
 class SlurmCluster:
@@ -45,11 +67,23 @@ class SlurmCluster:
         self.node_names = [f"node{i + 1}" for i in range(nodes)]
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
+        self.rendezvous_port = 0  # drawn when the cluster starts (run_args)
         self._pids: list[Path] = []
 
     @property
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
+
+    @property
+    def overrides(self) -> list[str]:
+        """The profile's settings for jobs on this cluster: their rendezvous on ports of its own. The profile's
+        (torchrun's 29500) would be every other test run's on this host too, and all its nodes are this host."""
+        return [f"slurm.rendezvous_port={self.rendezvous_port}"]
+
+    @property
+    def run_args(self) -> tuple[str, ...]:
+        """The overrides as `harness run` and `harness preflight` options."""
+        return tuple(arg for override in self.overrides for arg in ("--set", override))
 
     def start(self) -> "SlurmCluster":
         self._start_munge()
@@ -75,7 +109,9 @@ class SlurmCluster:
         self._pids.append(folder / "munged.pid")
 
     def _write_conf(self) -> None:
-        ctld_port, *node_ports = _free_ports(1 + self.nodes)
+        ports = _free_ports(1 + self.nodes)
+        ctld_port, *node_ports = ports
+        self.rendezvous_port = _free_pair(tuple(ports))
         (self.root / "state").mkdir()
         nodes = "\n".join(
             f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} State=UNKNOWN"
@@ -131,6 +167,18 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
                          for p in sorted(self.root.rglob("*.log")))
 
     def stop(self) -> None:
+        """Cancel the jobs still there (a failed test's), then stop the daemons. slurmd leaves its jobs' steps
+        running when it stops, as across a restart of its own: they would outlive the session, holding their
+        ports (a rendezvous left hung here waited on for 10 minutes after its test had failed)."""
+        env = {**os.environ, **self.env}
+        try:
+            subprocess.run([_program("scancel"), "--partition=debug"], env=env, capture_output=True, timeout=60)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and subprocess.run(
+                    [_program("squeue"), "-h"], env=env, capture_output=True, text=True, timeout=60).stdout.strip():
+                time.sleep(0.5)
+        except subprocess.TimeoutExpired:
+            pass  # a controller that does not answer: stop it anyway
         for pid_file in reversed(self._pids):
             try:
                 pid = int(pid_file.read_text().split()[0])

@@ -19,7 +19,7 @@ from harness.agent import EXIT_BUDGET_SPENT, EXIT_RETRY, read_records
 from harness.errors import HarnessError
 from harness.launchers.base import rendezvous_timeouts
 from harness.spec import JobSpec, parse_env
-from tests.conftest import REPO, harness
+from tests.conftest import REPO, free_port, harness
 from workloads.common.run_record import ATTEMPTS_FILE, node_attempts_path, read_attempts
 
 CW = ("--profile", "coreweave-h100")
@@ -129,16 +129,23 @@ def test_rendezvous_timeouts_scale_with_nodes_and_come_from_the_profile():
     assert bad.returncode == 2 and "rendezvous.join_timeout_s must be at least 1 second" in bad.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_free_port_is_drawn_where_no_other_process_is_handed_it_meanwhile():
+    """A test picks a port, then starts a process that listens on it seconds later. A port from bind(0), closed
+    again, is the next bind(0)'s of any process (the other worker's gloo pairs and stores listen on port 0: one
+    took it after 6,924 such listeners here); one below the kernel's ephemeral range is never handed out."""
+    from tests.conftest import ephemeral_ports
+
+    ports = {free_port() for _ in range(20)}
+    assert not ports & set(ephemeral_ports()) and len(ports) > 1  # outside the range, and drawn, not fixed
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def _agent(out: Path, *agent_args: str, rdzv_conf: str, nnodes: int = 2) -> subprocess.CompletedProcess:
     """The node agent with a rendezvous that cannot complete: one node of `nnodes`, short timeouts."""
     argv = [sys.executable, "-m", "harness.agent", "--out", str(out), *agent_args, "--", "--nproc-per-node=1",
-            f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--rdzv-id=test", f"--rdzv-conf={rdzv_conf}", "-m", "workloads", "resnet", "--out", str(out)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=REPO)
 
@@ -233,18 +240,29 @@ def test_the_resnet_optimizer_can_be_forced_and_is_checked():
         assert refused.returncode == 2 and "resnet takes one of sgd, lars" in refused.stderr
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
     """Before torch's agent starts workers it has no SIGTERM handler of its own: the node agent's ends the
     attempt anyway (a pod's agent is PID 1, which would otherwise ignore the signal), and records it."""
+    port = free_port()
     argv = [sys.executable, "-m", "harness.agent", "--out", str(tmp_path), "--max-restarts", "2", "--",
-            "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=test", "--rdzv-conf=join_timeout=120", "-m", "workloads", "resnet", "--out", str(tmp_path)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not read_records(tmp_path):
+        # In the rendezvous once this node's c10d store listens (it hosts it), waiting for a second node that
+        # never comes: an event, not a pause (importing torchrun alone can take seconds on a busy machine).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not _listening(port):
             time.sleep(0.2)
-        time.sleep(2)  # inside torch's rendezvous by now
+        assert read_records(tmp_path) and proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
@@ -253,3 +271,29 @@ def test_sigterm_during_a_rendezvous_ends_the_attempt_with_a_record(tmp_path):
     assert proc.returncode == 143, stderr
     (end,) = [r for r in read_records(tmp_path) if r["event"] == "end"]
     assert end["signal"] == "SIGTERM" and end["kind"] == "infrastructure"
+
+
+def test_a_sigterm_before_torchrun_has_started_still_ends_the_attempt_with_a_record(tmp_path, monkeypatch):
+    """Between the attempt's start record and torch's rendezvous the node agent imports torchrun, seconds on a
+    busy node: a SIGTERM there (a cancel right after the start) ends the attempt as one in the rendezvous does,
+    with its end recorded, not with a traceback and a start without an end (read as a lost node)."""
+    import argparse
+
+    from torch.distributed import run as torchrun
+
+    from harness import agent
+
+    def signalled():  # the real signal and the agent's real handler, while torchrun reads its arguments
+        signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
+        raise AssertionError("the SIGTERM handler did not run")
+
+    monkeypatch.setattr(torchrun, "get_args_parser", signalled)
+    monkeypatch.setenv(agent.ATTEMPT_ENV, "0")  # the agent sets it for its workers: undone after the test
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = agent._attempts(argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=2, restart_here=True),
+                               "node-a")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 143
+    assert [(r["event"], r.get("signal")) for r in read_records(tmp_path)] == [("start", None), ("end", "SIGTERM")]

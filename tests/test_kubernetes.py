@@ -542,19 +542,21 @@ class FakeCluster:
 
     def _run(self) -> None:
         while not self.stop.wait(0.05):
-            for (namespace, name), job in list(self.api.jobs.items()):
-                if name in self.done or namespace != self.namespace or not (self.train or name.endswith("-preflight")):
-                    continue
-                folder = pod_folder(self.api, self.volume, name, namespace)
-                if name.endswith("-preflight"):
-                    for pod in self.api.job_pods(namespace, name).values():
-                        if pod["spec"]["nodeName"] not in self.silent:
-                            self.report(folder, pod["spec"]["nodeName"], 470)
-                else:
-                    folder.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
-                self.done.append(name)
-                self.api.set_condition(namespace, name, "Succeeded")
+            with self.api.lock:  # a job and all its pods, or neither (fake_kube_api's notes)
+                for (namespace, name), job in list(self.api.jobs.items()):
+                    if name in self.done or namespace != self.namespace or not (
+                            self.train or name.endswith("-preflight")):
+                        continue
+                    folder = pod_folder(self.api, self.volume, name, namespace)
+                    if name.endswith("-preflight"):
+                        for pod in self.api.job_pods(namespace, name).values():
+                            if pod["spec"]["nodeName"] not in self.silent:
+                                self.report(folder, pod["spec"]["nodeName"], 470)
+                    else:
+                        folder.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                    self.done.append(name)
+                    self.api.set_condition(namespace, name, "Succeeded")
 
 
 @pytest.fixture
@@ -610,6 +612,27 @@ def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(clus
     assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
                                             "run or finish the checks"]}
     assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone
+
+
+def test_the_fake_cluster_sees_a_health_job_with_all_its_pods_however_slowly_the_operator_makes_them(
+        cluster_api, tmp_path, monkeypatch):
+    """The fake API answers on threads of its own, and FakeCluster scans every 50 ms from another: a scan between
+    the health job's create and its last pod would report only the nodes it saw, and the others would fail
+    preflight as silent. Here the operator takes 0.1 s a pod; every node still reports."""
+    from harness import remediation
+
+    create_pod = FakeKubeAPI._create_pod
+
+    def slowly(api, *args):
+        create_pod(api, *args)
+        time.sleep(0.1)  # widens the window the lock closes; nothing here counts on its length
+
+    monkeypatch.setattr(FakeKubeAPI, "_create_pod", slowly)
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, out_dir=tmp_path / "run",
+                   profile=profiles.load("h100-ib")).resolved()
+    with FakeCluster(cluster_api, tmp_path / "pvc"):
+        record = remediation.run_health_job(get_launcher("k8s"), spec)
+    assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and not record["excluded"], record
 
 
 def test_a_collection_that_fails_for_one_pod_leaves_a_successful_run_at_0_and_says_what_failed(fake_api, tmp_path):

@@ -213,6 +213,33 @@ def test_the_run_folder_is_claimed_once(tmp_path):
     assert "no job claimed" in claim_run_folder(old, "aaaa") and not (old / "job-token").exists()
 
 
+def test_a_node_waits_for_the_token_of_a_claim_not_yet_written(tmp_path, monkeypatch):
+    """The first node creates job-token, then writes its token, which on a shared file system under hundreds of
+    starting nodes can show seconds later: the other nodes wait for it (on a clock faked here) instead of refusing
+    their own job's folder, which would fail the job for good. A claim whose token never comes (its node died in
+    between) is refused at the deadline."""
+    from types import SimpleNamespace
+
+    from harness import agent
+
+    def claim(folder: Path, token_at_s: float | None) -> tuple[str | None, float]:
+        folder.mkdir()
+        (folder / agent.CLAIM_FILE).touch()  # created by the first node, its token not written yet
+        clock = [0.0]
+
+        def sleep(seconds: float) -> None:
+            clock[0] += seconds
+            if token_at_s is not None and clock[0] >= token_at_s:
+                (folder / agent.CLAIM_FILE).write_text("aaaa\n")
+
+        monkeypatch.setattr(agent, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+        return agent.claim_run_folder(folder, "aaaa"), clock[0]
+
+    assert claim(tmp_path / "slow", token_at_s=30.0) == (None, pytest.approx(30.0))
+    refused, waited = claim(tmp_path / "dead", token_at_s=None)
+    assert "holds the results of job (unnamed)" in refused and waited >= agent.CLAIM_WAIT_S
+
+
 def test_the_node_a_failed_attempt_points_at_is_kept_out_of_the_next(operator, tmp_path, capsys):
     """A rank killed on gpu-b: the operator recreates its pod from the same template, on gpu-b again; the
     watcher (here one poll at a time, in this process) patches the template (NotIn gpu-b), marks the node, and

@@ -6,7 +6,6 @@ import http.server
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.metrics import PREFIX, Exporter, Source, metric_names
-from tests.conftest import REPO, harness
+from tests.conftest import REPO, free_port, harness
 
 DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
 # Counts, not seconds: windows of 10 steps after the 5 calibration steps close five windows in 60 steps on
@@ -28,12 +27,6 @@ DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
 MAX_STEPS = 60
 WINDOW = "10steps"
 STALL_STEP = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict:
@@ -54,7 +47,7 @@ def _events(result: Path) -> list[dict]:
 def scraped_campaign(tmp_path_factory):
     """`harness run resnet` with metrics on, scraped all through its run."""
     out = tmp_path_factory.mktemp("metrics") / "run"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--seed", "11",
                              "--max-steps", str(MAX_STEPS), "--straggler-window", WINDOW, "--metrics-port", str(port),
                              "--inject-failure", f"0:{STALL_STEP}:stall", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -167,7 +160,7 @@ def test_a_pushgateway_receives_the_nodes_metrics(tmp_path):
     feeds.mkdir()
     (feeds / "rank_0.json").write_text(json.dumps({"rank": 0, "run": 0, "state": "training", "step": 7}))
     try:
-        exporter = Exporter(Source(tmp_path, feeds, "job-a", "resnet", "node-1"), _free_port(),
+        exporter = Exporter(Source(tmp_path, feeds, "job-a", "resnet", "node-1"), free_port(),
                             pushgateway=f"http://127.0.0.1:{server.server_port}")
         exporter.close()  # the final push
     finally:
@@ -231,7 +224,7 @@ def test_the_training_pods_scrape_the_preflight_verdicts_that_stayed_on_the_subm
     feeds.mkdir()
 
     def verdicts(out: Path, node: str) -> dict:
-        exporter = Exporter(Source(out, feeds, "job-a", "resnet", node), _free_port())
+        exporter = Exporter(Source(out, feeds, "job-a", "resnet", node), free_port())
         try:
             family = _scrape(exporter.port)[PREFIX + "preflight_passed"]
         finally:

@@ -13,6 +13,7 @@ from harness.health.allreduce import pair_rounds
 from harness.health.gpu import nvml_checks
 from harness.health.ib import ib_checks, nccl_selects
 from harness.health.thresholds import resolve
+from tests.conftest import free_port
 
 
 class FakeNVML:
@@ -588,15 +589,12 @@ def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_
     world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The timeout is a safety net."""
     import json
     import os
-    import socket
     import subprocess
     import sys
 
     from harness.health import NODES_DIR
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     processes = [subprocess.Popen([sys.executable, "-m", "harness.health", "--out", str(out), "--settings",
                                    json.dumps(settings), "--cpu-pair-ranks", str(pair_ranks)],
                                   env={**os.environ, "NODE_NAME": node, "RANK": str(rank),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from harness.agent import (EXIT_BUDGET_SPENT, EXIT_REPEATED_FAILURE, EXIT_RETRY,
                            INFRASTRUCTURE, WORKLOAD, classify, decide)
 from harness.results import load
 from harness.results.goodput import account
-from tests.conftest import compliance, failed_checks, harness
+from tests.conftest import compliance, failed_checks, free_port, harness
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan
 
 # --- classification and the retry decision ----------------------------------------------------------
@@ -370,9 +369,7 @@ def test_a_loss_that_diverges_on_one_rank_stops_every_rank():
     collective the other never enters."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     losses = [[2.0, 1.5, 1.2], [2.1, float("nan"), 1.3]]
     mp.start_processes(_loss_check_rank, args=(port, losses, results), nprocs=2, start_method="spawn")

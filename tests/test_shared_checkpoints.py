@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import subprocess
 import time
 from datetime import timedelta
@@ -18,20 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import free_port
 from workloads.common.run_record import read_json_lines
 
 DEADLINE_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(target, world: int, folder: Path, *args) -> list[dict]:
     """Run target(ctx, folder, *args) on `world` gloo ranks; each returns a JSON-able dict (rank order)."""
-    port, spawn = _free_port(), multiprocessing.get_context("spawn")
+    port, spawn = free_port(), multiprocessing.get_context("spawn")
     procs = [spawn.Process(target=_rank_main, args=(target, rank, world, port, folder, args)) for rank in range(world)]
     for proc in procs:
         proc.start()

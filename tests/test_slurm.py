@@ -6,9 +6,11 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,7 @@ from harness import profiles
 from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
-from tests.conftest import compliance, free_port, harness
+from tests.conftest import compliance, harness
 from workloads.common.mlperf import logged_run
 from workloads.common.page_cache import host_flush_script
 from workloads.common.run_record import read_json_lines
@@ -96,7 +98,6 @@ with open(os.environ["STEPS"], "a") as steps:
 def _run_the_batch_script(tmp_path, runs: int, fail_run: str = "") -> list[str]:
     """The rendered sbatch script, run by bash with srun and scontrol faked: the steps it ran, in order."""
     import dataclasses
-    import sys
 
     from mlperf_logging.mllog import constants as C
 
@@ -201,7 +202,7 @@ def test_a_requeued_job_pending_on_busy_nodes_waits_and_one_without_enough_nodes
 def test_tiny_resnet_across_two_slurm_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "run"
     result = harness("run", "resnet", "--backend", "slurm", "--nodes", "2", "--out", str(out),
-                     "--submitter", "it's $(not) run", env=slurm_cluster.env)
+                     "--submitter", "it's $(not) run", *slurm_cluster.run_args, env=slurm_cluster.env)
     assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
     assert "time-to-train (min)" in result.stdout and "RUNNING" in result.stdout
     run = parse_file(out / "result_0.txt")
@@ -222,7 +223,8 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
     launcher = get_launcher("slurm")
-    spec = JobSpec("resnet", nodes=2, runs=3, out_dir=tmp_path / "job", profile=profiles.load("local-cpu"))
+    profile = profiles.apply_overrides(profiles.load("local-cpu"), slurm_cluster.overrides)
+    spec = JobSpec("resnet", nodes=2, runs=3, out_dir=tmp_path / "job", profile=profile)
     handle = launcher.submit(launcher.render(spec.resolved()))
     states = []
     for state in launcher.watch(handle, poll_s=0.5):
@@ -238,6 +240,45 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
         time.sleep(0.5)
     assert not subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True).stdout.strip()
     assert get_launcher("slurm").status(handle) is JobState.CANCELLED  # as another shell would see it
+
+
+@pytest.mark.slurm
+def test_a_stopped_test_cluster_leaves_no_job_running(tmp_path):
+    """A failed test can leave its job running, and slurmd leaves its jobs' steps running when it stops: the test
+    cluster cancels what is left before it stops, so nothing of it outlives the session (a cluster of its own
+    here, so that the session's is not stopped)."""
+    import uuid
+
+    from tests.slurm_cluster import SlurmCluster, unavailable
+
+    if why := unavailable():
+        pytest.skip(why)
+    marker = f"harness-test-{uuid.uuid4().hex}"  # in the job's command line, to find its process by
+
+    def running() -> list[str]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if marker.encode() in cmdline.read_bytes():
+                    found.append(cmdline.parent.name)
+            except OSError:
+                continue  # gone meanwhile
+        return found
+
+    cluster = SlurmCluster(tmp_path / "slurm").start()
+    try:
+        wrap = f"exec {shlex.quote(sys.executable)} -c 'import time; time.sleep(600)' {marker}"
+        submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", "--wrap", wrap],
+                                   capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **cluster.env},
+                                   timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        deadline = time.monotonic() + 120
+        while not running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert running(), cluster.logs()
+    finally:
+        cluster.stop()
+    assert not running()
 
 
 def _slurm(slurm_cluster, *argv: str) -> str:
@@ -265,7 +306,8 @@ def _run_with_admin(slurm_cluster, out, *args, on_step=None):
     admin = _Admin(out, on_step)
     admin.start()
     try:
-        return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, env=slurm_cluster.env)
+        return harness("run", "resnet", "--backend", "slurm", "--out", str(out), *args, *slurm_cluster.run_args,
+                       env=slurm_cluster.env)
     finally:
         admin.stopped = True
         admin.join()
@@ -391,7 +433,8 @@ def test_a_slurm_job_lists_metrics_targets_that_answer(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 def test_preflight_on_both_slurm_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "check"
-    result = harness("preflight", "--backend", "slurm", "--nodes", "2", "--out", str(out), env=slurm_cluster.env)
+    result = harness("preflight", "--backend", "slurm", "--nodes", "2", "--out", str(out), *slurm_cluster.run_args,
+                     env=slurm_cluster.env)
     assert result.returncode == 0, result.stdout + result.stderr + slurm_cluster.logs()
     record = json.loads((out / "preflight.json").read_text())
     assert record["passed"] and record["kept"] == ["node1", "node2"]
@@ -408,7 +451,8 @@ def test_a_spare_replaces_a_node_that_fails_preflight_and_the_bad_one_is_drained
     try:
         result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--spare-nodes", "1", "--preflight",
                          "--drain-bad-nodes", "--max-steps", "2", "--out", str(out),
-                         "--env", "HARNESS_PREFLIGHT_FAULT=node2:allreduce_busbw:0.001", env=slurm_cluster.env)
+                         "--env", "HARNESS_PREFLIGHT_FAULT=node2:allreduce_busbw:0.001", *slurm_cluster.run_args,
+                         env=slurm_cluster.env)
         drained = _slurm(slurm_cluster, "sinfo", "-R", "-h", "-o", "%N|%E")
     finally:
         _resume(slurm_cluster, ["node2"])
@@ -458,7 +502,7 @@ def test_each_run_of_a_campaign_is_flushed_by_its_own_host_step_on_a_real_cluste
     out, flushes = tmp_path / "run", tmp_path / "flushes"
     result = harness("run", "resnet", "--backend", "slurm", "--nodes", "1", "--runs", "2", "--max-steps", "1",
                      "--seed", "1", "--out", str(out), "--set", f"slurm.flush_page_cache=echo done >> {flushes}",
-                     "--set", f"slurm.rendezvous_port={free_port()}", env=slurm_cluster.env)
+                     *slurm_cluster.run_args, env=slurm_cluster.env)
     job = json.loads((out / "job.json").read_text())  # (one step is too short to reach the target: exit 1)
     assert job["state"] == "SUCCEEDED", result.stdout + result.stderr + slurm_cluster.logs()
     assert flushes.read_text().splitlines() == ["done", "done"]  # one host step per run, no requeue

@@ -191,6 +191,42 @@ def test_submit_watch_logs_cancel_a_real_job(tmp_path):
         Path(f"/proc/{handle.job_id}/cmdline").read_bytes()
 
 
+FULL_DISK_UPDATE = """
+import errno, resource, signal, sys
+from pathlib import Path
+from harness.launchers import Handle
+handle = Handle.load(Path(sys.argv[1]))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+try:
+    handle.update(state="SUCCEEDED", exit_code=0)
+except OSError as exc:
+    sys.exit(0 if exc.errno == errno.EFBIG else f"failed otherwise: {exc}")
+sys.exit("the write went through")
+"""
+
+
+def test_job_json_is_replaced_whole(tmp_path):
+    """`harness logs`, `cancel` or `collect` in another shell read job.json while `harness run` records a state in
+    it, and a write can fail half way (a results disk full of checkpoints): it is written aside and renamed over,
+    so no reader sees half of it and a failed write keeps the record it had. It keeps the mode a plain write
+    gives it (the umask's), so the rest of the team can still read it."""
+    import json
+    import subprocess
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    path = folder / "job.json"
+    path.write_text(json.dumps({"backend": "local", "job_id": "1", "state": "RUNNING"}, indent=2) + "\n")
+    before, plain_mode = path.read_text(), path.stat().st_mode
+    failed = subprocess.run([sys.executable, "-c", FULL_DISK_UPDATE, str(folder)], capture_output=True, text=True,
+                            timeout=120)
+    assert failed.returncode == 0, failed.stdout + failed.stderr
+    assert path.read_text() == before and [p.name for p in folder.iterdir()] == ["job.json"]  # nothing left aside
+    Handle.load(folder).update(state="SUCCEEDED")
+    assert Handle.load(folder).record()["state"] == "SUCCEEDED" and path.stat().st_mode == plain_mode
+
+
 def launcher_imports() -> dict[str, set[str]]:
     """{module: the harness/launchers modules it imports} for every module there, from the source (ast), lazy
     imports inside functions included: a cycle through one is still a cycle."""

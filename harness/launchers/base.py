@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from harness.errors import HarnessError
 from workloads.common.requirements_check import AGENT_BOOTSTRAP
+from workloads.common.run_record import replace_whole
 from workloads.registry import BENCHMARKS
 from harness.spec import JobSpec
 
@@ -64,7 +65,7 @@ class Handle:
     def save(self, request: Request, **extra: Any) -> None:
         record = {"backend": self.backend, "job_id": self.job_id, "spec": request.spec.to_dict(),
                   "request": request.text, **extra}
-        (self.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        self._write(record)
 
     def record(self) -> dict:
         return json.loads((self.out_dir / JOB_FILE).read_text())
@@ -73,7 +74,12 @@ class Handle:
         """Record facts about the job (its state, exit code) in job.json."""
         record = self.record()
         record.update(fields)
-        (self.out_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        # Replaced whole: `harness logs`, `cancel` or `collect` in another shell reads it while `harness run`
+        # records a state, and a write that fails half way (a results disk full of checkpoints) keeps the old one.
+        replace_whole(self.out_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
 
     @classmethod
     def load(cls, run_dir: Path) -> "Handle":

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ATTEMPT_ENV = "HARNESS_ATTEMPT"  # the attempt number, 0 first; set by the node agent
@@ -63,15 +63,17 @@ def read_attempts(out: Path) -> list[dict]:
 
 def replace_whole(path: Path, text: str) -> None:
     """Write `path` aside, then rename it over: a reader never sees half of it. The aside name is unique to
-    this writer (not just its PID: every pod's agent is PID 1), so writers on many nodes never collide."""
+    this writer (not just its PID: every pod's agent is PID 1), so writers on many nodes never collide. It is
+    created as any file is, with the mode the umask gives (mkstemp's 0600 would hide job.json from the rest of
+    the team, and the metrics targets from a Prometheus that runs as another user)."""
     path = Path(path)
-    fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(aside, "x") as f:
             f.write(text)
         os.replace(aside, path)
     except BaseException:
-        Path(aside).unlink(missing_ok=True)
+        aside.unlink(missing_ok=True)
         raise
 
 
