@@ -22,7 +22,6 @@ from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.llama.config import RCP_GLOBAL_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
-from workloads.resnet.config import DECODE_CHOICES  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
 # by wall time, since a step takes from milliseconds (ResNet) to seconds (GPT-3).
@@ -280,6 +279,8 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.optimizer is not None and (spec.benchmark != "resnet" or spec.optimizer not in RESNET_OPTIMIZERS):
         raise HarnessError(f"--optimizer {spec.optimizer!r}: resnet takes one of {', '.join(RESNET_OPTIMIZERS)} "
                            "(default: LARS from a global batch of 4,096 up); bert and gpt3 use their reference's")
+    from workloads.resnet.config import DECODE_CHOICES  # here: it imports mllog (numpy), which reports do without
+
     if spec.decode is not None and (spec.benchmark != "resnet" or spec.decode not in DECODE_CHOICES):
         raise HarnessError(f"--decode {spec.decode!r}: resnet takes one of {', '.join(DECODE_CHOICES)} (workers: "
                            "in the loader workers, the default; device: in one batched call on the run's device, "
