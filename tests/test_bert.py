@@ -448,9 +448,10 @@ def test_an_unreadable_starting_checkpoint_is_named_without_a_traceback(tmp_path
     (tmp_path / "model.pt").write_text("not a checkpoint")
     result = harness("run", "bert", "--preset", "tiny", "--init-checkpoint", str(tmp_path / "model.pt"),
                      "--out", str(tmp_path / "run"))
-    assert result.returncode == 3, result.stdout + result.stderr  # a workload error: not retried
-    assert f"attempt 0 failed (run 1): rank 0: SystemExit: workloads: the bert starting checkpoint {tmp_path / 'model.pt'} " \
+    assert result.returncode == 3, result.stdout + result.stderr  # the job's input, the same anywhere: not retried
+    assert f"attempt 0 failed (run 1): rank 0: workloads: the bert starting checkpoint {tmp_path / 'model.pt'} " \
            "is not a PyTorch state dict" in result.stderr
+    assert "This is a configuration error" in result.stderr and "no node is blamed" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
 
