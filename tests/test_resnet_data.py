@@ -4,6 +4,7 @@ a resumed run's augmentations with loader workers, the decoder against PIL's, an
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 from multiprocessing.reduction import ForkingPickler
@@ -24,8 +25,10 @@ from harness.results.parse import iter_events
 from harness.spec import JobSpec, validate
 from tests.test_resnet_campaign import _ctx, _write_images
 from workloads.common.campaign import RunOptions, run_campaign
-from workloads.resnet.data import (CROP_ASPECT, Augmentation, Encoded, EncodedBatch, EvalImages, TrainImages, decode,
-                                   device_jpeg_size, image_folder_loaders, reference_crop, scan_images, train_image)
+from workloads.resnet import data as resnet_data
+from workloads.resnet.data import (CROP_ASPECT, Augmentation, EncodedBatch, EvalImages, JpegSpan, TrainImages,
+                                   UnreadableImage, collate_encoded, decode, decode_batch, device_jpeg_size,
+                                   image_folder_loaders, on_side_stream, reference_crop, scan_images, train_image)
 from workloads.resnet.train import ResNetWorkload
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
@@ -148,13 +151,39 @@ def test_the_bytes_for_the_device_can_cross_to_the_training_process(tmp_path):
     """A loader worker sends its batch through a queue, pickled as torch shares CPU tensors (by their storage's
     file descriptor: importing torch registers that with ForkingPickler). read_file's tensor maps the file and
     cannot be sent (EBADF in the worker's feeder thread, which drops the batch: the loader waited forever), so
-    the dataset copies the bytes out for the device."""
+    the collate copies the bytes out, into the batch's one buffer."""
     _write_mixed_images(tmp_path)
     train = TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True)
     evaluation = EvalImages(tmp_path / "val", scan_images(tmp_path / "val"), 16, on_device=True)
-    for image, _ in (train[(1, 0)], evaluation[0]):  # 0.JPEG of the first class: a grayscale JPEG
-        assert isinstance(image, Encoded)
-        ForkingPickler.dumps(image)
+    samples = [train[(1, 0)], evaluation[0]]  # 0.JPEG of the first class: a grayscale JPEG
+    with pytest.raises(OSError):  # the mapped bytes as read_file gives them: what the collate must not pass on
+        ForkingPickler.dumps(samples[0][0].data)
+    ForkingPickler.dumps(collate_encoded(samples))
+
+
+def _storages(obj) -> set[int]:
+    """The distinct storages of the tensors in `obj` (through dataclasses, lists and tuples): each crosses from
+    a loader worker to the training process through a file descriptor of its own."""
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()}
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, field.name) for field in dataclasses.fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        return set().union(*(_storages(item) for item in obj))
+    return set()
+
+
+def test_a_batch_for_the_device_holds_three_storages_whatever_its_size(tmp_path):
+    """One storage per JPEG ran the workers out of file descriptors (270-539 open; under `ulimit -n 512` the
+    worker failed and the run hung): a batch's JPEG bytes cross in one buffer, its finished images in one
+    tensor, its labels in a third, for 2 images as for 16."""
+    _write_mixed_images(tmp_path)
+    train = TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True)
+    samples = [train[(1, i)] for i in range(16)]
+    for size in (2, 16):
+        batch = collate_encoded(samples[:size])
+        assert batch.jpegs and batch.finished_at  # both kinds, so both tensors are real
+        assert len(_storages(batch)) == 3, size
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -171,8 +200,7 @@ def test_decoding_on_the_device_gives_the_batches_the_workers_give(tmp_path, wor
         return image_folder_loaders(tmp_path, *images, 16, batch, workers, _ctx(rank=1), seed=5, decode=decode)
 
     on_workers, on_device = loaders("workers"), loaders("device")
-    kinds = [{type(image) for image in encoded.images} for encoded in on_device.train.loader]
-    assert {Encoded, torch.Tensor} in kinds  # a batch that mixes both
+    assert any(encoded.jpegs and encoded.finished_at for encoded in on_device.train.loader)  # a batch with both
     compared = 0
     for epoch, skip in ((1, 0), (2, 1)):
         want, got = _epoch(on_workers, epoch, skip, batch), _epoch(on_device, epoch, skip, batch)
@@ -214,7 +242,7 @@ def test_a_tiny_run_decoding_on_the_device_trains_as_one_decoding_in_the_workers
 
 def test_a_pinned_encoded_batch_pins_every_tensor_it_holds(monkeypatch):
     """The DataLoader's pin thread (pin_memory=True on GPUs) pins an EncodedBatch through its own pin_memory():
-    the encoded bytes, the finished images and the labels; torch would hand an unknown object back unpinned."""
+    the JPEGs' buffer, the finished images and the labels; torch would hand an unknown object back unpinned."""
     pinned = []
 
     def fake_pin(tensor, *args):
@@ -222,12 +250,94 @@ def test_a_pinned_encoded_batch_pins_every_tensor_it_holds(monkeypatch):
         return tensor.clone()
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)  # pinning needs a GPU
-    augmentation = Augmentation((0, 0, 4, 4), flip=True)
-    batch = EncodedBatch([Encoded(torch.arange(5, dtype=torch.uint8), augmentation),
-                          torch.zeros(3, 2, 2, dtype=torch.uint8)], torch.tensor([1, 0]))
+    jpeg = JpegSpan(0, 0, 5, Augmentation((0, 0, 4, 4), flip=True), "a.JPEG")
+    batch = EncodedBatch(torch.arange(5, dtype=torch.uint8), [jpeg], torch.zeros(1, 3, 2, 2, dtype=torch.uint8),
+                         [1], torch.tensor([1, 0]))
     out = pin_memory(batch)
-    assert isinstance(out, EncodedBatch) and out.images[0].augmentation == augmentation
-    assert [id(t) for t in pinned] == [id(batch.images[0].data), id(batch.images[1]), id(batch.labels)]
+    assert isinstance(out, EncodedBatch) and out.jpegs == [jpeg] and out.finished_at == [1]
+    assert [id(t) for t in pinned] == [id(batch.data), id(batch.finished), id(batch.labels)]
+
+
+def test_on_cuda_the_decode_runs_on_a_side_stream_the_step_waits_for(monkeypatch):
+    """The stream choreography against pytorch/vision#9606, on a recorded stand-in for torch.cuda (no GPU here):
+    the side stream waits for the caller's, the decode runs on it, the caller's stream waits for it, and each
+    output is recorded on the caller's stream, in that order; on the CPU the decode runs as it is."""
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.name, other.name))
+
+    class Decoded:
+        def record_stream(self, stream):
+            calls.append(("record", stream.name))
+
+    class Using:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            calls.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc):
+            calls.append(("exit", self.stream.name))
+
+    def decode():
+        calls.append(("decode",))
+        return [Decoded(), Decoded()]
+
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda d: Stream(f"side{d.index}"))
+    monkeypatch.setattr(torch.cuda, "stream", Using)
+    resnet_data._side_stream.cache_clear()
+    try:
+        assert len(on_side_stream(device, decode)) == 2
+    finally:
+        resnet_data._side_stream.cache_clear()
+    assert calls == [("wait", "side0", "current"), ("enter", "side0"), ("decode",), ("exit", "side0"),
+                     ("wait", "current", "side0"), ("record", "current"), ("record", "current")]
+    calls.clear()
+    assert len(on_side_stream(torch.device("cpu"), decode)) == 2 and calls == [("decode",)]
+
+
+def test_a_batch_the_device_refuses_is_decoded_image_by_image(tmp_path, monkeypatch):
+    """The batched decode is all or nothing (nvjpeg refuses arithmetic coding, unknown chroma subsampling): a
+    batch it refuses is decoded on the CPU one image at a time, to the same batch."""
+    _write_mixed_images(tmp_path)
+    train = TrainImages(tmp_path / "train", scan_images(tmp_path / "train"), 16, 5, on_device=True)
+    batch = collate_encoded([train[(1, i)] for i in range(16)])
+    want = decode_batch(batch, 16, torch.device("cpu"))
+    refused = []
+
+    def refuse(data, **kwargs):
+        refused.append(len(data))
+        raise RuntimeError("Error while decoding JPEG images: Unknown chroma subsampling")
+
+    monkeypatch.setattr(resnet_data, "decode_jpeg", refuse)
+    assert torch.equal(decode_batch(batch, 16, torch.device("cpu")), want)
+    assert refused == [len(batch.jpegs)]
+
+
+def test_a_truncated_jpeg_fails_naming_the_file_as_with_decode_workers(tmp_path):
+    """A half-written JPEG (its header whole, so the device takes it) fails the batch's decode; decoded again
+    one by one, it fails naming the file, with the message --decode workers gives for it."""
+    _write_mixed_images(tmp_path)
+    bad = tmp_path / "train" / "n00000000" / "6.JPEG"
+    bad.write_bytes(bad.read_bytes()[:-200])
+    images = scan_images(tmp_path / "train"), scan_images(tmp_path / "val")
+    assert device_jpeg_size(read_file(str(bad))) is not None
+    messages = {}
+    for decode_on in ("workers", "device"):
+        loaders = image_folder_loaders(tmp_path, *images, 16, 4, 0, _ctx(rank=0, world=1), seed=5, decode=decode_on)
+        loaders.sampler.set_epoch(1)
+        with pytest.raises(UnreadableImage, match=f"cannot decode image file {bad}: ") as failure:
+            list(loaders.train)
+        messages[decode_on] = str(failure.value)
+    assert messages["device"] == messages["workers"]
 
 
 def test_the_decode_option_reaches_the_workers_and_is_resnet_only(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms.v2 import functional as F
@@ -149,31 +149,44 @@ def decode_bytes(data: torch.Tensor) -> torch.Tensor:
     return decode_image(data, mode=ImageReadMode.RGB)
 
 
+class UnreadableImage(RuntimeError):
+    """An image file the decoder refuses (truncated, half-written, corrupt), named: torchvision's own error says
+    which line of its C++ failed, not which of ImageNet's 1.28M files."""
+
+
+def decode_file_bytes(data: torch.Tensor, path: str) -> torch.Tensor:
+    """decode_bytes of the file at `path`, whose failure names the file (UnreadableImage): the one decode both
+    --decode workers (in the loader workers) and --decode device (for a batch its device refused) fall back on,
+    so a bad file fails with the same message either way."""
+    try:
+        return decode_bytes(data)
+    except RuntimeError as exc:
+        raise UnreadableImage(f"cannot decode image file {path}: {exc}") from exc
+
+
 # --- decoding on the device (--decode device) --------------------------------------------------------------------
 
 
 @dataclass
 class Encoded:
-    """A JPEG the device decodes: the file's bytes (a uint8 tensor on the host) and, for training, the sample's
-    drawn augmentation (None: eval's fixed resize and center crop)."""
+    """A JPEG the device decodes, as the dataset gives it: the file's bytes (a uint8 tensor on the host), the
+    sample's drawn augmentation (None: eval's fixed resize and center crop) and the file (named if it fails)."""
 
     data: torch.Tensor
     augmentation: Augmentation | None
-
-    def pin_memory(self) -> "Encoded":
-        return Encoded(self.data.pin_memory(), self.augmentation)
+    path: str
 
 
 def device_jpeg_size(data: torch.Tensor) -> tuple[int, int] | None:
     """(height, width) of an image file the device decoder takes, from its header alone; None for one it does
-    not, which the loader worker decodes itself (decode_bytes) as with --decode workers.
+    not, which the loader worker decodes itself (decode_file_bytes) as with --decode workers.
 
     The device decoder is torchvision's decode_jpeg: nvjpeg on CUDA, which takes JPEGs only, and of those the
     1-component (grayscale) and 3-component (YCbCr) ones. CMYK and YCCK JPEGs (4 components; ImageNet holds a few
     dozen) are left out: torchvision's GPU decoder is not tested on them (its tests leave its CMYK image out),
     and libjpeg-turbo's RGB of them is the one the tests hold the loader to. PNG (the tiny dataset's; the one PNG
     in ImageNet, named .JPEG) is not a JPEG. nvjpeg decodes a whole batch or nothing, so a file it cannot take
-    must never reach it. The rule is the same on every device, so the CPU tests see the batches a GPU run sees. A
+    should not reach it (a batch that fails is decoded again on the CPU, image by image: decode_jpegs). The rule is the same on every device, so the CPU tests see the batches a GPU run sees. A
     file PIL cannot read is left to the worker too, which fails on it as --decode workers does."""
     try:
         with Image.open(io.BytesIO(data.numpy())) as image:  # parses the header, decodes nothing
@@ -184,43 +197,131 @@ def device_jpeg_size(data: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
+@dataclass(frozen=True)
+class JpegSpan:
+    """One JPEG of an EncodedBatch: its place in the batch, where its bytes lie in the batch's buffer, its drawn
+    augmentation (None: eval) and its file."""
+
+    place: int
+    start: int
+    length: int
+    augmentation: Augmentation | None
+    path: str
+
+
 @dataclass
 class EncodedBatch:
-    """A batch as the loader workers leave it with --decode device: each image an Encoded JPEG or, where the
-    device decoder cannot take the file (device_jpeg_size), the worker's finished uint8 (3, crop, crop) tensor;
-    the labels. pin_memory() pins every tensor, so a DataLoader with pin_memory=True pins it as it pins tensors."""
+    """A batch as the loader workers leave it with --decode device: its JPEGs' bytes one after another in one
+    buffer (`data`, each JPEG a JpegSpan of it), the images the device decoder cannot take (device_jpeg_size)
+    finished by the worker and stacked (uint8 (M, 3, crop, crop), at `finished_at`), and the labels.
 
-    images: list[Encoded | torch.Tensor]
+    Three tensors whatever the batch's size: torch passes each storage that crosses from a worker to the
+    training process through a file descriptor of its own (its default file_descriptor sharing strategy), and
+    one per JPEG ran a worker out of descriptors (270-539 open against 17-29 with --decode workers; under
+    `ulimit -n 512` "Too many open files", and the loader waited forever). pin_memory() pins the three, so a
+    DataLoader with pin_memory=True pins it as it pins tensors: one pin per batch."""
+
+    data: torch.Tensor
+    jpegs: list[JpegSpan]
+    finished: torch.Tensor
+    finished_at: list[int]
     labels: torch.Tensor
 
     def pin_memory(self) -> "EncodedBatch":
-        return EncodedBatch([image.pin_memory() for image in self.images], self.labels.pin_memory())
+        return EncodedBatch(self.data.pin_memory(), self.jpegs, self.finished.pin_memory(), self.finished_at,
+                            self.labels.pin_memory())
+
+
+def _joined(join, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """join(tensors) (torch.cat or torch.stack), an empty uint8 tensor for none. In a loader worker it is written
+    straight into shared memory, as default_collate writes its batches, so it crosses without another copy."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    out = None
+    if get_worker_info() is not None:
+        storage = tensors[0]._typed_storage()._new_shared(sum(t.numel() for t in tensors))
+        out = tensors[0].new(storage).resize_(0)  # join() sizes it, within the storage
+    return join(tensors, out=out)
 
 
 def collate_encoded(samples: list[tuple[Encoded | torch.Tensor, int]]) -> EncodedBatch:
-    """The DataLoader's collate_fn with --decode device: the images kept apart (they differ in size until the
-    device has cropped them), the labels one tensor as default_collate makes it."""
-    return EncodedBatch([image for image, _ in samples], torch.tensor([label for _, label in samples]))
+    """The DataLoader's collate_fn with --decode device: an EncodedBatch (the JPEGs' bytes copied into one
+    buffer, which also takes them out of read_file's mapping: a mapped storage cannot cross to the training
+    process), the labels one tensor as default_collate makes it."""
+    jpegs, data, finished, finished_at, start = [], [], [], [], 0
+    for place, (image, _) in enumerate(samples):
+        if isinstance(image, Encoded):
+            jpegs.append(JpegSpan(place, start, image.data.numel(), image.augmentation, image.path))
+            data.append(image.data)
+            start += image.data.numel()
+        else:
+            finished.append(image)
+            finished_at.append(place)
+    return EncodedBatch(_joined(torch.cat, data), jpegs, _joined(torch.stack, finished), finished_at,
+                        torch.tensor([label for _, label in samples]))
+
+
+def on_side_stream(device: torch.device, decode):
+    """decode() (a list of tensors it allocates on `device`) run so that nvjpeg cannot write over memory the
+    caller's stream still uses; on any other device just decode().
+
+    torchvision's decode_jpeg(list, device=cuda) allocates its outputs on the caller's current stream and has
+    nvjpeg write them from a private stream that does not wait for the caller's (pytorch/vision#9606): a block
+    the previous step freed while its kernels are still queued can be handed out and overwritten under them,
+    silently wrong activations or gradients. On a side stream of its own the outputs come from that stream's
+    pool, where nothing else runs; each is recorded on the caller's stream (record_stream), so its block returns
+    to the pool only once the caller's work on it (the crops) is done; and the caller's stream waits for the
+    side stream, on which torchvision makes its outputs wait for nvjpeg. Read from torchvision 0.29's source,
+    never run here: no GPU has been lent to this project."""
+    if device.type != "cuda":
+        return decode()
+    current, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        decoded = decode()
+    current.wait_stream(side)
+    for tensor in decoded:
+        tensor.record_stream(current)
+    return decoded
+
+
+@functools.cache
+def _side_stream(device: torch.device):
+    """The stream on_side_stream decodes on, one per device for the process."""
+    return torch.cuda.Stream(device)
+
+
+def decode_jpegs(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:
+    """The batch's JPEGs decoded to uint8 RGB on `device` in one call (on_side_stream). That call decodes all or
+    nothing: if it fails (a truncated file, one nvjpeg refuses: arithmetic coding, an unknown chroma
+    subsampling), they are decoded one by one on the CPU (decode_file_bytes) and moved to the device, so one odd
+    file costs its batch the fast path, and a file nothing decodes fails with its name, as with --decode workers,
+    rather than the batch at the same step on every resume."""
+    data = [batch.data[jpeg.start:jpeg.start + jpeg.length] for jpeg in batch.jpegs]  # contiguous views
+    try:
+        return on_side_stream(device, lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        return [decode_file_bytes(one, jpeg.path).to(device) for one, jpeg in zip(data, batch.jpegs)]
 
 
 def decode_batch(batch: EncodedBatch, crop: int, device: torch.device) -> torch.Tensor:
     """An EncodedBatch to the uint8 (N, 3, crop, crop) batch on `device` that to_model_input takes: its JPEGs
-    decoded in one call on `device` (torchvision's decode_jpeg: nvjpeg on CUDA, libjpeg-turbo on the CPU),
-    each then augmented or eval-cropped there by the same functions the workers use (augment, eval_image); the
-    workers' finished images copied in at their places.
+    decoded in one call on `device` (decode_jpegs: torchvision's decode_jpeg, nvjpeg on CUDA, libjpeg-turbo on
+    the CPU), each then augmented or eval-cropped there by the same functions the workers use (augment,
+    eval_image); the workers' finished images copied in at their places.
 
     On the CPU this gives the --decode workers batches exactly. On CUDA, not measured here: nvjpeg's pixels
     differ from libjpeg-turbo's by a little (torchvision's tests allow a mean of 2 levels), and torchvision
     resizes uint8 on CUDA in float32 then rounds, where the CPU has its own fixed-point uint8 kernel (they
     differ in rounding). The crop and resize run one image at a time (the boxes differ): a few small kernels per
     image on a GPU."""
-    positions = [i for i, image in enumerate(batch.images) if isinstance(image, Encoded)]
-    images = list(batch.images)
-    if positions:
-        encoded = [batch.images[i] for i in positions]
-        decoded = decode_jpeg([e.data for e in encoded], mode=ImageReadMode.RGB, device=device)
-        for i, e, image in zip(positions, encoded, decoded):
-            images[i] = eval_image(image, crop) if e.augmentation is None else augment(image, crop, e.augmentation)
+    images: list[torch.Tensor | None] = [None] * len(batch.labels)
+    for place, image in zip(batch.finished_at, batch.finished):
+        images[place] = image
+    if batch.jpegs:
+        for jpeg, image in zip(batch.jpegs, decode_jpegs(batch, device)):
+            images[jpeg.place] = (eval_image(image, crop) if jpeg.augmentation is None
+                                  else augment(image, crop, jpeg.augmentation))
     return torch.stack([image.to(device, non_blocking=True) for image in images])
 
 
@@ -299,15 +400,13 @@ class ListedImages(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def read(self, i: int) -> tuple[torch.Tensor, tuple[int, int] | None, int]:
-        """The i-th file's bytes; its (height, width) if the device decodes it, else None; its class index."""
+    def read(self, i: int) -> tuple[torch.Tensor, str, tuple[int, int] | None, int]:
+        """The i-th file's bytes and path; its (height, width) if the device decodes it, else None; its class
+        index."""
         path, label = self.samples[i]
-        data = read_file(str(self.folder / path))
-        size = device_jpeg_size(data) if self.on_device else None
-        # read_file maps the file, and a mapped storage cannot cross to the training process (torch shares a CPU
-        # tensor by its storage's file descriptor, the mapping's is gone: the worker's queue drops the batch and the
-        # loader waits forever), so bytes bound for the device are copied out of the mapping.
-        return (data if size is None else data.clone()), size, label
+        path = str(self.folder / path)
+        data = read_file(path)
+        return data, path, device_jpeg_size(data) if self.on_device else None, label
 
 
 class TrainImages(ListedImages):
@@ -320,11 +419,11 @@ class TrainImages(ListedImages):
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | Encoded, int]:
         epoch, i = key
-        data, size, label = self.read(i)
+        data, path, size, label = self.read(i)
         rng = augmentation_rng(self.seed, epoch, i)
         if size is not None:
-            return Encoded(data, draw_augmentation(*size, rng)), label
-        return train_image(decode_bytes(data), self.crop, rng), label
+            return Encoded(data, draw_augmentation(*size, rng), path), label
+        return train_image(decode_file_bytes(data, path), self.crop, rng), label
 
 
 class EvalImages(ListedImages):
@@ -332,10 +431,10 @@ class EvalImages(ListedImages):
     index)."""
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor | Encoded, int]:
-        data, size, label = self.read(i)
+        data, path, size, label = self.read(i)
         if size is not None:
-            return Encoded(data, None), label
-        return eval_image(decode_bytes(data), self.crop), label
+            return Encoded(data, None, path), label
+        return eval_image(decode_file_bytes(data, path), self.crop), label
 
 
 @dataclass
