@@ -139,7 +139,7 @@ def decode(path: Path) -> torch.Tensor:
     dataset's) by libpng, whatever the file's name says (ImageNet holds one PNG named .JPEG); grayscale and CMYK
     JPEGs (ImageNet has both) converted to RGB, to the pixels PIL's convert("RGB") gave. With the crop and resize
     on uint8 tensors, faster per core than PIL's decode and resize (bench/jpeg_decode.py, docs/measured.md).
-    torchvision 0.29 deprecates its decoders for TorchCodec's: decode_bytes and decode_batch are the places to
+    torchvision 0.29 deprecates its decoders for TorchCodec's: decode_bytes and decode_jpegs are the places to
     change."""
     return decode_bytes(read_file(str(path)))
 
@@ -186,8 +186,9 @@ def device_jpeg_size(data: torch.Tensor) -> tuple[int, int] | None:
     dozen) are left out: torchvision's GPU decoder is not tested on them (its tests leave its CMYK image out),
     and libjpeg-turbo's RGB of them is the one the tests hold the loader to. PNG (the tiny dataset's; the one PNG
     in ImageNet, named .JPEG) is not a JPEG. nvjpeg decodes a whole batch or nothing, so a file it cannot take
-    should not reach it (a batch that fails is decoded again on the CPU, image by image: decode_jpegs). The rule is the same on every device, so the CPU tests see the batches a GPU run sees. A
-    file PIL cannot read is left to the worker too, which fails on it as --decode workers does."""
+    should not reach it (a batch that fails is decoded again on the CPU, image by image: decode_jpegs). The rule
+    is the same on every device, so the CPU tests see the batches a GPU run sees. A file PIL cannot read is left
+    to the worker too, which fails on it as --decode workers does."""
     try:
         with Image.open(io.BytesIO(data.numpy())) as image:  # parses the header, decodes nothing
             if image.format == "JPEG" and image.mode in ("L", "RGB"):
