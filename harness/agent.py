@@ -12,7 +12,9 @@ no restarts of its own, and this wrapper:
    error or timeout, a rendezvous that timed out or could not reach its store, out of memory),
    `workload` (an exception in the training code, a diverged loss, an exit with an error code)
    or `configuration` (a command torchrun or the workload refuses: an argument it does not take,
-   a preset without its dataset; the same on every node and at every attempt);
+   a preset without its dataset; the same on every node and at every attempt: torchrun's refusal and
+   the worker's ConfigurationError only, workloads.common.refusals). A passing file-system errno
+   (a stale NFS handle, EIO) or ENOMEM is infrastructure;
 3. decides, against one restart budget for every backend: retry an infrastructure
    failure while restarts are left, unless the last 3 attempts failed the same way at
    the same step; never retry a workload or configuration error (harness.blame blames no node for either).
