@@ -12,7 +12,9 @@ no restarts of its own, and this wrapper:
    error or timeout, a rendezvous that timed out or could not reach its store, out of memory),
    `workload` (an exception in the training code, a diverged loss, an exit with an error code)
    or `configuration` (a command torchrun or the workload refuses: an argument it does not take,
-   a preset without its dataset; the same on every node and at every attempt);
+   a preset without its dataset; the same on every node and at every attempt: torchrun's refusal and
+   the worker's ConfigurationError only, workloads.common.refusals). A passing file-system errno
+   (a stale NFS handle, EIO) or ENOMEM is infrastructure;
 3. decides, against one restart budget for every backend: retry an infrastructure
    failure while restarts are left, unless the last 3 attempts failed the same way at
    the same step; never retry a workload or configuration error (harness.blame blames no node for either).
@@ -47,9 +49,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.blame import CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, NOT_RETRIED, PEER_LOSS, WORKLOAD
+from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
+                           PEER_LOSS, WORKLOAD)
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
+from workloads.common.refusals import ConfigurationError
 from workloads.common.requirements_check import exit_if_unfit
 
 EXIT_WORKLOAD_ERROR = 3
@@ -71,12 +75,15 @@ CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose result
 # matters where the winner died in between, and refusing too early fails the job for good (EXIT_FOLDER_TAKEN).
 CLAIM_WAIT_S = 120.0
 REPEATS_TO_STOP = 3
-# How a worker's refusal with its reason (workloads.__main__: a bad command line, a missing input) reads in its
-# error file: torch's ErrorHandler writes "<exception type>: <text>".
+# How a worker's refusals read in its error file: torch's ErrorHandler writes "<exception type name>: <text>".
+# ConfigurationError's (workloads.common.refusals) is the job's; a plain SystemExit's may be one node's.
+CONFIGURATION_REFUSAL = f"{ConfigurationError.__name__}: "
 REFUSAL = "SystemExit: "
-# Exception text that means the machine, the network or a peer failed, not the training code.
 # Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
-_INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}")
+_INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
+                                    rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
+_ERRNO_ERRORS = re.compile(rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")  # a path or value Python quotes in an exception's text
 
 
 @dataclass(frozen=True)
@@ -99,17 +106,32 @@ class Decision:
 
 
 def classify(rank: int, exit_code: int, signal_name: str | None, message: str, has_error_file: bool) -> Failure:
-    """One failed worker -> what kind of failure it was."""
+    """One failed worker -> what kind of failure it was. A ConfigurationError is read first, by its type name, so
+    that the text it quotes (a path, an option) cannot make it read as the machine's."""
     if exit_code < 0:
         return Failure(INFRASTRUCTURE, f"rank {rank} killed by {signal_name}", rank, exit_code, signal_name)
-    if has_error_file:
-        first_line = message.strip().splitlines()[0] if message.strip() else "an exception"
-        if _INFRASTRUCTURE_ERRORS.search(message):  # first: a refusal that reads as the machine's is retried as before
-            return Failure(INFRASTRUCTURE, f"rank {rank}: {first_line[:300]}", rank, exit_code)
-        if first_line.startswith(REFUSAL):
-            return Failure(CONFIGURATION, f"rank {rank}: {first_line.removeprefix(REFUSAL)[:300]}", rank, exit_code)
-        return Failure(WORKLOAD, f"rank {rank}: {first_line[:300]}", rank, exit_code)
-    return Failure(WORKLOAD, f"rank {rank} exited with code {exit_code}", rank, exit_code)
+    if not has_error_file:
+        return Failure(WORKLOAD, f"rank {rank} exited with code {exit_code}", rank, exit_code)
+    first_line = message.strip().splitlines()[0] if message.strip() else "an exception"
+    if first_line.startswith(CONFIGURATION_REFUSAL):
+        return Failure(CONFIGURATION, f"rank {rank}: {first_line.removeprefix(CONFIGURATION_REFUSAL)[:300]}",
+                       rank, exit_code)
+    machine = _machine_error(message, refusal=first_line.startswith(REFUSAL))
+    if machine:  # named in the cause where it is not the first line (a DataLoader worker's wrapped OSError)
+        cause = first_line if machine in first_line else f"{first_line} ({machine})"
+        return Failure(INFRASTRUCTURE, f"rank {rank}: {cause[:300]}", rank, exit_code)
+    return Failure(WORKLOAD, f"rank {rank}: {first_line[:300]}", rank, exit_code)
+
+
+def _machine_error(message: str, refusal: bool) -> str | None:
+    """The line of a worker's error that says the machine, the network or a peer failed, if one does. Only the
+    exception lines are read (a traceback's source lines are indented) without what they quote, and of a plain
+    refusal's text only an errno: a path or value named "timeout" or "nccl" is not the machine's word."""
+    pattern = _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS
+    for line in message.strip().splitlines():
+        if line[:1].strip() and pattern.search(_QUOTED.sub("''", line)):
+            return line.strip()
+    return None
 
 
 def attempt_failure(failures: list[Failure]) -> Failure:
@@ -332,10 +354,15 @@ def torchrun_args(torchrun_argv: list[str]):
     parser.error = refuse
     args = parser.parse_args(torchrun_argv)
     args.max_restarts = 0
-    try:
-        torchrun.config_from_args(copy.copy(args))  # torchrun.run's first step, which it repeats on `args`
-    except (ValueError, RuntimeError, AssertionError) as exc:
-        raise ValueError(str(exc) or type(exc).__name__) from None
+    checked = copy.copy(args)
+    # torchrun.run's first step, which it repeats on `args`. Without a log folder of its own the check would leave
+    # a /tmp/torchelastic_* folder behind on every node at every attempt; this one goes when the check is done.
+    with tempfile.TemporaryDirectory(prefix="harness-torchrun-check-") as log_dir:
+        checked.log_dir = log_dir
+        try:
+            torchrun.config_from_args(checked)
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            raise ValueError(str(exc) or type(exc).__name__) from None
     return args
 
 

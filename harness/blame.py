@@ -14,7 +14,13 @@ node agent's start and end, harness.agent):
 - a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), is a victim, never blamed; when
   only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
 - a workload error is the program's, and a configuration error (a command torchrun or the workload refuses,
-  the same on every node) the job's: neither blames a node.
+  the same on every node) the job's: neither blames a node, and an attempt that ended with either blames only a
+  GPU hardware error: a node without an end record was torn down with the failed job (Slurm's step kill, a
+  deleted pod), and the job stops anyway, so draining it would only take a healthy node away;
+- a passing file-system or network errno (PASSING_IO: a stale handle, an I/O error) is retried like a lost peer
+  and, like it, blames no node: a server failing over fails every node's reads, and the first to read is not
+  its cause; a node whose own mount is bad fails the next attempt's preflight storage check. A machine's errno
+  (MACHINE_ERRNO: its memory exhausted) is that node's own cause.
 
 Nodes are ordered by when their agent recorded the end: the culprit's agent ends as soon as its rank dies,
 its peers' only after NCCL gave up on it. Stragglers are judged apart (harness.results.goodput).
@@ -22,7 +28,17 @@ its peers' only after NCCL gave up on it. Stragglers are judged apart (harness.r
 
 from __future__ import annotations
 
+import os
 import re
+
+from workloads.common.refusals import MACHINE_ERRNOS, PASSING_ERRNOS
+
+
+def _errno_pattern(errnos: frozenset[int]) -> re.Pattern:
+    """An OSError's own words for these errnos, as Python prints them: "[Errno 116] Stale file handle"."""
+    return re.compile("|".join([rf"\[Errno ({'|'.join(map(str, sorted(errnos)))})\]",
+                                *(re.escape(os.strerror(n)) for n in sorted(errnos))]))
+
 
 # Errors a rank raises when a peer went away or the network failed between them: a victim's, not a cause.
 PEER_LOSS = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|NCCL|[Gg]loo|Connection (reset|closed|"
@@ -30,6 +46,12 @@ PEER_LOSS = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|NCCL|[
 # A GPU that failed under the program (Xid 13/31/43/48/79 and ECC faults leave these): its node is at fault.
 GPU_HARDWARE = re.compile(r"ECC error|unspecified launch failure|CUDA error: unknown error|fallen off the bus|"
                           r"\bXid\b|CUDA-capable device\(s\) is/are busy or unavailable")
+# A shared file system or the network under it failing for a while (a server failing over, a stale handle):
+# retried, and, like a lost peer, never blamed on the node that happened to read first; a node whose own mount is
+# bad fails the next attempt's preflight storage check (harness.health.storage) instead.
+PASSING_IO = _errno_pattern(PASSING_ERRNOS)
+# The node's machine failing the program (ENOMEM: its memory exhausted): retried, and its node is the culprit.
+MACHINE_ERRNO = _errno_pattern(MACHINE_ERRNOS)
 VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
 # harness.agent's kinds of failure. The program's own errors and a job whose command is wrong fail the same way on
 # any node, at every attempt: never retried, never blamed on a node.
@@ -46,8 +68,9 @@ def culprits(records: list[dict]) -> dict[str, str]:
         return {}  # a whole job killed at once (no node ended it) loses none in particular; a success, none
     blamed: dict[str, str] = {}
     ended = {r["node"] for r in ends}
+    program_failed = any(r.get("kind") in NOT_RETRIED for r in ends)
     for node in host:
-        if node not in ended:
+        if node not in ended and not program_failed:
             blamed[host[node]] = "the node was lost: its agent never recorded the attempt's end"
     failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") not in NOT_RETRIED),
                     key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else float("inf"))
@@ -55,7 +78,7 @@ def culprits(records: list[dict]) -> dict[str, str]:
         if GPU_HARDWARE.search(record.get("cause") or ""):
             blamed[host.get(record["node"], record["node"])] = record["cause"]
     own = [r for r in failed if not _victim(r)]
-    if own and not blamed:
+    if own and not blamed and not program_failed:
         first = own[0]
         blamed[host.get(first["node"], first["node"])] = first.get("cause") or "failed"
     return blamed
@@ -64,4 +87,6 @@ def culprits(records: list[dict]) -> dict[str, str]:
 def _victim(record: dict) -> bool:
     """Whether a failed node's end reads as going down with a peer rather than failing by itself."""
     cause = record.get("cause") or ""
-    return record.get("signal") in VICTIM_SIGNALS or (bool(PEER_LOSS.search(cause)) and not GPU_HARDWARE.search(cause))
+    return record.get("signal") in VICTIM_SIGNALS or (bool(PEER_LOSS.search(cause) or PASSING_IO.search(cause))
+                                                      and not GPU_HARDWARE.search(cause)
+                                                      and not MACHINE_ERRNO.search(cause))

@@ -26,6 +26,7 @@ from workloads.bert.train import BertWorkload
 from workloads.common import tiny_text
 from workloads.common.campaign import RunOptions, run_campaign
 from workloads.common.param_groups import parameter_groups
+from workloads.common.refusals import ConfigurationError
 
 TINY = PRESETS["tiny"]
 SMALL = BertConfig(vocab_size=128, max_seq_len=64, n_layer=1, n_head=2, d_model=16, d_ff=32, dropout=0.0)
@@ -275,7 +276,8 @@ def test_packed_data_without_its_packing_factor_stops_at_once(tmp_path, one_proc
     """Found when the data is opened, after run_start: the run stops with the one-line reason, and its log ends
     with run_stop, status aborted (the log is whole, and a restart does not start the run over)."""
     _write_packed_two_per_row(tmp_path / "data")
-    with pytest.raises(SystemExit, match="the bert training data is packed .* give --packing-factor N") as refused:
+    with pytest.raises(ConfigurationError, match="the bert training data is packed .* give --packing-factor N") \
+            as refused:  # the shared data and the job's option: the same on every node
         _tiny_run(tmp_path, tmp_path / "data", "--max-steps", "1")
     assert "\n" not in str(refused.value)
     events = list(iter_events((tmp_path / "out" / "result_0.txt").read_bytes()))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness import preflight
-from harness.agent import INFRASTRUCTURE, classify
+from harness.agent import CONFIGURATION, INFRASTRUCTURE, WORKLOAD, classify
 
 NODES = ("node-a", "node-b", "node-c", "node-d")
 ABORTED = {"kind": INFRASTRUCTURE, "signal": "SIGABRT", "cause": "rank 9 killed by SIGABRT"}
@@ -66,3 +66,37 @@ def test_a_workload_error_blames_no_node(tmp_path):
     error = {"kind": "workload", "signal": None, "cause": "rank 2: ValueError: bad shape"}
     _attempt(tmp_path, {"node-a": error, "node-b": ABORTED, "node-c": ABORTED, "node-d": ABORTED})
     assert preflight.blamed_nodes(tmp_path) == {}
+
+
+def test_a_passing_file_system_error_is_retried_and_blames_no_node_but_exhausted_memory_does(tmp_path):
+    """A stale NFS handle or an I/O error while reading data (the DataLoader's wrapped form too) is retried, and,
+    like a lost peer, blames no node: a server failing over fails every node's reads and the first to read is not
+    its cause (the next preflight's storage check finds a node's own bad mount). ENOMEM is its node's own."""
+    wrapped = ("OSError: Caught OSError in DataLoader worker process 3.\nOriginal Traceback (most recent call last):\n"
+               '  File "/opt/workloads/resnet/data.py", line 80, in __getitem__\n    image = decode(path)\n'
+               "OSError: [Errno 116] Stale file handle: '/nfs/imagenet/train/n01440764/x.JPEG'")
+    for message in ("OSError: [Errno 116] Stale file handle", "OSError: [Errno 5] Input/output error", wrapped):
+        failure = classify(4, 1, None, message, has_error_file=True)
+        assert failure.kind == INFRASTRUCTURE, message
+        stale = {"kind": failure.kind, "signal": None, "cause": failure.cause}
+        _attempt(tmp_path, {"node-b": stale, "node-a": ABORTED, "node-c": NCCL_TIMEOUT, "node-d": ABORTED})
+        assert preflight.blamed_nodes(tmp_path) == {}, message
+    assert "Stale file handle" in classify(4, 1, None, wrapped, True).cause  # the cause names the errno
+    memory = classify(4, 1, None, "OSError: [Errno 12] Cannot allocate memory", has_error_file=True)
+    assert memory.kind == INFRASTRUCTURE
+    _attempt(tmp_path, {"node-b": {"kind": memory.kind, "signal": None, "cause": memory.cause},
+                        "node-a": ABORTED, "node-c": NCCL_TIMEOUT, "node-d": ABORTED})
+    assert list(preflight.blamed_nodes(tmp_path)) == ["node-b"]
+
+
+@pytest.mark.parametrize("kind", [CONFIGURATION, WORKLOAD])
+def test_a_node_torn_down_after_the_programs_error_is_not_blamed(tmp_path, kind):
+    """node-a never recorded its end because the job was torn down after node-b's configuration or workload error
+    (Slurm kills the step, Kubernetes deletes the pods): the job stops anyway, so no node is blamed for it. A GPU
+    hardware error in the same attempt still blames its node."""
+    refused = {"kind": kind, "signal": None, "cause": "rank 4: workloads: a refusal"}
+    _attempt(tmp_path, {"node-b": refused, "node-a": None, "node-c": ABORTED, "node-d": NCCL_TIMEOUT})
+    assert preflight.blamed_nodes(tmp_path) == {}
+    gpu = {"kind": INFRASTRUCTURE, "signal": None, "cause": "rank 12: RuntimeError: CUDA error: unknown error"}
+    _attempt(tmp_path, {"node-b": refused, "node-a": None, "node-c": ABORTED, "node-d": gpu})
+    assert list(preflight.blamed_nodes(tmp_path)) == ["node-d"]

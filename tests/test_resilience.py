@@ -124,7 +124,7 @@ def test_a_command_torchrun_refuses_is_a_configuration_error_not_a_lost_node(tmp
         signal.signal(signal.SIGTERM, sigterm)
     err = capsys.readouterr().err
     assert code == EXIT_WORKLOAD_ERROR
-    assert err.count("\n") == 1 and "unrecognized arguments: --no-such-option" in err and "configuration" in err
+    assert _one_refusal_line(err, "unrecognized arguments: --no-such-option") and "configuration" in err
     records = agent.read_records(tmp_path)
     assert [(r["event"], r["attempt"]) for r in records] == [("start", 0), ("end", 0)]  # one attempt, ended
     assert records[1]["kind"] == blame.CONFIGURATION and "torchrun refused" in records[1]["cause"]
@@ -163,7 +163,7 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
                        (["llama31_8b", "--preset", "full"], "give --data PATH")):
         monkeypatch.setattr(sys, "argv", ["workloads", *argv, "--out", str(tmp_path / "out")])
         assert worker.main() == 1
-        assert capfd.readouterr().err.count("\n") == 1
+        assert _one_refusal_line(capfd.readouterr().err, said)
         failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
         verdict = classify(0, 1, None, _error_text(failure.message), True)
         assert verdict.kind == CONFIGURATION and said in verdict.cause and "SystemExit" not in verdict.cause
@@ -173,6 +173,69 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
         error_file.unlink()
     # A refusal whose reason reads as the machine's (a data file's server gone) is retried as it was.
     assert classify(0, 1, None, "SystemExit: workloads: [Errno 111] Connection refused", True).kind == INFRASTRUCTURE
+
+
+def _one_refusal_line(err: str, said: str) -> bool:
+    """Whether stderr holds the refusal as one line and no traceback (a warning elsewhere on stderr is fine)."""
+    return "Traceback" not in err and sum(said in line for line in err.splitlines()) == 1
+
+
+def test_only_a_refusal_the_same_on_every_node_is_a_configuration_error(tmp_path, monkeypatch):
+    """A ConfigurationError (a usage error, a missing input, a plan's or layout's refusal, a starting checkpoint's
+    content) is read by its type name, as torch's ErrorHandler records it, first: the text it quotes cannot make it
+    the machine's. A plain refusal may be one node's (data_errors' missing file, refuse_unflushed's page cache): the
+    workload's, as it was, unless its errno is a passing one (retried); a path or value reading "timeout" or
+    "NCCL" in a refusal or an exception's quoted text is not the machine's word."""
+    import errno
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from harness.agent import _error_text
+    from harness.blame import CONFIGURATION
+    from workloads.common.data import data_errors
+    from workloads.common.error_file import AtomicErrorHandler
+    from workloads.common.page_cache import refuse_unflushed
+    from workloads.common.refusals import MACHINE_ERRNOS, PASSING_ERRNOS, ConfigurationError
+
+    def recorded(exc: BaseException) -> str:  # what the agent reads of a worker that refused with `exc`
+        error_file = tmp_path / "error.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        AtomicErrorHandler().record_exception(exc)
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+        error_file.unlink()
+        return _error_text(failure.message)
+
+    quoting = recorded(ConfigurationError("workloads: /nfs/timeout_runs/NCCL/ckpt holds no optimizer state"))
+    verdict = classify(0, 1, None, quoting, True)
+    assert verdict.kind == CONFIGURATION and verdict.cause == "rank 0: workloads: /nfs/timeout_runs/NCCL/ckpt " \
+                                                             "holds no optimizer state"
+    for refusal in (SystemExit("workloads: /nfs/timeout_runs/NCCL/x.idx is truncated"),
+                    SystemExit(refuse_unflushed(0, ["node-b: Permission denied writing /proc/sys/vm/drop_caches"]))):
+        assert classify(0, 1, None, recorded(refusal), True).kind == WORKLOAD, refusal
+    assert classify(0, 1, None, "ValueError: no column 'timeout' in '/data/nccl.parquet'", True).kind == WORKLOAD
+    with pytest.raises(SystemExit) as missing, data_errors():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/nfs/timeout/train.bin")
+    assert not isinstance(missing.value, ConfigurationError)  # one node's mount may be missing
+    assert classify(0, 1, None, recorded(missing.value), True).kind == WORKLOAD
+    for number in sorted(PASSING_ERRNOS | MACHINE_ERRNOS):  # one list: what data_errors passes, classify retries
+        with pytest.raises(OSError) as passing, data_errors():
+            raise OSError(number, os.strerror(number), "/nfs/train.bin")
+        assert classify(0, 1, None, recorded(passing.value), True).kind == INFRASTRUCTURE, passing.value
+
+
+def test_checking_torchruns_arguments_leaves_no_log_folder(tmp_path, monkeypatch):
+    """The check of torchrun's arguments runs its config_from_args on a copy, which made a /tmp/torchelastic_*
+    log folder on every node at every attempt that nothing removed; torchrun's own run makes the one it uses."""
+    import tempfile
+
+    from harness.agent import torchrun_args
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torchrun_args(["--nproc-per-node=2", "--standalone", "-m", "workloads", "resnet"])
+    with pytest.raises(ValueError):
+        torchrun_args(["--nproc-per-node=many", "--standalone", "-m", "workloads", "resnet"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_option_parsing_names_the_choices():

@@ -16,6 +16,7 @@ from tests.conftest import SHARED, closed_proxy_run
 from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions
 from workloads.common.mllog_reader import iter_events
+from workloads.common.refusals import ConfigurationError
 from workloads.registry import BENCHMARKS
 from workloads.resnet.config import (PRESETS, RCP, REFERENCE_LARS, default_optimizer, lars_coverage,
                                      lars_schedule)
@@ -123,7 +124,8 @@ def test_the_lars_table_follows_the_rules_and_refuses_what_it_does_not_cover(one
         message = str(refused.value)
         assert f"global batch of {batch:,}" in message and "1 to 13,056, 32,768 to 67,840" in message
         assert "\n" not in message
-    with pytest.raises(SystemExit, match="global batch of 20,000"):  # before its model or 20,000 images exist
+    # Before its model or 20,000 images exist, and the job's own numbers: a configuration error, on every node.
+    with pytest.raises(ConfigurationError, match="global batch of 20,000"):
         full_workload(one_rank_world, tmp_path, "lars", batch=20000)
 
 

@@ -28,8 +28,9 @@ def main() -> int:
         run_campaign(BENCHMARKS[opts.benchmark].workload_class(), opts)
     except SystemExit as exc:
         # A refusal with its reason (a bad command line, bad input, a missing file): @record leaves SystemExit out
-        # of the error file, so record it here for the agent's one-line cause (a configuration error, not retried:
-        # harness.agent.classify); the worker prints it, without a traceback.
+        # of the error file, so record it here for the agent's one-line cause (harness.agent.classify: a
+        # ConfigurationError is the job's configuration error, a plain SystemExit the workload's, unless its errno
+        # is a passing one; neither is retried); the worker prints it, without a traceback.
         if not isinstance(exc.code, str):
             raise
         error_handler.record_exception(exc)

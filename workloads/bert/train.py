@@ -32,6 +32,7 @@ from workloads.common.data import data_errors
 from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
+from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 
 MAX_PREDICTIONS_PER_SEQ = "max_predictions_per_seq"  # logged by the reference and NVIDIA; not in mllog's constants
@@ -47,8 +48,8 @@ class BertWorkload(Workload):
         self.preset: BertPreset = PRESETS[opts.preset]
         try:
             self.plan = plan_batch(self.preset, ctx.world_size, opts.batch_size, opts.packing_factor)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
+            raise ConfigurationError(f"workloads: {exc}") from None
         h = self.plan.hyperparameters
         self.eval_every = eval_interval(self.preset, self.plan.global_batch)
         self.total_steps = min(opts.max_steps or math.inf, h.training_steps,
@@ -85,16 +86,18 @@ class BertWorkload(Workload):
             raise SystemExit(f"workloads: the bert starting checkpoint {path} is not a file")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch.load raises several kinds for a file it cannot read
-            raise SystemExit(f"workloads: the bert starting checkpoint {path} is not a PyTorch state dict that "
-                             f"torch.load(weights_only=True) reads ({type(exc).__name__})") from None
+        except OSError as exc:  # reading it failed: this node's I/O, not the file's content (retried if passing)
+            raise SystemExit(f"workloads: the bert starting checkpoint {path}: {exc}") from None
+        except Exception as exc:  # torch.load raises several kinds for content it cannot read: the shared file's
+            raise ConfigurationError(f"workloads: the bert starting checkpoint {path} is not a PyTorch state dict "
+                                     f"that torch.load(weights_only=True) reads ({type(exc).__name__})") from None
         if not isinstance(state, dict):
-            raise SystemExit(f"workloads: the bert starting checkpoint {path} holds a {type(state).__name__}, not a "
-                             "state dict")
+            raise ConfigurationError(f"workloads: the bert starting checkpoint {path} holds a "
+                                     f"{type(state).__name__}, not a state dict")
         try:
             load_reference_state_dict(model, state.get("model", state))
         except ValueError as exc:
-            raise SystemExit(f"workloads: {path}: {exc}") from None
+            raise ConfigurationError(f"workloads: {path}: {exc}") from None
 
     # --- the data (timed: opened after run_start) ----------------------------------------------------
 
@@ -104,12 +107,13 @@ class BertWorkload(Workload):
         self.packed = self.stream.packed
         factor = self.plan.packing_factor
         if self.packed and factor == 1:
-            raise SystemExit("workloads: the bert training data is packed (rows of up to 3 sequences): give "
-                             "--packing-factor N, the sequences its rows hold on average (NVIDIA's packed data: 2), "
-                             "so that the global batch, and the RCP chosen by it, count sequences")
+            raise ConfigurationError("workloads: the bert training data is packed (rows of up to 3 sequences): "
+                                     "give --packing-factor N, the sequences its rows hold on average (NVIDIA's "
+                                     "packed data: 2), so that the global batch, and the RCP chosen by it, count "
+                                     "sequences")
         if not self.packed and factor > 1:
-            raise SystemExit(f"workloads: --packing-factor {factor} is for packed data, and this bert training data "
-                             "holds one sequence per row: leave it out")
+            raise ConfigurationError(f"workloads: --packing-factor {factor} is for packed data, and this bert "
+                                     "training data holds one sequence per row: leave it out")
         return {C.EVAL_SAMPLES: eval_rows}
 
     def _check_packing(self, step: int) -> None:
@@ -117,10 +121,10 @@ class BertWorkload(Workload):
         the RCP's hyperparameters chosen by it would not be the batch trained."""
         per_row = self.samples / (step * self.plan.rows)
         if abs(per_row / self.plan.packing_factor - 1) > PACKING_TOLERANCE:
-            raise SystemExit(f"workloads: the packed bert rows hold {per_row:.3f} sequences on average over {step} "
-                             f"steps, not the {self.plan.packing_factor} that --packing-factor declares (tolerance "
-                             f"{PACKING_TOLERANCE:.0%}): the logged global batch {self.plan.global_batch} would not "
-                             "be the batch trained")
+            raise ConfigurationError(f"workloads: the packed bert rows hold {per_row:.3f} sequences on average "
+                                     f"over {step} steps, not the {self.plan.packing_factor} that --packing-factor "
+                                     f"declares (tolerance {PACKING_TOLERANCE:.0%}): the logged global batch "
+                                     f"{self.plan.global_batch} would not be the batch trained")
 
     def _data(self):
         cfg, ctx, plan = self.preset, self.ctx, self.plan

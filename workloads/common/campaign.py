@@ -31,6 +31,7 @@ from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, division, logged_run, submission_keys
 from workloads.common.page_cache import ALLOW_FLAG, clear_page_caches, refuse_unflushed
 from workloads.common.progress import announce
+from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
@@ -42,10 +43,11 @@ log = logging.getLogger("workloads")
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is a refusal with its reason (SystemExit with the text, not argparse's usage
-    and exit 2): workloads.__main__ records it for the node agent, whose cause is then that one line."""
+    and exit 2): workloads.__main__ records it for the node agent, whose cause is then that one line; the job's
+    command, the same on every node (a ConfigurationError)."""
 
     def error(self, message: str):
-        raise SystemExit(f"{self.prog}: error: {message}")
+        raise ConfigurationError(f"{self.prog}: error: {message}")
 
 
 @dataclass(frozen=True)

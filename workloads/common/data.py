@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch.utils.data import DistributedSampler, Sampler
 
-
-# What a shared file system says for a while (a server failing over, a handle gone stale across a remount, a
-# timeout): not the dataset's fault, so the run's log stays open and the failure policy decides on a restart,
-# which continues the run.
-PASSING_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOLCK,
-                            errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH,
-                            errno.ECONNRESET, errno.ECONNABORTED})
+from workloads.common.refusals import MACHINE_ERRNOS, PASSING_ERRNOS
 
 
 @contextmanager
@@ -23,11 +16,13 @@ def data_errors() -> Iterator[None]:
     """Around a workload's open_data(): a dataset its readers cannot use (a missing file, a truncated index, a
     wrong column: OSError or ValueError, each reader's message naming the file) stops the run with that one line,
     no traceback; the campaign ends the run's log first (workloads.common.campaign.open_data). A passing
-    file-system error (PASSING_ERRNOS) is not the dataset's verdict and goes on as it is."""
+    file-system error or the machine's (PASSING_ERRNOS, MACHINE_ERRNOS) is not the dataset's verdict and goes on as
+    it is: the failure policy retries it. The refusal is the workload's, not a ConfigurationError: a file one node
+    cannot read (its mount missing) is that node's."""
     try:
         yield
     except OSError as exc:
-        if exc.errno in PASSING_ERRNOS:
+        if exc.errno in PASSING_ERRNOS | MACHINE_ERRNOS:
             raise
         raise SystemExit(f"workloads: {exc}") from None
     except ValueError as exc:

@@ -19,6 +19,7 @@ from mlperf_logging.mllog import constants as C
 
 from workloads.common.metrics_feed import FEED
 from workloads.common.mllog_reader import iter_events
+from workloads.common.refusals import ConfigurationError
 
 TRACKED_STATS = "tracked_stats"  # throughput, as NVIDIA's submissions log it
 LORA_RANK = "lora_rank"  # closed_llama2_70b_lora.yaml (mllog's constants have LORA_ALPHA only)
@@ -111,8 +112,9 @@ class ResultLog:
         for key, value in values.items():
             if logged and key in logged:
                 if json.loads(json.dumps(value)) != logged[key]:
-                    raise SystemExit(f"workloads: an earlier, failed init of this run logged {key} {logged[key]!r}; "
-                                     f"this one has {value!r}: delete the run's result file to start it over")
+                    raise ConfigurationError(f"workloads: an earlier, failed init of this run logged {key} "
+                                             f"{logged[key]!r}; this one has {value!r}: delete the run's result file "
+                                             "to start it over")
                 continue
             if self._logger:
                 self._logger.event(key=key, value=value)

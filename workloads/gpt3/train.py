@@ -32,6 +32,7 @@ from workloads.common.data import data_errors
 from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, optimizer_groups, rolled_split
 from workloads.common.loop import Target
+from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, base_lr, plan_layout
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
@@ -58,8 +59,8 @@ class GPT3Workload(DecoderSteps, Workload):
         # hand says the same in one line, not a traceback.
         try:
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        except ValueError as exc:  # the job's own layout, refused the same on every node
+            raise ConfigurationError(f"workloads: {exc}") from None
         self.mesh = build_mesh(layout, ctx.device)
         batch = layout.global_batch
         self.base_lr = base_lr(cfg, batch)
@@ -135,9 +136,9 @@ class GPT3Workload(DecoderSteps, Workload):
             optimizer = get_optimizer_state_dict(self.model, self.optimizer)
             state["optimizer"] = {"state": optimizer["state"]}  # Adam's moments; the hyperparameters stay ours
         elif self.opts.preset == "full":
-            raise SystemExit(f"workloads: {path} holds no optimizer state: MLPerf's GPT-3 starts from the reference "
-                             "checkpoint's weights and Adam moments; convert it with python -m "
-                             "workloads.gpt3.convert_reference")
+            raise ConfigurationError(f"workloads: {path} holds no optimizer state: MLPerf's GPT-3 starts from the "
+                                     "reference checkpoint's weights and Adam moments; convert it with python -m "
+                                     "workloads.gpt3.convert_reference")
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if with_moments:

@@ -19,6 +19,7 @@ from workloads.common.data import data_errors
 from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
 from workloads.common.megatron_data import TokenLoaders
+from workloads.common.refusals import ConfigurationError
 from workloads.llama.config import plan_layout, run_config
 from workloads.llama.parallelize import ContextSplit, build_mesh
 
@@ -35,8 +36,8 @@ class LlamaWorkload(DecoderSteps, Workload):
         try:
             cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch)
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
+            raise ConfigurationError(f"workloads: {exc}") from None
         self.cfg = cfg
         self.clip_norm = cfg.clip_norm
         self.mesh = build_mesh(layout, ctx.device)

@@ -28,6 +28,7 @@ from workloads.common.data import data_errors
 from workloads.common.loop import Target
 from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
+from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 from workloads.resnet.config import PRESETS, ResNetConfig, Schedule, plan_run
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
@@ -78,8 +79,8 @@ class ResNetWorkload(Workload):
         # refuses it earlier still, when it renders the request).
         try:
             plan = plan_run(cfg, ctx.world_size, opts.optimizer)
-        except ValueError as exc:
-            raise SystemExit(f"workloads: {exc}") from None
+        except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
+            raise ConfigurationError(f"workloads: {exc}") from None
         self.global_batch, self.optimizer_name, self.schedule = plan.global_batch, plan.optimizer, plan.schedule
         self.epochs = self.schedule.epochs
         self.target = Target("top-1", "top1", cfg.target)
