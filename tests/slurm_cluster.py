@@ -1,9 +1,12 @@
 """A private, real Slurm cluster on loopback for the tests: munged, one slurmctld, N slurmd.
 
 Each slurmd is started with `-N nodeK` on its own port, so one machine hosts a
-genuine multi-node cluster. Everything (keys, sockets, state, logs, config)
-lives in one temporary folder; nothing in /etc is read or written, and the
-daemons are stopped at the end. Client commands find the cluster through
+genuine multi-node cluster. State, logs and config live in the given folder;
+the folders that hold Unix sockets (munge's, slurmd's spools) live in a short
+private folder under /tmp, removed at the end, because a socket's path may be at
+most 107 bytes and pytest's own temporary folders are deep (on CI slurmstepd's
+`<root>/spool-node1/node1_1.4294967291` came to 109 and every job failed).
+Nothing in /etc is read or written, and the daemons are stopped at the end. Client commands find the cluster through
 SLURM_CONF, which `env` carries.
 """
 
@@ -14,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +70,7 @@ class SlurmCluster:
         self.root, self.nodes, self.cpus = Path(root), nodes, cpus_per_node
         self.node_names = [f"node{i + 1}" for i in range(nodes)]
         self.conf = self.root / "slurm.conf"
-        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.sockets: Path | None = None  # made when the cluster starts
         self.rendezvous_port = 0  # drawn when the cluster starts (run_args)
         self._pids: list[Path] = []
 
@@ -85,7 +89,14 @@ class SlurmCluster:
         """The overrides as `harness run` and `harness preflight` options."""
         return tuple(arg for override in self.overrides for arg in ("--set", override))
 
+    @property
+    def munge_socket(self) -> Path:
+        assert self.sockets is not None, "the cluster has not started"
+        return self.sockets / "munge" / "munge.socket"
+
     def start(self) -> "SlurmCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sockets = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
         self._start_munge()
         self._write_conf()
         env = {**os.environ, **self.env}
@@ -104,7 +115,7 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         subprocess.run([_program("munged"), "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
-                        f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
+                        f"--pid-file={folder / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
                         f"--seed-file={folder / 'munged.seed'}"], check=True, timeout=30)
         self._pids.append(folder / "munged.pid")
 
@@ -126,7 +137,7 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket},cred_expire=10
 StateSaveLocation={self.root / 'state'}
-SlurmdSpoolDir={self.root}/spool-%n
+SlurmdSpoolDir={self.sockets}/spool-%n
 SlurmctldPidFile={self.root}/slurmctld.pid
 SlurmdPidFile={self.root}/slurmd-%n.pid
 SlurmctldLogFile={self.root}/slurmctld.log
@@ -188,3 +199,5 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
                 time.sleep(0.1)
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)

@@ -246,7 +246,7 @@ def test_cancel_a_running_slurm_job(slurm_cluster, tmp_path, monkeypatch):
 def test_a_stopped_test_cluster_leaves_no_job_running(tmp_path):
     """A failed test can leave its job running, and slurmd leaves its jobs' steps running when it stops: the test
     cluster cancels what is left before it stops, so nothing of it outlives the session (a cluster of its own
-    here, so that the session's is not stopped)."""
+    here, so that the session's is not stopped). Its root is deep, and its jobs still run."""
     import uuid
 
     from tests.slurm_cluster import SlurmCluster, unavailable
@@ -265,7 +265,10 @@ def test_a_stopped_test_cluster_leaves_no_job_running(tmp_path):
                 continue  # gone meanwhile
         return found
 
-    cluster = SlurmCluster(tmp_path / "slurm").start()
+    # Deeper than any pytest folder: the cluster's sockets must not live under its root (a socket's path holds
+    # at most 107 bytes; on CI a job's step socket under pytest's folder came to 109 and the job failed).
+    root = tmp_path.joinpath(*["a-deep-folder"] * 8) / "slurm"
+    cluster = SlurmCluster(root).start()
     try:
         wrap = f"exec {shlex.quote(sys.executable)} -c 'import time; time.sleep(600)' {marker}"
         submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", "--wrap", wrap],
