@@ -222,9 +222,100 @@ def test_job_json_is_replaced_whole(tmp_path):
     failed = subprocess.run([sys.executable, "-c", FULL_DISK_UPDATE, str(folder)], capture_output=True, text=True,
                             timeout=120)
     assert failed.returncode == 0, failed.stdout + failed.stderr
-    assert path.read_text() == before and [p.name for p in folder.iterdir()] == ["job.json"]  # nothing left aside
+    # Nothing left aside; the writers' lock stays (removing it would race a writer waiting on it).
+    assert path.read_text() == before and sorted(p.name for p in folder.iterdir()) == [".job.json.lock", "job.json"]
     Handle.load(folder).update(state="SUCCEEDED")
     assert Handle.load(folder).record()["state"] == "SUCCEEDED" and path.stat().st_mode == plain_mode
+
+
+UPDATES_EACH = 300  # enough that, unlocked, two writers lose some of each other's updates on any machine
+
+
+def _update_own_key(folder: Path, key: str, start, losses) -> None:
+    """One `harness` process: UPDATES_EACH read-change-writes of its own key. Before each it checks that its last
+    value is still there: a value gone is an update the other writer lost (overwritten from a stale copy)."""
+    handle = Handle.load(folder)
+    start.wait()
+    lost = 0
+    for value in range(UPDATES_EACH):
+        lost += value > 0 and handle.record().get(key) != value - 1
+        handle.update(**{key: value})
+    losses[key] = lost
+
+
+def _write_job(folder: Path, **fields) -> Path:
+    import json
+
+    folder.mkdir(exist_ok=True)
+    path = folder / "job.json"
+    path.write_text(json.dumps({"backend": "local", "job_id": "1", **fields}, indent=2) + "\n")
+    return path
+
+
+def test_two_processes_updating_job_json_lose_nothing(tmp_path):
+    """`harness run` records states while `harness cancel` or `collect` in another shell records theirs: each
+    update is read, changed and replaced under one lock across processes, so neither loses the other's fields."""
+    import multiprocessing
+
+    folder = tmp_path / "job"
+    _write_job(folder, state="RUNNING")
+    context = multiprocessing.get_context("fork")
+    start, losses = context.Barrier(2), context.Manager().dict()
+    writers = [context.Process(target=_update_own_key, args=(folder, key, start, losses)) for key in ("run", "cancel")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=300)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    record = Handle.load(folder).record()
+    assert dict(losses) == {"run": 0, "cancel": 0}
+    assert (record["run"], record["cancel"], record["state"]) == (UPDATES_EACH - 1, UPDATES_EACH - 1, "RUNNING")
+
+
+def test_a_recorded_cancel_is_not_replaced_by_a_state_read_before_it(tmp_path):
+    """A status poll works out FAILED (the job died of the cancel's signal) from a record read just before
+    `harness cancel` recorded CANCELLED in another shell: the cancel stays, the poll's other facts are kept."""
+    _write_job(tmp_path, state="RUNNING")
+    Handle.load(tmp_path).update(state="CANCELLED")
+    written = Handle.load(tmp_path).update(state="FAILED", exit_code=-15)
+    assert written == Handle.load(tmp_path).record()
+    assert (written["state"], written["exit_code"]) == ("CANCELLED", -15)
+
+
+def _hold_job_lock(folder: Path, held, release) -> None:
+    import fcntl
+
+    with open(folder / ".job.json.lock", "a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        held.set()
+        release.wait()
+
+
+def test_a_stuck_lock_holder_is_said_and_readers_never_wait(tmp_path, monkeypatch):
+    """Readers (`harness status`, `logs`) never take the lock: job.json is replaced whole. A writer that waits
+    past the limit for a holder (a stopped process, a hung mount) says so in one line and changes nothing."""
+    import multiprocessing
+
+    from harness.launchers import base
+
+    path = _write_job(tmp_path, state="RUNNING")
+    before = path.read_text()
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_job_lock, args=(tmp_path, held, release))
+    holder.start()
+    try:
+        assert held.wait(timeout=120)
+        assert Handle.load(tmp_path).record()["state"] == "RUNNING"
+        monkeypatch.setattr(base, "LOCK_WAIT_S", 0.1)
+        with pytest.raises(HarnessError, match=r"job\.json.*locked.*another harness command"):
+            Handle.load(tmp_path).update(state="CANCELLED")
+        assert path.read_text() == before
+    finally:
+        release.set()
+        holder.join(timeout=120)
+    Handle.load(tmp_path).update(state="CANCELLED")  # the holder gone, the lock is free again
+    assert Handle.load(tmp_path).record()["state"] == "CANCELLED"
 
 
 def launcher_imports() -> dict[str, set[str]]:
