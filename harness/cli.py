@@ -7,6 +7,7 @@ and a non-zero exit status; never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import JobSpec, check_writable, parse_env, validate
+from harness.spec import JobSpec, check_writable, claim_fresh_folder, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.llama.config import RCP_GLOBAL_BATCHES
@@ -288,6 +289,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = launcher.render(spec)
     submits = not (args.dry_run or args.pod_monitor)
     if submits:  # before the request's notes: a folder the job cannot use is then the one line said
+        if args.out is None:  # the default name, or the first free -2, -3 after it; rendered again for it
+            spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
+            request = launcher.render(spec)
         check_writable(spec.out_dir)
         if any(spec.out_dir.glob("result_*.txt")):
             raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")

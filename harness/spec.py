@@ -9,6 +9,7 @@ must answer `--help` and reject bad input instantly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -332,6 +333,23 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]
+
+
+def claim_fresh_folder(out_dir: Path) -> Path:
+    """Create a run folder under its default name, else (another run has it: two `harness run` without --out
+    started in the same second, by a campaign script looping over seeds) that name with the first free -2,
+    -3, ... mkdir makes a folder or fails, atomically on NFS too, so two runs never get the same one. Only
+    default names move: an explicit --out is the user's, used or refused as given (see cmd_run)."""
+    for n in itertools.count(1):
+        folder = out_dir if n == 1 else out_dir.with_name(f"{out_dir.name}-{n}")
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise HarnessError(f"cannot create output folder {folder}: {exc.strerror or exc}") from None
 
 
 def check_writable(out_dir: Path) -> None:

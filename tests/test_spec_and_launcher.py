@@ -88,6 +88,78 @@ def test_default_out_dir_is_under_results_runs():
     assert spec.out_dir.name.startswith("resnet-tiny-")
 
 
+class _Submitted(Exception):
+    """What a fake launcher's submit raises: `harness run` got as far as submitting this request."""
+
+    def __init__(self, request):
+        super().__init__(str(request.spec.out_dir))
+        self.request = request
+
+
+def _submit_without_starting(monkeypatch) -> None:
+    """`harness run` goes as far as submit; a submit raises _Submitted with the request it was given."""
+    from harness import launchers
+    from harness.launchers.local import LocalLauncher
+
+    def submit(self, request):
+        raise _Submitted(request)
+
+    monkeypatch.setattr(LocalLauncher, "submit", submit)
+    monkeypatch.setattr(launchers, "get_launcher", lambda name: LocalLauncher())
+
+
+def _same_second(monkeypatch) -> str:
+    """A clock stopped at one second, as two `harness run` started by a loop within it see it."""
+    from datetime import datetime
+
+    from harness import spec as spec_module
+
+    class Stopped(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 24, 14, 30, 5)
+
+    monkeypatch.setattr(spec_module, "datetime", Stopped)
+    return "resnet-tiny-20261124-143005"
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    """A campaign script looping over seeds starts `harness run` without --out several times a second: each
+    gets a folder of its own (the default name, then -2, -3, made by mkdir, which only one can win), and
+    the request it submits names that folder. A dry run creates nothing."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    name = _same_second(monkeypatch)
+    _submit_without_starting(monkeypatch)
+    runs = tmp_path / "results" / "runs"
+    assert main(["run", "resnet", "--procs-per-node", "1", "--dry-run"]) == 0
+    assert not runs.exists()
+    submitted = []
+    for seed in range(3):
+        with pytest.raises(_Submitted) as got:
+            main(["run", "resnet", "--procs-per-node", "1", "--seed", str(seed)])
+        submitted.append(got.value.request)
+    folders = [request.spec.out_dir for request in submitted]
+    assert folders == [runs / name, runs / f"{name}-2", runs / f"{name}-3"]
+    assert all(f"--out {folder} " in request.text for folder, request in zip(folders, submitted))
+    assert sorted(p.name for p in runs.iterdir()) == [name, f"{name}-2", f"{name}-3"]
+
+
+def test_an_explicit_out_is_used_as_given(tmp_path, monkeypatch):
+    """--out names the folder: one that exists is used as it is (never renamed to -2), unless it holds results."""
+    from harness.cli import main
+
+    _same_second(monkeypatch)
+    _submit_without_starting(monkeypatch)
+    out = tmp_path / "mine"
+    for _ in range(2):
+        with pytest.raises(_Submitted) as got:
+            main(["run", "resnet", "--procs-per-node", "1", "--out", str(out)])
+        assert got.value.request.spec.out_dir == out
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
 def test_env_parsing():
     assert parse_env(["A=1", "B_2=x=y"]) == {"A": "1", "B_2": "x=y"}
     with pytest.raises(HarnessError):
