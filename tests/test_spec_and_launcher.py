@@ -354,6 +354,29 @@ def test_a_recorded_cancel_is_not_replaced_by_a_state_read_before_it(tmp_path):
     assert (written["state"], written["exit_code"]) == ("CANCELLED", -15)
 
 
+def test_a_cancel_from_another_shell_while_the_run_reads_the_end_is_what_the_run_says(tmp_path):
+    """`harness cancel` in another shell records CANCELLED just as `harness run`'s status poll works out how the
+    job ended (its agent died of the cancel's SIGTERM): the poll answers CANCELLED, not FAILED, and keeps the
+    exit code it saw."""
+    from harness.launchers.local import LocalLauncher
+
+    _write_job(tmp_path, state="RUNNING")
+
+    class EndedByTheCancel:
+        def poll(self):
+            return -15
+
+        @property
+        def returncode(self):  # read after the poll read job.json: the other shell's cancel lands now
+            Handle.load(tmp_path).update(state="CANCELLED")
+            return -15
+
+    launcher = LocalLauncher()
+    launcher._procs["1"] = EndedByTheCancel()
+    assert launcher.status(Handle.load(tmp_path)) is JobState.CANCELLED
+    assert Handle.load(tmp_path).record()["exit_code"] == -15
+
+
 def _hold_job_lock(folder: Path, held, release) -> None:
     import fcntl
 
