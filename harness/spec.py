@@ -99,8 +99,7 @@ class JobSpec:
         if spec.checkpoint_every is None:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{stamp}"
+            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{run_stamp()}"
         for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
@@ -333,6 +332,11 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]
+
+
+def run_stamp() -> str:
+    """The time in a default run folder's name, to the second (claim_fresh_folder tells runs of one second apart)."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def claim_fresh_folder(out_dir: Path) -> Path:

@@ -120,7 +120,7 @@ def _same_second(monkeypatch) -> str:
             return cls(2026, 11, 24, 14, 30, 5)
 
     monkeypatch.setattr(spec_module, "datetime", Stopped)
-    return "resnet-tiny-20261124-143005"
+    return "20261124-143005"
 
 
 def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
@@ -130,7 +130,7 @@ def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, mon
     from harness.cli import main
 
     monkeypatch.chdir(tmp_path)
-    name = _same_second(monkeypatch)
+    name = f"resnet-tiny-{_same_second(monkeypatch)}"
     _submit_without_starting(monkeypatch)
     runs = tmp_path / "results" / "runs"
     assert main(["run", "resnet", "--procs-per-node", "1", "--dry-run"]) == 0
@@ -144,6 +144,23 @@ def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, mon
     assert folders == [runs / name, runs / f"{name}-2", runs / f"{name}-3"]
     assert all(f"--out {folder} " in request.text for folder, request in zip(folders, submitted))
     assert sorted(p.name for p in runs.iterdir()) == [name, f"{name}-2", f"{name}-3"]
+
+
+def test_two_preflights_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    """`harness preflight` without --out names its folder to the second too, and takes it the same way."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    name = f"preflight-{_same_second(monkeypatch)}"
+    _submit_without_starting(monkeypatch)
+    runs = tmp_path / "results" / "runs"
+    assert main(["preflight", "--dry-run"]) == 0 and not runs.exists()
+    submitted = []
+    for _ in range(2):
+        with pytest.raises(_Submitted) as got:
+            main(["preflight"])
+        submitted.append(got.value.request.spec.out_dir)
+    assert submitted == [runs / name, runs / f"{name}-2"]
 
 
 def test_an_explicit_out_is_used_as_given(tmp_path, monkeypatch):
