@@ -335,7 +335,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
 
 
 def run_stamp() -> str:
-    """The time in a default run folder's name, to the second (claim_fresh_folder tells runs of one second apart)."""
+    """The time in a default run folder's name, to the second: claim_fresh_folder tells apart runs of one second."""
     return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
@@ -344,16 +344,17 @@ def claim_fresh_folder(out_dir: Path) -> Path:
     started in the same second, by a campaign script looping over seeds) that name with the first free -2,
     -3, ... mkdir makes a folder or fails, atomically on NFS too, so two runs never get the same one. Only
     default names move: an explicit --out is the user's, used or refused as given (see cmd_run)."""
-    for n in itertools.count(1):
-        folder = out_dir if n == 1 else out_dir.with_name(f"{out_dir.name}-{n}")
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            folder.mkdir()
-            return folder
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise HarnessError(f"cannot create output folder {folder}: {exc.strerror or exc}") from None
+    folder = out_dir
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(2):
+            try:
+                folder.mkdir()
+                return folder
+            except FileExistsError:
+                folder = out_dir.with_name(f"{out_dir.name}-{n}")
+    except OSError as exc:
+        raise HarnessError(f"cannot create output folder {folder}: {exc.strerror or exc}") from None
 
 
 def check_writable(out_dir: Path) -> None:

@@ -177,6 +177,20 @@ def test_an_explicit_out_is_used_as_given(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]
 
 
+def test_a_default_run_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    """A file where the runs folder should be (mkdir says it exists): `harness run` says so in one line, rather than
+    trying -2, -3, ... forever."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs").write_text("not a folder\n")
+    assert main(["run", "resnet", "--procs-per-node", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot create output folder" in err and "results/runs" in err
+    assert (tmp_path / "results" / "runs").read_text() == "not a folder\n"
+
+
 def test_env_parsing():
     assert parse_env(["A=1", "B_2=x=y"]) == {"A": "1", "B_2": "x=y"}
     with pytest.raises(HarnessError):
@@ -392,6 +406,21 @@ def test_a_cancel_from_another_shell_while_the_run_reads_the_end_is_what_the_run
     launcher._procs["1"] = EndedByTheCancel()
     assert launcher.status(Handle.load(tmp_path)) is JobState.CANCELLED
     assert Handle.load(tmp_path).record()["exit_code"] == -15
+
+
+def test_a_file_system_without_locks_still_records(tmp_path, monkeypatch):
+    """NFS without its lock manager answers ENOLCK: the record is still written (unlocked, as before locks)."""
+    import errno
+
+    from harness.launchers import base
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    _write_job(tmp_path, state="RUNNING")
+    monkeypatch.setattr(base.fcntl, "lockf", no_locks)
+    assert Handle.load(tmp_path).update(state="SUCCEEDED")["state"] == "SUCCEEDED"
+    assert Handle.load(tmp_path).record()["state"] == "SUCCEEDED"
 
 
 def _hold_job_lock(folder: Path, held, release) -> None:

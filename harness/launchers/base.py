@@ -109,8 +109,10 @@ class Handle:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except OSError as exc:
-                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                        raise
+                    if exc.errno == errno.ENOLCK:  # no lock manager (NFS without lockd): written as before locks
+                        break
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):  # anything but "held elsewhere"
+                        raise HarnessError(f"cannot lock {path}: {exc.strerror}") from None
                 if time.monotonic() > deadline:
                     raise HarnessError(f"{self.out_dir / JOB_FILE} stayed locked by another harness command for "
                                        f"{LOCK_WAIT_S:g} s ({path}): is one stopped, or the file system hung?")
