@@ -253,12 +253,16 @@ def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str
 
 
 def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
-    """(run index, step) the workers had reached: the newest run record's last step."""
-    records = sorted(Path(out).glob("run_*.jsonl"), key=lambda p: p.stat().st_mtime)
+    """(run index, step) the workers had reached: the last step in the record of the highest run index.
+    A campaign starts run i+1, and its record run_<i+1>.jsonl, only once run i has stopped
+    (workloads.common.campaign), so the index the harness writes orders the records; modification
+    times would not (1 s granular on NFS and some overlay file systems: a tie falls to directory order)."""
+    records = {int(found.group(1)): path for path in Path(out).glob("run_*.jsonl")
+               if (found := re.fullmatch(r"run_(\d+)\.jsonl", path.name))}
     if not records:
         return None, None
-    run = int(records[-1].stem.split("_")[1])
-    steps = [r["steps"] for r in read_json_lines(records[-1]) if isinstance(r.get("steps"), list) and r["steps"]]
+    run = max(records)
+    steps = [r["steps"] for r in read_json_lines(records[run]) if isinstance(r.get("steps"), list) and r["steps"]]
     return run, (steps[-1][-1] if steps else None)
 
 

@@ -7,16 +7,16 @@ and a non-zero exit status; never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import JobSpec, check_writable, parse_env, validate
+from harness.spec import JobSpec, check_writable, claim_fresh_folder, parse_env, run_stamp, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.llama.config import RCP_GLOBAL_BATCHES
@@ -288,6 +288,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = launcher.render(spec)
     submits = not (args.dry_run or args.pod_monitor)
     if submits:  # before the request's notes: a folder the job cannot use is then the one line said
+        if args.out is None:  # the default name, or the first free -2, -3 after it; rendered again for it
+            spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
+            request = launcher.render(spec)
         check_writable(spec.out_dir)
         if any(spec.out_dir.glob("result_*.txt")):
             raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
@@ -377,7 +380,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     launcher = get_launcher(args.backend)
     profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
-    out = args.out or Path("results", "runs", f"preflight-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or Path("results", "runs", f"preflight-{run_stamp()}")
     # The health job is described by a job spec like any other, with no workload to run after it.
     spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=out, env=parse_env(args.env), name="preflight",
                    profile=profile, preflight=True, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
@@ -388,6 +391,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         print(launcher.render_preflight(spec).text)
         return 0
     launcher.render_preflight(spec)  # refused before the folder is made
+    if args.out is None:  # the default name, or the first free -2, -3 after it
+        spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
     check_writable(spec.out_dir)
     record = remediation.run_health_job(launcher, spec)
     print(f"harness: wrote {spec.out_dir / 'preflight.json'}")

@@ -9,6 +9,7 @@ must answer `--help` and reject bad input instantly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -98,8 +99,7 @@ class JobSpec:
         if spec.checkpoint_every is None:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{stamp}"
+            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{run_stamp()}"
         for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
@@ -332,6 +332,29 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
     return [f"note: {line}" for line in missing]
+
+
+def run_stamp() -> str:
+    """The time in a default run folder's name, to the second: claim_fresh_folder tells apart runs of one second."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def claim_fresh_folder(out_dir: Path) -> Path:
+    """Create a run folder under its default name, else (another run has it: two `harness run` without --out
+    started in the same second, by a campaign script looping over seeds) that name with the first free -2,
+    -3, ... mkdir makes a folder or fails, atomically on NFS too, so two runs never get the same one. Only
+    default names move: an explicit --out is the user's, used or refused as given (see cmd_run)."""
+    folder = out_dir
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(2):
+            try:
+                folder.mkdir()
+                return folder
+            except FileExistsError:
+                folder = out_dir.with_name(f"{out_dir.name}-{n}")
+    except OSError as exc:
+        raise HarnessError(f"cannot create output folder {folder}: {exc.strerror or exc}") from None
 
 
 def check_writable(out_dir: Path) -> None:

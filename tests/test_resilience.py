@@ -101,6 +101,33 @@ def test_retry_decisions():
     assert decide(lost, 0, budget=1).exit_code == EXIT_RETRY
 
 
+@pytest.mark.parametrize("listed", ["newest first", "by name"])
+def test_the_step_at_a_failure_is_the_newest_runs_where_modification_times_tie(tmp_path, monkeypatch, listed):
+    """The agent records where a failure left the campaign: the run under way and its last step. On NFS or
+    overlay file systems with 1 s times, the records' modification times tie, and directory order is any
+    order (here the two worst: newest first, and by name, where run_9 sorts after run_10)."""
+    import os
+
+    from harness.agent import progress_at_failure
+
+    for index in range(11):  # run 10 is under way; every earlier run stopped
+        line = {"attempt": 0, "kind": "train", "start": 1.0, "end": 2.0, "steps": [0, 100 + index]}
+        (tmp_path / f"run_{index}.jsonl").write_text(json.dumps(line) + "\n")
+        os.utime(tmp_path / f"run_{index}.jsonl", (1_700_000_000, 1_700_000_000))
+    glob = Path.glob
+
+    def in_order(self, pattern):
+        found = list(glob(self, pattern))
+        if listed == "by name":
+            return sorted(found)
+        return sorted(found, key=lambda p: (len(p.name), p.name), reverse=True)  # run_10, run_9, ... run_0
+
+    monkeypatch.setattr(Path, "glob", in_order)
+    assert progress_at_failure(tmp_path) == (10, 110)
+    (tmp_path / "run_notes.jsonl").write_text("")  # a name the campaign never writes is not a run
+    assert progress_at_failure(tmp_path) == (10, 110)
+
+
 def test_a_command_torchrun_refuses_is_a_configuration_error_not_a_lost_node(tmp_path, monkeypatch, capsys):
     """The node agent with a torchrun option the image's torch does not take. Before, torchrun's parser exited 2
     after the attempt's start was recorded and before its end: every node read as lost, so the policy retried the

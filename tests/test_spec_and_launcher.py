@@ -88,6 +88,109 @@ def test_default_out_dir_is_under_results_runs():
     assert spec.out_dir.name.startswith("resnet-tiny-")
 
 
+class _Submitted(Exception):
+    """What a fake launcher's submit raises: `harness run` got as far as submitting this request."""
+
+    def __init__(self, request):
+        super().__init__(str(request.spec.out_dir))
+        self.request = request
+
+
+def _submit_without_starting(monkeypatch) -> None:
+    """`harness run` goes as far as submit; a submit raises _Submitted with the request it was given."""
+    from harness import launchers
+    from harness.launchers.local import LocalLauncher
+
+    def submit(self, request):
+        raise _Submitted(request)
+
+    monkeypatch.setattr(LocalLauncher, "submit", submit)
+    monkeypatch.setattr(launchers, "get_launcher", lambda name: LocalLauncher())
+
+
+def _same_second(monkeypatch) -> str:
+    """A clock stopped at one second, as two `harness run` started by a loop within it see it."""
+    from datetime import datetime
+
+    from harness import spec as spec_module
+
+    class Stopped(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 24, 14, 30, 5)
+
+    monkeypatch.setattr(spec_module, "datetime", Stopped)
+    return "20261124-143005"
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    """A campaign script looping over seeds starts `harness run` without --out several times a second: each
+    gets a folder of its own (the default name, then -2, -3, made by mkdir, which only one can win), and
+    the request it submits names that folder. A dry run creates nothing."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    name = f"resnet-tiny-{_same_second(monkeypatch)}"
+    _submit_without_starting(monkeypatch)
+    runs = tmp_path / "results" / "runs"
+    assert main(["run", "resnet", "--procs-per-node", "1", "--dry-run"]) == 0
+    assert not runs.exists()
+    submitted = []
+    for seed in range(3):
+        with pytest.raises(_Submitted) as got:
+            main(["run", "resnet", "--procs-per-node", "1", "--seed", str(seed)])
+        submitted.append(got.value.request)
+    folders = [request.spec.out_dir for request in submitted]
+    assert folders == [runs / name, runs / f"{name}-2", runs / f"{name}-3"]
+    assert all(f"--out {folder} " in request.text for folder, request in zip(folders, submitted))
+    assert sorted(p.name for p in runs.iterdir()) == [name, f"{name}-2", f"{name}-3"]
+
+
+def test_two_preflights_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    """`harness preflight` without --out names its folder to the second too, and takes it the same way."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    name = f"preflight-{_same_second(monkeypatch)}"
+    _submit_without_starting(monkeypatch)
+    runs = tmp_path / "results" / "runs"
+    assert main(["preflight", "--dry-run"]) == 0 and not runs.exists()
+    submitted = []
+    for _ in range(2):
+        with pytest.raises(_Submitted) as got:
+            main(["preflight"])
+        submitted.append(got.value.request.spec.out_dir)
+    assert submitted == [runs / name, runs / f"{name}-2"]
+
+
+def test_an_explicit_out_is_used_as_given(tmp_path, monkeypatch):
+    """--out names the folder: one that exists is used as it is (never renamed to -2), unless it holds results."""
+    from harness.cli import main
+
+    _same_second(monkeypatch)
+    _submit_without_starting(monkeypatch)
+    out = tmp_path / "mine"
+    for _ in range(2):
+        with pytest.raises(_Submitted) as got:
+            main(["run", "resnet", "--procs-per-node", "1", "--out", str(out)])
+        assert got.value.request.spec.out_dir == out
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+def test_a_default_run_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    """A file where the runs folder should be (mkdir says it exists): `harness run` says so in one line, rather than
+    trying -2, -3, ... forever."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs").write_text("not a folder\n")
+    assert main(["run", "resnet", "--procs-per-node", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot create output folder" in err and "results/runs" in err
+    assert (tmp_path / "results" / "runs").read_text() == "not a folder\n"
+
+
 def test_env_parsing():
     assert parse_env(["A=1", "B_2=x=y"]) == {"A": "1", "B_2": "x=y"}
     with pytest.raises(HarnessError):
@@ -222,9 +325,138 @@ def test_job_json_is_replaced_whole(tmp_path):
     failed = subprocess.run([sys.executable, "-c", FULL_DISK_UPDATE, str(folder)], capture_output=True, text=True,
                             timeout=120)
     assert failed.returncode == 0, failed.stdout + failed.stderr
-    assert path.read_text() == before and [p.name for p in folder.iterdir()] == ["job.json"]  # nothing left aside
+    # Nothing left aside; the writers' lock stays (removing it would race a writer waiting on it).
+    assert path.read_text() == before and sorted(p.name for p in folder.iterdir()) == [".job.json.lock", "job.json"]
     Handle.load(folder).update(state="SUCCEEDED")
     assert Handle.load(folder).record()["state"] == "SUCCEEDED" and path.stat().st_mode == plain_mode
+
+
+UPDATES_EACH = 300  # enough that, unlocked, two writers lose some of each other's updates on any machine
+
+
+def _update_own_key(folder: Path, key: str, start, losses) -> None:
+    """One `harness` process: UPDATES_EACH read-change-writes of its own key. Before each it checks that its last
+    value is still there: a value gone is an update the other writer lost (overwritten from a stale copy)."""
+    handle = Handle.load(folder)
+    start.wait()
+    lost = 0
+    for value in range(UPDATES_EACH):
+        lost += value > 0 and handle.record().get(key) != value - 1
+        handle.update(**{key: value})
+    losses[key] = lost
+
+
+def _write_job(folder: Path, **fields) -> Path:
+    import json
+
+    folder.mkdir(exist_ok=True)
+    path = folder / "job.json"
+    path.write_text(json.dumps({"backend": "local", "job_id": "1", **fields}, indent=2) + "\n")
+    return path
+
+
+def test_two_processes_updating_job_json_lose_nothing(tmp_path):
+    """`harness run` records states while `harness cancel` or `collect` in another shell records theirs: each
+    update is read, changed and replaced under one lock across processes, so neither loses the other's fields."""
+    import multiprocessing
+
+    folder = tmp_path / "job"
+    _write_job(folder, state="RUNNING")
+    context = multiprocessing.get_context("fork")
+    start, losses = context.Barrier(2), context.Manager().dict()
+    writers = [context.Process(target=_update_own_key, args=(folder, key, start, losses)) for key in ("run", "cancel")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=300)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    record = Handle.load(folder).record()
+    assert dict(losses) == {"run": 0, "cancel": 0}
+    assert (record["run"], record["cancel"], record["state"]) == (UPDATES_EACH - 1, UPDATES_EACH - 1, "RUNNING")
+
+
+def test_a_recorded_cancel_is_not_replaced_by_a_state_read_before_it(tmp_path):
+    """A status poll works out FAILED (the job died of the cancel's signal) from a record read just before
+    `harness cancel` recorded CANCELLED in another shell: the cancel stays, the poll's other facts are kept."""
+    _write_job(tmp_path, state="RUNNING")
+    Handle.load(tmp_path).update(state="CANCELLED")
+    written = Handle.load(tmp_path).update(state="FAILED", exit_code=-15)
+    assert written == Handle.load(tmp_path).record()
+    assert (written["state"], written["exit_code"]) == ("CANCELLED", -15)
+
+
+def test_a_cancel_from_another_shell_while_the_run_reads_the_end_is_what_the_run_says(tmp_path):
+    """`harness cancel` in another shell records CANCELLED just as `harness run`'s status poll works out how the
+    job ended (its agent died of the cancel's SIGTERM): the poll answers CANCELLED, not FAILED, and keeps the
+    exit code it saw."""
+    from harness.launchers.local import LocalLauncher
+
+    _write_job(tmp_path, state="RUNNING")
+
+    class EndedByTheCancel:
+        def poll(self):
+            return -15
+
+        @property
+        def returncode(self):  # read after the poll read job.json: the other shell's cancel lands now
+            Handle.load(tmp_path).update(state="CANCELLED")
+            return -15
+
+    launcher = LocalLauncher()
+    launcher._procs["1"] = EndedByTheCancel()
+    assert launcher.status(Handle.load(tmp_path)) is JobState.CANCELLED
+    assert Handle.load(tmp_path).record()["exit_code"] == -15
+
+
+def test_a_file_system_without_locks_still_records(tmp_path, monkeypatch):
+    """NFS without its lock manager answers ENOLCK: the record is still written (unlocked, as before locks)."""
+    import errno
+
+    from harness.launchers import base
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    _write_job(tmp_path, state="RUNNING")
+    monkeypatch.setattr(base.fcntl, "lockf", no_locks)
+    assert Handle.load(tmp_path).update(state="SUCCEEDED")["state"] == "SUCCEEDED"
+    assert Handle.load(tmp_path).record()["state"] == "SUCCEEDED"
+
+
+def _hold_job_lock(folder: Path, held, release) -> None:
+    import fcntl
+
+    with open(folder / ".job.json.lock", "a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        held.set()
+        release.wait()
+
+
+def test_a_stuck_lock_holder_is_said_and_readers_never_wait(tmp_path, monkeypatch):
+    """Readers (`harness status`, `logs`) never take the lock: job.json is replaced whole. A writer that waits
+    past the limit for a holder (a stopped process, a hung mount) says so in one line and changes nothing."""
+    import multiprocessing
+
+    from harness.launchers import base
+
+    path = _write_job(tmp_path, state="RUNNING")
+    before = path.read_text()
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_job_lock, args=(tmp_path, held, release))
+    holder.start()
+    try:
+        assert held.wait(timeout=120)
+        assert Handle.load(tmp_path).record()["state"] == "RUNNING"
+        monkeypatch.setattr(base, "LOCK_WAIT_S", 0.1)
+        with pytest.raises(HarnessError, match=r"job\.json.*locked.*another harness command"):
+            Handle.load(tmp_path).update(state="CANCELLED")
+        assert path.read_text() == before
+    finally:
+        release.set()
+        holder.join(timeout=120)
+    Handle.load(tmp_path).update(state="CANCELLED")  # the holder gone, the lock is free again
+    assert Handle.load(tmp_path).record()["state"] == "CANCELLED"
 
 
 def launcher_imports() -> dict[str, set[str]]:

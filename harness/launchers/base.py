@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
+import fcntl
 import json
+import os
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
@@ -28,6 +32,8 @@ from workloads.registry import BENCHMARKS
 from harness.spec import JobSpec
 
 JOB_FILE = "job.json"
+JOB_LOCK = ".job.json.lock"  # beside job.json: its writers' lock (job.json itself is renamed over at each write)
+LOCK_WAIT_S = 60.0  # a holder keeps the lock for one read and one write; longer than this, it is stuck
 
 
 class JobState(str, enum.Enum):
@@ -70,11 +76,51 @@ class Handle:
     def record(self) -> dict:
         return json.loads((self.out_dir / JOB_FILE).read_text())
 
-    def update(self, **fields: Any) -> None:
-        """Record facts about the job (its state, exit code) in job.json."""
-        record = self.record()
-        record.update(fields)
-        self._write(record)
+    def update(self, **fields: Any) -> dict:
+        """Record facts about the job (its state, exit code) in job.json; returns the record as written.
+
+        `harness run` records states, an exit code and collect errors while `harness cancel` or `collect` in
+        another shell records theirs: each update is read, changed and replaced under the job lock, so none
+        is lost to another's stale copy. A recorded cancel is final: a state worked out before it (a status
+        poll that saw the job die of the cancel's own signal) does not replace it."""
+        with self._locked():
+            record = self.record()
+            if record.get("state") == JobState.CANCELLED.value:
+                fields.pop("state", None)
+            record.update(fields)
+            self._write(record)
+        return record
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the run folder's job lock: a POSIX record lock (fcntl), which NFS honours through its lock
+        manager and the kernel releases when its holder dies, so a killed `harness run` leaves none behind.
+        Only writers take it: a reader sees a whole job.json anyway (replace_whole), and never waits.
+        A writer that cannot have it within LOCK_WAIT_S (a stopped holder, a hung mount) says so."""
+        path = self.out_dir / JOB_LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask's mode, as job.json's
+        except OSError as exc:
+            raise HarnessError(f"cannot record in {self.out_dir / JOB_FILE}: {path}: {exc.strerror}") from None
+        try:
+            deadline, pause = time.monotonic() + LOCK_WAIT_S, 0.001
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno == errno.ENOLCK:  # no lock manager (NFS without lockd): written as before locks
+                        break
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):  # anything but "held elsewhere"
+                        raise HarnessError(f"cannot lock {path}: {exc.strerror}") from None
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"{self.out_dir / JOB_FILE} stayed locked by another harness command for "
+                                       f"{LOCK_WAIT_S:g} s ({path}): is one stopped, or the file system hung?")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _write(self, record: dict) -> None:
         # Replaced whole: `harness logs`, `cancel` or `collect` in another shell reads it while `harness run`

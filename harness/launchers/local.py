@@ -115,8 +115,8 @@ class LocalLauncher(Launcher):
         if proc is None or recorded is JobState.CANCELLED:  # another process saw it end, or we stopped it
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
-        handle.update(state=state.value, exit_code=proc.returncode)
-        return state
+        # What was recorded: a cancel from another shell since the read above stays (Handle.update).
+        return JobState(handle.update(state=state.value, exit_code=proc.returncode)["state"])
 
     def logs(self, handle: Handle) -> str:
         return show_files(rank_log_files(handle.out_dir))
