@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
-                           PEER_LOSS, WORKLOAD)
+                           PEER_LOSS, WORKLOAD, unquoted)
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
@@ -75,15 +75,17 @@ CLAIM_FILE = "job-token"  # in the run folder: the token of the job whose result
 # matters where the winner died in between, and refusing too early fails the job for good (EXIT_FOLDER_TAKEN).
 CLAIM_WAIT_S = 120.0
 REPEATS_TO_STOP = 3
-# How a worker's refusals read in its error file: torch's ErrorHandler writes "<exception type name>: <text>".
-# ConfigurationError's (workloads.common.refusals) is the job's; a plain SystemExit's may be one node's.
-CONFIGURATION_REFUSAL = f"{ConfigurationError.__name__}: "
+# How a worker's refusals read in its error file: torch's ErrorHandler writes "<exception type name>: <text>" as the
+# message, and the traceback (extraInfo.py_callstack), whose exception line names the type with its module as
+# Python prints it ("workloads.common.refusals.ConfigurationError: <text>"). Ours (workloads.common.refusals) is
+# the job's configuration error; another library's ConfigurationError is the workload's, and a plain SystemExit's
+# refusal may be one node's.
+CONFIGURATION_REFUSAL = f"{ConfigurationError.__module__}.{ConfigurationError.__qualname__}: "
 REFUSAL = "SystemExit: "
 # Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
 _INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
                                     rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
 _ERRNO_ERRORS = re.compile(rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
-_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")  # a path or value Python quotes in an exception's text
 
 
 @dataclass(frozen=True)
@@ -105,22 +107,35 @@ class Decision:
         return self.exit_code == EXIT_RETRY
 
 
-def classify(rank: int, exit_code: int, signal_name: str | None, message: str, has_error_file: bool) -> Failure:
-    """One failed worker -> what kind of failure it was. A ConfigurationError is read first, by its type name, so
-    that the text it quotes (a path, an option) cannot make it read as the machine's."""
+def classify(rank: int, exit_code: int, signal_name: str | None, message: str, has_error_file: bool,
+             traceback: str = "") -> Failure:
+    """One failed worker -> what kind of failure it was, from its error file's message and traceback.
+    A ConfigurationError is read first, by its qualified name in the traceback, so that the text it quotes (a
+    path, an option) cannot make it read as the machine's."""
     if exit_code < 0:
         return Failure(INFRASTRUCTURE, f"rank {rank} killed by {signal_name}", rank, exit_code, signal_name)
     if not has_error_file:
         return Failure(WORKLOAD, f"rank {rank} exited with code {exit_code}", rank, exit_code)
     first_line = message.strip().splitlines()[0] if message.strip() else "an exception"
-    if first_line.startswith(CONFIGURATION_REFUSAL):
-        return Failure(CONFIGURATION, f"rank {rank}: {first_line.removeprefix(CONFIGURATION_REFUSAL)[:300]}",
-                       rank, exit_code)
+    reason = _configuration_refusal(first_line, traceback)
+    if reason is not None:
+        return Failure(CONFIGURATION, f"rank {rank}: {reason[:300]}", rank, exit_code)
     machine = _machine_error(message, refusal=first_line.startswith(REFUSAL))
     if machine:  # named in the cause where it is not the first line (a DataLoader worker's wrapped OSError)
         cause = first_line if machine in first_line else f"{first_line} ({machine})"
         return Failure(INFRASTRUCTURE, f"rank {rank}: {cause[:300]}", rank, exit_code)
     return Failure(WORKLOAD, f"rank {rank}: {first_line[:300]}", rank, exit_code)
+
+
+def _configuration_refusal(first_line: str, traceback: str) -> str | None:
+    """The reason of a worker's ConfigurationError (workloads.common.refusals), or None for any other error. The
+    message names only the type ("ConfigurationError: <text>", as several libraries' errors read); the traceback's
+    line for that same exception names its module, which is what tells ours apart."""
+    name = f"{ConfigurationError.__qualname__}: "
+    if not first_line.startswith(name):
+        return None
+    reason = first_line.removeprefix(name)
+    return reason if f"{CONFIGURATION_REFUSAL}{reason}" in traceback.splitlines() else None
 
 
 def _machine_error(message: str, refusal: bool) -> str | None:
@@ -129,7 +144,7 @@ def _machine_error(message: str, refusal: bool) -> str | None:
     refusal's text only an errno: a path or value named "timeout" or "nccl" is not the machine's word."""
     pattern = _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS
     for line in message.strip().splitlines():
-        if line[:1].strip() and pattern.search(_QUOTED.sub("''", line)):
+        if line[:1].strip() and pattern.search(unquoted(line)):
             return line.strip()
     return None
 
@@ -331,10 +346,7 @@ def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
         torchrun.run(args)
         return False, None
     except ChildFailedError as exc:
-        failures = [classify(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None, _error_text(f.message),
-                             os.path.isfile(f.error_file))
-                    for rank, f in sorted(exc.failures.items())]
-        return False, attempt_failure(failures)
+        return False, attempt_failure([worker_failure(rank, f) for rank, f in sorted(exc.failures.items())])
     except SignalException as exc:
         return True, signalled(exc)
     except (RendezvousError, DistError, TimeoutError, ConnectionError) as exc:
@@ -382,11 +394,22 @@ def _rendezvous_reason(exc: Exception, args) -> str:
     return f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0][:300] if str(exc) else 'no detail'}"
 
 
-def _error_text(message) -> str:
-    """A worker's error message: torchelastic's error file holds text or {"message": text, "extraInfo": ...}."""
+def worker_failure(rank: int, failure) -> Failure:
+    """One failed worker as torchelastic reports it (a ProcessFailure, with its error file read) -> classify."""
+    message, traceback = _error_text(failure.message)
+    return classify(rank, failure.exitcode, failure.signal_name() if failure.exitcode < 0 else None, message,
+                    os.path.isfile(failure.error_file), traceback)
+
+
+def _error_text(message) -> tuple[str, str]:
+    """(message, traceback) of a worker's error: torchelastic's error file holds text or {"message": text,
+    "extraInfo": {"py_callstack": traceback}} (torch's ErrorHandler.record_exception)."""
+    traceback = ""
     if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        traceback = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
         message = message.get("message", "")
-    return message if isinstance(message, str) else ""
+    return (message if isinstance(message, str) else "", traceback if isinstance(traceback, str) else "")
 
 
 def _say(text: str) -> None:

@@ -53,10 +53,18 @@ PASSING_IO = _errno_pattern(PASSING_ERRNOS)
 # The node's machine failing the program (ENOMEM: its memory exhausted): retried, and its node is the culprit.
 MACHINE_ERRNO = _errno_pattern(MACHINE_ERRNOS)
 VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")  # a path or value Python quotes in an exception's text
 # harness.agent's kinds of failure. The program's own errors and a job whose command is wrong fail the same way on
 # any node, at every attempt: never retried, never blamed on a node.
 INFRASTRUCTURE, WORKLOAD, CONFIGURATION = "infrastructure", "workload", "configuration"
 NOT_RETRIED = (WORKLOAD, CONFIGURATION)
+
+
+def unquoted(text: str) -> str:
+    """`text` without what an exception quotes (a path, a value): the patterns above read only the exception's own
+    words, so that a file under /data/nccl-timeout/ or a column named 'Xid' is not read as the machine's failure.
+    harness.agent classifies a worker's error by it, and the failure policy judges the recorded cause by it."""
+    return _QUOTED.sub("''", text)
 
 
 def culprits(records: list[dict]) -> dict[str, str]:
@@ -75,7 +83,7 @@ def culprits(records: list[dict]) -> dict[str, str]:
     failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") not in NOT_RETRIED),
                     key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else float("inf"))
     for record in failed:
-        if GPU_HARDWARE.search(record.get("cause") or ""):
+        if GPU_HARDWARE.search(unquoted(record.get("cause") or "")):
             blamed[host.get(record["node"], record["node"])] = record["cause"]
     own = [r for r in failed if not _victim(r)]
     if own and not blamed and not program_failed:
@@ -86,7 +94,7 @@ def culprits(records: list[dict]) -> dict[str, str]:
 
 def _victim(record: dict) -> bool:
     """Whether a failed node's end reads as going down with a peer rather than failing by itself."""
-    cause = record.get("cause") or ""
+    cause = unquoted(record.get("cause") or "")
     return record.get("signal") in VICTIM_SIGNALS or (bool(PEER_LOSS.search(cause) or PASSING_IO.search(cause))
                                                       and not GPU_HARDWARE.search(cause)
                                                       and not MACHINE_ERRNO.search(cause))

@@ -141,9 +141,22 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
         if node in blamed:
             checks.append(blame_check(blamed[node]))
         verdicts[node] = {"gpu": record.get("gpu"), "started": record.get("started"), "checks": checks,
-                          "world_busbw_gbps": record.get("world_busbw_gbps"),
+                          "seconds": _own_seconds(record), "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
     return verdicts
+
+
+def _own_seconds(record: dict) -> float | None:
+    """How long a node's checks took, as the node measured them: its own end minus its own start (harness.health
+    writes it when it finishes), so a node whose clock is set wrong still tells its duration right."""
+    seconds = record.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) and seconds >= 0 else None
+
+
+def boot_clock() -> float:
+    """This machine's seconds since boot, as /proc/uptime says (monotonic, Linux): the Slurm batch script reads
+    the same file before the health step, and the judge, on the same host, reads it again at its verdict."""
+    return float(Path("/proc/uptime").read_text().split()[0])
 
 
 def _margin(checks: list[Check]) -> float:
@@ -162,8 +175,15 @@ def choose(verdicts: dict[str, dict], wanted: int) -> tuple[list[str], list[str]
     return kept, [n for n in healthy if n not in kept]
 
 
-def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = False) -> dict:
-    """Judge, choose, and write <out>/preflight.json; returns what was written."""
+def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = False,
+           seconds: float | None = None) -> dict:
+    """Judge, choose, and write <out>/preflight.json; returns what was written.
+
+    `seconds` is how long the preflight took, from before its health job started to now, on the decider's own
+    monotonic clock (run_health_job's; the Slurm judge's boot_clock). Without it, the slowest node's own
+    duration stands in (the job's launch left out). A node's wall-clock start is never subtracted from the
+    decider's clock: a node whose clock is ahead made that negative, one behind made it hours. Each node's
+    figure is its own (_own_seconds)."""
     out = Path(out)
     verdicts = judge(out, allocated, blame_failures)
     kept, spare = choose(verdicts, wanted)
@@ -174,16 +194,19 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
                                                                                       else ""))
     if not passed:
         message += ("; no spare node left" if len(allocated) > wanted else "; there is no spare node (--spare-nodes)")
-    now = time.time()
-    started = min((v["started"] for v in verdicts.values() if v.get("started")), default=now)
+    if seconds is None:
+        seconds = max((v["seconds"] for v in verdicts.values() if v["seconds"] is not None), default=0.0)
+    # The earliest node's start, as its own clock read it: what tells this pass from the last (PreflightWatcher),
+    # never subtracted from another clock.
+    started = min((v["started"] for v in verdicts.values() if v.get("started")), default=time.time())
     previous = read(out)
     world = [v["world_busbw_gbps"] for v in verdicts.values() if v.get("world_busbw_gbps") is not None]
     record = {"passed": passed, "message": message, "wanted": wanted, "allocated": allocated, "kept": kept,
-              "spare": spare, "excluded": excluded, "started": started, "seconds": round(now - started, 3),
-              "seconds_total": round(now - started + (previous or {}).get("seconds_total", 0.0), 3),
+              "spare": spare, "excluded": excluded, "started": started, "seconds": round(seconds, 3),
+              "seconds_total": round(seconds + (previous or {}).get("seconds_total", 0.0), 3),
               "world_busbw_gbps": round(statistics.median(world), 3) if world else None,
-              "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "checks": [c.to_dict() for c in v["checks"]]}
-                        for n, v in verdicts.items()},
+              "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "seconds": v["seconds"],
+                            "checks": [c.to_dict() for c in v["checks"]]} for n, v in verdicts.items()},
               "remediation": []}
     (out / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -289,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocated", required=True, help="the allocation's nodes, comma-separated")
     parser.add_argument("--blame-failures", action="store_true",
                         help="also keep out the nodes the newest failed training attempt points at")
+    parser.add_argument("--began", type=float,
+                        help="this host's /proc/uptime when the health step started (boot_clock): the whole's clock")
     args = parser.parse_args(argv)
-    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures)
+    seconds = None if args.began is None else max(0.0, boot_clock() - args.began)
+    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds)
     print(table(record), file=sys.stderr, flush=True)
     if not record["passed"]:
         print(f"harness: error: preflight failed: {record['message']}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 
 from harness import preflight
 from harness.errors import HarnessError
@@ -41,6 +42,7 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
     preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
     watcher = PreflightWatcher(launcher, request.spec)  # the health job's spec: its remediation names that job
+    began = time.monotonic()  # the whole preflight on this machine's clock, never a node's (preflight.decide)
     handle = launcher.submit(request)
     print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
           flush=True)
@@ -55,7 +57,7 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
             launcher.delete(handle)  # read: the next run's health job must not meet it (or its pods)
         reports = [p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json")]
         # A node the job ran on that wrote no report is judged (and fails: health_report missing), not skipped.
-        preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes)
+        preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes, seconds=time.monotonic() - began)
     watcher()
     record = preflight.read(spec.out_dir)
     if record is None:

@@ -89,6 +89,20 @@ def test_a_passing_file_system_error_is_retried_and_blames_no_node_but_exhausted
     assert list(preflight.blamed_nodes(tmp_path)) == ["node-b"]
 
 
+def test_what_a_cause_quotes_is_not_read_as_a_peer_or_a_gpu(tmp_path):
+    """The failure policy reads a recorded cause as classify reads the error: without what it quotes. A node that
+    ran out of memory reading a file under '/ckpt/nccl-timeout/' failed by itself, first: it is the culprit, not a
+    victim of a peer's timeout; a path naming an Xid is no GPU fault, so the first failure is still the culprit."""
+    oom = classify(3, 1, None, "RuntimeError: out of memory reading '/ckpt/nccl-timeout/shard_3.pt'", True)
+    assert oom.kind == INFRASTRUCTURE
+    own = {"kind": oom.kind, "signal": None, "cause": oom.cause}
+    _attempt(tmp_path, {"node-b": own, "node-a": ABORTED, "node-c": NCCL_TIMEOUT, "node-d": ABORTED})
+    assert preflight.blamed_nodes(tmp_path) == {"node-b": oom.cause}
+    xid = {**own, "cause": "rank 9: RuntimeError: out of memory reading \"/logs/Xid/ECC error.txt\""}
+    _attempt(tmp_path, {"node-b": own, "node-c": xid, "node-a": ABORTED, "node-d": ABORTED})
+    assert list(preflight.blamed_nodes(tmp_path)) == ["node-b"]
+
+
 @pytest.mark.parametrize("kind", [CONFIGURATION, WORKLOAD])
 def test_a_node_torn_down_after_the_programs_error_is_not_blamed(tmp_path, kind):
     """node-a never recorded its end because the job was torn down after node-b's configuration or workload error

@@ -606,8 +606,11 @@ def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(clus
 
     spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, out_dir=tmp_path / "run",
                    profile=profiles.load("h100-ib")).resolved()
+    began = time.monotonic()
     with FakeCluster(cluster_api, tmp_path / "pvc", silent=("gpu-c",)):
         record = remediation.run_health_job(get_launcher("k8s"), spec)
+    # The whole on the submitting machine's own clock, from before the job was submitted (preflight.decide).
+    assert 0 < record["seconds"] <= time.monotonic() - began
     assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and record["kept"] == ["gpu-a", "gpu-b"]
     assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
                                             "run or finish the checks"]}

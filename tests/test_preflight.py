@@ -249,6 +249,54 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
         too_few["message"]
 
 
+def test_preflight_time_is_never_one_clock_minus_another(tmp_path, monkeypatch):
+    """The nodes' clocks are skewed (one an hour ahead, one an hour behind the decider's): the whole is the
+    decider's own measure (run_health_job's monotonic time; the Slurm judge's boot clock since the batch script
+    read it) and each node's figure its own end minus its own start. Subtracting a node's start from the
+    decider's clock gave -3600 s or +3600 s here."""
+    import json
+    import time
+
+    from harness import preflight
+
+    for node, skew, took in (("a", 3600.0, 12.5), ("b", -3600.0, 20.0)):
+        _report(tmp_path, node, 470, [{"peer": "b" if node == "a" else "a", "busbw_gbps": 45.0}])
+        path = tmp_path / "preflight" / "nodes" / f"{node}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "started": time.time() + skew, "seconds": took}))
+    record = preflight.decide(tmp_path, ["a", "b"], 2, seconds=42.0)
+    assert (record["seconds"], record["seconds_total"]) == (42.0, 42.0)
+    assert {n: v["seconds"] for n, v in record["nodes"].items()} == {"a": 12.5, "b": 20.0}
+    assert preflight.table(record).endswith("(42.0 s)")
+    # A second pass (a requeued job's) adds its own; a judge told no start counts the slowest node's own time.
+    assert preflight.decide(tmp_path, ["a", "b"], 2)["seconds"] == 20.0
+    assert preflight.read(tmp_path)["seconds_total"] == 62.0
+    # The Slurm judge: the batch script's /proc/uptime before the health step, the judge's at its verdict.
+    monkeypatch.setattr(preflight, "boot_clock", lambda: 1042.5)
+    assert preflight.main(["--out", str(tmp_path), "--nodes", "2", "--allocated", "a,b", "--began", "1000"]) == 0
+    assert preflight.read(tmp_path)["seconds"] == 42.5
+
+
+def test_the_slurm_judge_is_told_when_preflight_began_on_its_own_hosts_clock():
+    """The batch script reads /proc/uptime before the health step and hands it to the judge, which runs on the
+    same host (--nodelist the batch host) and reads the same clock (boot_clock) at its verdict."""
+    import subprocess
+
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    spec = JobSpec("gpt3", nodes=4, preflight=True, profile=profiles.load("coreweave-h100"),
+                   out_dir=Path("/mnt/results/x")).resolved()
+    lines = get_launcher("slurm").render(spec).text.splitlines()
+    (stamp,) = [line for line in lines if line.startswith("preflight_began=")]
+    (health,) = [i for i, line in enumerate(lines) if "-m harness.health" in line]
+    (judge,) = [i for i, line in enumerate(lines) if "-m harness.preflight" in line]
+    assert lines.index(stamp) < health < judge and '--began "${preflight_began}"' in lines[judge]
+    began = float(subprocess.run(["bash", "-c", f'{stamp}; echo "$preflight_began"'], capture_output=True, text=True,
+                                 check=True).stdout)
+    assert 0 <= preflight.boot_clock() - began < 600  # one clock: read after, never before
+
+
 def test_every_report_format_names_the_nodes_kept_out_and_why(tmp_path):
     import csv
     import html

@@ -179,7 +179,7 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     import workloads.__main__ as worker
-    from harness.agent import _error_text, attempt_failure
+    from harness.agent import attempt_failure, worker_failure
     from harness.blame import CONFIGURATION
 
     error_file = tmp_path / "error.json"
@@ -192,7 +192,7 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
         assert worker.main() == 1
         assert _one_refusal_line(capfd.readouterr().err, said)
         failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
-        verdict = classify(0, 1, None, _error_text(failure.message), True)
+        verdict = worker_failure(0, failure)
         assert verdict.kind == CONFIGURATION and said in verdict.cause and "SystemExit" not in verdict.cause
         peer = classify(1, 1, None, "RuntimeError: [gloo] Connection closed by peer", True)
         assert attempt_failure([peer, verdict]) is verdict  # the cause, not the peer that lost it
@@ -202,6 +202,29 @@ def test_a_worker_command_the_workload_refuses_is_a_configuration_error(tmp_path
     assert classify(0, 1, None, "SystemExit: workloads: [Errno 111] Connection refused", True).kind == INFRASTRUCTURE
 
 
+def test_a_refusal_of_a_worker_run_as_python_m_workloads_reads_as_the_jobs(tmp_path):
+    """What torchrun's workers run: `python -m workloads` (workloads/__main__.py as __main__) still imports
+    ConfigurationError from workloads.common.refusals, so its traceback names that module and the agent reads a
+    configuration error, not another library's ConfigurationError (a workload error)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from harness.agent import worker_failure
+
+    error_file = tmp_path / "error.json"
+    worker = subprocess.run([sys.executable, "-m", "workloads", "llama31_8b", "--preset", "full", "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert worker.returncode == 1, worker.stderr
+    traceback = json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"]
+    assert "\nworkloads.common.refusals.ConfigurationError: python -m workloads: error: preset 'full'" in traceback
+    verdict = worker_failure(0, ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file)))
+    assert verdict.kind == "configuration" and "give --data PATH" in verdict.cause
+
+
 def _one_refusal_line(err: str, said: str) -> bool:
     """Whether stderr holds the refusal as one line and no traceback (a warning elsewhere on stderr is fine)."""
     return "Traceback" not in err and sum(said in line for line in err.splitlines()) == 1
@@ -209,46 +232,70 @@ def _one_refusal_line(err: str, said: str) -> bool:
 
 def test_only_a_refusal_the_same_on_every_node_is_a_configuration_error(tmp_path, monkeypatch):
     """A ConfigurationError (a usage error, a missing input, a plan's or layout's refusal, a starting checkpoint's
-    content) is read by its type name, as torch's ErrorHandler records it, first: the text it quotes cannot make it
-    the machine's. A plain refusal may be one node's (data_errors' missing file, refuse_unflushed's page cache): the
-    workload's, as it was, unless its errno is a passing one (retried); a path or value reading "timeout" or
-    "NCCL" in a refusal or an exception's quoted text is not the machine's word."""
+    content) is read by its qualified name in the traceback torch's ErrorHandler records, first: the text it quotes
+    cannot make it the machine's. A plain refusal may be one node's (data_errors' missing file, refuse_unflushed's
+    page cache): the workload's, as it was, unless its errno is a passing one (retried); a path or value reading
+    "timeout" or "NCCL" in a refusal or an exception's quoted text is not the machine's word."""
     import errno
     import os
 
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    from harness.agent import _error_text
     from harness.blame import CONFIGURATION
     from workloads.common.data import data_errors
-    from workloads.common.error_file import AtomicErrorHandler
     from workloads.common.page_cache import refuse_unflushed
     from workloads.common.refusals import MACHINE_ERRNOS, PASSING_ERRNOS, ConfigurationError
 
-    def recorded(exc: BaseException) -> str:  # what the agent reads of a worker that refused with `exc`
-        error_file = tmp_path / "error.json"
-        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-        AtomicErrorHandler().record_exception(exc)
-        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
-        error_file.unlink()
-        return _error_text(failure.message)
-
-    quoting = recorded(ConfigurationError("workloads: /nfs/timeout_runs/NCCL/ckpt holds no optimizer state"))
-    verdict = classify(0, 1, None, quoting, True)
-    assert verdict.kind == CONFIGURATION and verdict.cause == "rank 0: workloads: /nfs/timeout_runs/NCCL/ckpt " \
+    quoting = _recorded(ConfigurationError("workloads: /nfs/timeout_runs/NCCL/ckpt holds no optimizer state"),
+                        tmp_path, monkeypatch)
+    assert quoting.kind == CONFIGURATION and quoting.cause == "rank 0: workloads: /nfs/timeout_runs/NCCL/ckpt " \
                                                              "holds no optimizer state"
     for refusal in (SystemExit("workloads: /nfs/timeout_runs/NCCL/x.idx is truncated"),
                     SystemExit(refuse_unflushed(0, ["node-b: Permission denied writing /proc/sys/vm/drop_caches"]))):
-        assert classify(0, 1, None, recorded(refusal), True).kind == WORKLOAD, refusal
+        assert _recorded(refusal, tmp_path, monkeypatch).kind == WORKLOAD, refusal
     assert classify(0, 1, None, "ValueError: no column 'timeout' in '/data/nccl.parquet'", True).kind == WORKLOAD
     with pytest.raises(SystemExit) as missing, data_errors():
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/nfs/timeout/train.bin")
     assert not isinstance(missing.value, ConfigurationError)  # one node's mount may be missing
-    assert classify(0, 1, None, recorded(missing.value), True).kind == WORKLOAD
+    assert _recorded(missing.value, tmp_path, monkeypatch).kind == WORKLOAD
     for number in sorted(PASSING_ERRNOS | MACHINE_ERRNOS):  # one list: what data_errors passes, classify retries
         with pytest.raises(OSError) as passing, data_errors():
             raise OSError(number, os.strerror(number), "/nfs/train.bin")
-        assert classify(0, 1, None, recorded(passing.value), True).kind == INFRASTRUCTURE, passing.value
+        assert _recorded(passing.value, tmp_path, monkeypatch).kind == INFRASTRUCTURE, passing.value
+
+
+@pytest.mark.parametrize("module", ["omegaconf.errors", "some.lib"])
+def test_another_librarys_configuration_error_is_the_workloads(tmp_path, monkeypatch, module):
+    """Several libraries raise their own ConfigurationError, and the error file's message names only the type
+    ("ConfigurationError: <text>"): it is the workload's error, told apart from ours by the module the traceback
+    names. Without its traceback (an error file written by hand) nothing says it is ours either."""
+    from workloads.common.refusals import ConfigurationError as Ours
+
+    foreign = type("ConfigurationError", (Exception,), {"__module__": module})
+    verdict = _recorded(foreign("missing key 'model.nccl_timeout'"), tmp_path, monkeypatch)
+    assert verdict.kind == WORKLOAD and verdict.cause == "rank 0: ConfigurationError: missing key " \
+                                                         "'model.nccl_timeout'"
+    exiting = type("ConfigurationError", (SystemExit,), {"__module__": module})  # a SystemExit like ours
+    assert _recorded(exiting("bad value"), tmp_path, monkeypatch).kind == WORKLOAD
+    assert classify(0, 1, None, "ConfigurationError: bad value", True).kind == WORKLOAD
+    assert _recorded(Ours("bad value"), tmp_path, monkeypatch).kind == "configuration"
+
+
+def _recorded(exc: BaseException, tmp_path, monkeypatch):
+    """What the agent makes of a worker that failed with `exc`: raised, recorded in its error file by the handler
+    the workers use (in the `except`, as `python -m workloads` does), and read back as torchelastic reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from harness.agent import worker_failure
+    from workloads.common.error_file import AtomicErrorHandler
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise exc
+    except BaseException as raised:  # noqa: B036 (SystemExit too: the workers record their refusals)
+        AtomicErrorHandler().record_exception(raised)
+    verdict = worker_failure(0, ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file)))
+    error_file.unlink()
+    return verdict
 
 
 def test_checking_torchruns_arguments_leaves_no_log_folder(tmp_path, monkeypatch):

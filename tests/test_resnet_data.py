@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -15,8 +16,8 @@ import torch
 from mlperf_logging.mllog import constants as C
 from PIL import Image
 from torch.utils.data._utils.pin_memory import pin_memory
+from torchvision import io as image_io
 from torchvision.datasets.folder import default_loader
-from torchvision.io import read_file
 from torchvision.transforms.v2 import functional as F
 
 from harness.cli import _spec_from_args, build_parser
@@ -27,8 +28,9 @@ from tests.test_resnet_campaign import _ctx, _write_images
 from workloads.common.campaign import RunOptions, run_campaign
 from workloads.resnet import data as resnet_data
 from workloads.resnet.data import (CROP_ASPECT, Augmentation, EncodedBatch, EvalImages, JpegSpan, TrainImages,
-                                   UnreadableImage, collate_encoded, decode, decode_batch, device_jpeg_size,
-                                   image_folder_loaders, on_side_stream, reference_crop, scan_images, train_image)
+                                   UnreadableImage, collate_encoded, decode, decode_batch, decode_jpegs,
+                                   device_jpeg_size, image_folder_loaders, on_side_stream, read_file, reference_crop,
+                                   scan_images, train_image)
 from workloads.resnet.train import ResNetWorkload
 
 # An ImageNet-sized image (500x375, the bench's and ImageNet's most common size) and enough draws that the
@@ -119,6 +121,23 @@ def test_grayscale_cmyk_and_png_files_decode_to_the_rgb_pil_gave(tmp_path):
         Image.fromarray(pixels).convert(mode).save(path, fmt, quality=90)
         ours = decode(path)
         assert ours.shape == (3, 30, 40) and torch.equal(ours, F.pil_to_tensor(default_loader(str(path))))
+
+
+def test_decoding_a_jpeg_warns_of_nothing(tmp_path):
+    """torchvision 0.29 warns that its image decoding is deprecated at every call (hundreds of warnings per test
+    run): the loader's reads and decodes (decode; decode_jpegs, --decode device's) ignore exactly that warning, and
+    torchvision's own functions, called elsewhere, still give it."""
+    path = tmp_path / "one.JPEG"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)).save(path, "JPEG")
+    data = read_file(str(path))
+    batch = EncodedBatch(data, [JpegSpan(0, 0, data.numel(), None, str(path))], torch.empty(0, dtype=torch.uint8),
+                         [], torch.tensor([0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        image, [on_device] = decode(path), decode_jpegs(batch, torch.device("cpu"))
+    assert image.shape == (3, 30, 40) and torch.equal(image, on_device)
+    with pytest.warns(DeprecationWarning, match="decoding and encoding capabilities of TorchVision are deprecated"):
+        image_io.decode_image(data)
 
 
 # --- decoding on the device (--decode device) ---------------------------------------------------------------------

@@ -113,11 +113,13 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
         'allocated=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | paste -sd, -)',
         "# Reports of an earlier attempt would pass for this one's: every node writes afresh.",
         f"rm -rf -- {shlex.quote(str(spec.out_dir / NODES_DIR))}",
+        "# The judge times the whole preflight on this host's monotonic clock (harness.preflight.boot_clock).",
+        "preflight_began=$(cut -d ' ' -f 1 /proc/uptime)",
         "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
         f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
         f"{health} || true  # a node without a report is judged failed below",
         f'training_nodes=$({shlex.join(judge[:3])} --nodelist="${{SLURMD_NODENAME}}" {shlex.join(judge[3:])} '
-        f'"${{allocated}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
+        f'"${{allocated}}" --began "${{preflight_began}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
     ]
 
 

@@ -5,9 +5,11 @@ Two things decide it, and both are the worker's to say, so they live here, besid
 
 - ConfigurationError: a refusal that every node and every attempt would repeat (a usage error, a preset without
   its input, a batch or layout the plan refuses, a starting checkpoint whose content is wrong). The agent reads
-  its type name, which torch's ErrorHandler writes first in the rank's error file ("<type name>: <text>"), and
-  neither retries it nor blames a node. A plain SystemExit refusal (a file one node cannot read) stays the
-  workload's: it may belong to one node, so it is not said to be the same on every node.
+  its qualified name, workloads.common.refusals.ConfigurationError, in the traceback torch's ErrorHandler writes
+  into the rank's error file (the message names the type alone, as several libraries' own ConfigurationError
+  read: those are workload errors), and neither retries it nor blames a node. A plain SystemExit refusal (a file
+  one node cannot read) stays the workload's: it may belong to one node, so it is not said to be the same on
+  every node.
 - The errnos that are the machine's or its file system's for a while (PASSING_ERRNOS, MACHINE_ERRNOS): a data
   reader lets them through (workloads.common.data.data_errors) and the policy retries them.
 """
@@ -28,4 +30,4 @@ MACHINE_ERRNOS = frozenset({errno.ENOMEM})
 
 class ConfigurationError(SystemExit):
     """A refusal with its one-line reason that is the job's command or shared input, the same on every node and
-    at every attempt: not retried, no node blamed. Its type name is the marker the agent reads."""
+    at every attempt: not retried, no node blamed. Its qualified name is the marker the agent reads: keep it here."""
