@@ -52,7 +52,7 @@ from pathlib import Path
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
                            PEER_LOSS, WORKLOAD, unquoted)
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
-                                         read_attempts, read_json_lines, write_merged_attempts)
+                                         read_attempts, read_json_lines, run_records, write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
 from workloads.common.requirements_check import exit_if_unfit
 
@@ -268,12 +268,8 @@ def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str
 
 
 def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
-    """(run index, step) the workers had reached: the last step in the record of the highest run index.
-    A campaign starts run i+1, and its record run_<i+1>.jsonl, only once run i has stopped
-    (workloads.common.campaign), so the index the harness writes orders the records; modification
-    times would not (1 s granular on NFS and some overlay file systems: a tie falls to directory order)."""
-    records = {int(found.group(1)): path for path in Path(out).glob("run_*.jsonl")
-               if (found := re.fullmatch(r"run_(\d+)\.jsonl", path.name))}
+    """(run index, step) the workers had reached: the last step in the record of the newest run (run_records)."""
+    records = run_records(out)
     if not records:
         return None, None
     run = max(records)

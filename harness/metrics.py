@@ -159,11 +159,10 @@ def _restarts(out: Path) -> dict[str, int]:
 def _accounting(out: Path) -> list[tuple[str, dict]]:
     """Goodput and badput so far of each run with a run record (the report's own accounting)."""
     from harness.results.goodput import account
-    from workloads.common.run_record import read_json_lines
+    from workloads.common.run_record import read_json_lines, run_records
 
     found = []
-    for record in sorted(Path(out).glob("run_*.jsonl")):
-        index = record.stem.split("_")[1]
+    for index, record in run_records(out).items():
         times = [(r["start"], r["end"]) for r in read_json_lines(record)
                  if isinstance(r.get("start"), (int, float)) and isinstance(r.get("end"), (int, float))]
         if not times:
@@ -172,7 +171,7 @@ def _accounting(out: Path) -> list[tuple[str, dict]]:
         start, stop = min(t[0] for t in times), max(t[1] for t in times)
         got = account(Path(out) / f"result_{index}.txt", start * 1000, stop * 1000)
         if got is not None:
-            found.append((index, {"goodput_s": got.goodput * (stop - start), "badput": got.badput}))
+            found.append((str(index), {"goodput_s": got.goodput * (stop - start), "badput": got.badput}))
     return found
 
 

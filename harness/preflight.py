@@ -23,7 +23,7 @@ from pathlib import Path
 from harness.health import FAIL, NODES_DIR, PASS, SKIPPED, Check
 from harness.blame import culprits
 from harness.results.goodput import attempt_stragglers
-from workloads.common.run_record import read_attempts
+from workloads.common.run_record import read_attempts, run_records
 
 PREFLIGHT_FILE = "preflight.json"
 VERDICTS_ENV = "HARNESS_PREFLIGHT_VERDICTS"  # pod_verdicts, where the run folder has no preflight.json
@@ -105,7 +105,7 @@ def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
         return {}
     host = {r["node"]: r.get("host", r["node"]) for r in mine if r.get("event") == "start"}
     blamed = culprits(mine)
-    for record in sorted(Path(out).glob("run_*.jsonl")):
+    for record in run_records(out).values():
         for slow in attempt_stragglers(record, attempt):
             node = str(slow["node"])
             blamed.setdefault(host.get(node, node), f"straggler: rank {slow['rank']} computed at "

@@ -385,6 +385,21 @@ def test_the_node_of_a_persistent_straggler_is_kept_out_of_the_next_attempt(tmp_
     assert "straggler: rank 1 computed at 0.40 of the fastest rank's speed for 3 windows" in record["excluded"]["b"][0]
 
 
+def test_a_straggler_is_named_from_the_first_run_that_found_it_where_run_10_sorts_before_run_2(tmp_path):
+    """One attempt spans several runs of a campaign; a node slow in run 2 and again in run 10 is named with run 2's
+    figures. By name, run_10.jsonl comes before run_2.jsonl."""
+    import json
+
+    from harness import preflight
+
+    _failed_attempt(tmp_path, "SIGTERM")
+    for index, score in ((2, 0.4), (10, 0.7)):
+        window = {"attempt": 0, "kind": "stragglers", "start": 1.0, "end": 1.0, "steps": [10, 10],
+                  "stragglers": [{"rank": 1, "node": "b", "score": score}]}
+        (tmp_path / f"run_{index}.jsonl").write_text("".join(json.dumps(window) + "\n" for _ in range(3)))
+    assert "computed at 0.40 of the fastest rank's speed" in preflight.blamed_nodes(tmp_path)["b"]
+
+
 @pytest.mark.parametrize("slow_windows, blamed", [(1, []), (2, []), (3, ["b"])])
 def test_a_straggler_is_blamed_only_after_three_slow_windows_in_a_row(tmp_path, slow_windows, blamed):
     """An attempt that closed one or two windows, every one slow, blames nobody: one slow window is no verdict."""

@@ -128,6 +128,18 @@ def test_the_step_at_a_failure_is_the_newest_runs_where_modification_times_tie(t
     assert progress_at_failure(tmp_path) == (10, 110)
 
 
+def test_run_records_are_in_run_order(tmp_path):
+    """The one order of a folder's run records (the step at a failure, the straggler named, the metrics' accounting):
+    by run index as a number, and only the names a campaign writes."""
+    from workloads.common.run_record import run_records
+
+    for name in ("run_10.jsonl", "run_2.jsonl", "run_0.jsonl", "run_notes.jsonl", "run_3.jsonl.tmp"):
+        (tmp_path / name).write_text("")
+    assert list(run_records(tmp_path)) == [0, 2, 10]
+    assert run_records(tmp_path)[10] == tmp_path / "run_10.jsonl"
+    assert run_records(tmp_path / "absent") == {}
+
+
 def test_a_command_torchrun_refuses_is_a_configuration_error_not_a_lost_node(tmp_path, monkeypatch, capsys):
     """The node agent with a torchrun option the image's torch does not take. Before, torchrun's parser exited 2
     after the attempt's start was recorded and before its end: every node read as lost, so the policy retried the

@@ -86,6 +86,15 @@ def run_record_path(out: Path, index: int) -> Path:
     return Path(out) / f"run_{index}.jsonl"
 
 
+def run_records(out: Path) -> dict[int, Path]:
+    """{run index: record} of a folder's run records, in run order. A campaign starts run i+1, and its record,
+    only once run i has stopped (workloads.common.campaign), so the index orders them; names would not (run_10
+    before run_2), nor modification times (1 s granular on NFS and some overlay file systems)."""
+    found = {int(match.group(1)): path for path in Path(out).glob("run_*.jsonl")
+             if (match := re.fullmatch(r"run_(\d+)\.jsonl", path.name))}
+    return dict(sorted(found.items()))
+
+
 def record_beside(result_file: Path) -> Path | None:
     """The run record of a result_<i>.txt (its folder's run_<i>.jsonl); None for a file of another name."""
     found = re.fullmatch(r"result_(\d+)\.txt", Path(result_file).name)
