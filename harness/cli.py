@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import JobSpec, check_writable, claim_fresh_folder, parse_env, run_stamp, validate
+from harness.spec import DEFAULT_RUNS_ROOT, JobSpec, check_writable, claim_fresh_folder, parse_env, run_stamp, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.llama.config import RCP_GLOBAL_BATCHES
@@ -380,11 +380,13 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     launcher = get_launcher(args.backend)
     profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
-    out = args.out or Path("results", "runs", f"preflight-{run_stamp()}")
     # The health job is described by a job spec like any other, with no workload to run after it.
-    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=out, env=parse_env(args.env), name="preflight",
+    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=args.out, env=parse_env(args.env), name="preflight",
                    profile=profile, preflight=True, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
                    taint_bad_nodes=args.taint_bad_nodes)
+    if spec.out_dir is None:  # where the backend's runs go (Slurm's results_dir), as `harness run`'s
+        runs_root = launcher.runs_root(spec) or DEFAULT_RUNS_ROOT
+        spec = dataclasses.replace(spec, out_dir=runs_root / f"preflight-{run_stamp()}")
     validate(spec, paths_here=launcher.paths_here)
     spec = spec.resolved(runs_root=launcher.runs_root(spec))
     if args.dry_run:

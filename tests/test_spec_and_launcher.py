@@ -96,16 +96,17 @@ class _Submitted(Exception):
         self.request = request
 
 
-def _submit_without_starting(monkeypatch) -> None:
+def _submit_without_starting(monkeypatch, backend: str = "local") -> None:
     """`harness run` goes as far as submit; a submit raises _Submitted with the request it was given."""
     from harness import launchers
-    from harness.launchers.local import LocalLauncher
 
-    def submit(self, request):
+    launcher = launchers.get_launcher(backend)
+
+    def submit(request):
         raise _Submitted(request)
 
-    monkeypatch.setattr(LocalLauncher, "submit", submit)
-    monkeypatch.setattr(launchers, "get_launcher", lambda name: LocalLauncher())
+    monkeypatch.setattr(launcher, "submit", submit)
+    monkeypatch.setattr(launchers, "get_launcher", lambda name: launcher)
 
 
 def _same_second(monkeypatch) -> str:
@@ -161,6 +162,21 @@ def test_two_preflights_started_in_the_same_second_get_their_own_folders(tmp_pat
             main(["preflight"])
         submitted.append(got.value.request.spec.out_dir)
     assert submitted == [runs / name, runs / f"{name}-2"]
+
+
+def test_a_preflight_without_out_writes_where_the_backends_runs_go(tmp_path, monkeypatch):
+    """On Slurm, run folders go to the profile's results_dir (a file system every node mounts); a preflight's too,
+    or its nodes would write their reports to a folder under the submitting shell's working folder."""
+    from harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    name = f"preflight-{_same_second(monkeypatch)}"
+    _submit_without_starting(monkeypatch, "slurm")
+    shared = tmp_path / "shared" / "runs"
+    with pytest.raises(_Submitted) as got:
+        main(["preflight", "--backend", "slurm", "--nodes", "2", "--set", f"slurm.results_dir={shared}"])
+    assert got.value.request.spec.out_dir == shared / name and f"--out {shared / name} " in got.value.request.text
+    assert not (tmp_path / "results").exists()
 
 
 def test_an_explicit_out_is_used_as_given(tmp_path, monkeypatch):
