@@ -111,9 +111,6 @@ LLAMA_RESULT = NVIDIA_V51 / "results" / "theia_ngpu512_ngc25.09_nemo" / "llama31
 LLAMA_SYSTEM = NVIDIA_V51 / "systems" / "theia_ngpu512_ngc25.09_nemo.json"
 
 
-@pytest.mark.skipif(not (LLAMA_RESULT.is_file() and LLAMA_SYSTEM.is_file()),
-                    reason=f"NVIDIA's v5.1 llama31_8b log or system file is absent ({LLAMA_RESULT}, {LLAMA_SYSTEM}): "
-                           "the hard-coded llama31_8b goal cannot be re-derived here")
 def test_the_gpu_gpt3_preset_has_a_base_lr():
     """The GPU bench's GPT-3 (batch 4) takes the reference batch's LR: the closed table has none for 4."""
     from gpu_throughput import gpt3_bench_preset
@@ -124,6 +121,9 @@ def test_the_gpu_gpt3_preset_has_a_base_lr():
     assert plan_layout(cfg, 1, 1).global_batch == 4 and base_lr(cfg, 4) == 2e-5
 
 
+@pytest.mark.skipif(not (LLAMA_RESULT.is_file() and LLAMA_SYSTEM.is_file()),
+                    reason=f"NVIDIA's v5.1 llama31_8b log or system file is absent ({LLAMA_RESULT}, {LLAMA_SYSTEM}): "
+                           "the hard-coded llama31_8b goal cannot be re-derived here")
 def test_llama_goal_is_nvidias_v51_tokens_per_gpu():
     """GOALS' llama31_8b figure: global batch x sequence length / the median logged train_step_time / the GPUs
     the system file lists (nodes x accelerators per node)."""
