@@ -12,7 +12,6 @@ import io
 import math
 import os
 import random
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,35 +19,13 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, get_worker_info
-from torchvision import io as image_io
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-from torchvision.io import ImageReadMode
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms.v2 import functional as F
 
 from workloads.common.cache import build_once, cache_root
 from workloads.common.data import ResumableSampler
 from workloads.common.distributed import DistContext, broadcast_object
-
-# torchvision 0.29 deprecates its image reading and decoding for TorchCodec's, a package this image does not hold
-# and whose pixels the loader's tests have not been held to; torchvision has no other decoder. Its warning comes
-# at every call (hundreds per test run, once per loader worker), so these three calls, and only they, ignore
-# exactly that warning.
-_TORCHVISION_IO_DEPRECATED = "The image decoding and encoding capabilities of TorchVision are deprecated"
-
-
-def _without_deprecation_warning(function):
-    """`function` (torchvision.io's) with its deprecation warning ignored while it runs; every other warning,
-    and that one from any other call, is left as it was."""
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_TORCHVISION_IO_DEPRECATED, category=DeprecationWarning)
-            return function(*args, **kwargs)
-    return call
-
-
-read_file, decode_image, decode_jpeg = map(_without_deprecation_warning,
-                                           (image_io.read_file, image_io.decode_image, image_io.decode_jpeg))
 
 # ImageNet statistics, as in the MLPerf reference.
 MEAN = (0.485, 0.456, 0.406)
@@ -163,7 +140,7 @@ def decode(path: Path) -> torch.Tensor:
     JPEGs (ImageNet has both) converted to RGB, to the pixels PIL's convert("RGB") gave. With the crop and resize
     on uint8 tensors, faster per core than PIL's decode and resize (bench/jpeg_decode.py, docs/measured.md).
     torchvision 0.29 deprecates its decoders for TorchCodec's: decode_bytes and decode_jpegs are the places to
-    change (and the warning ignored above)."""
+    change."""
     return decode_bytes(read_file(str(path)))
 
 
