@@ -11,7 +11,7 @@ import time
 from harness import preflight
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
-from harness.launchers.base import Launcher
+from harness.launchers.base import JobState, Launcher
 from harness.spec import JobSpec
 
 
@@ -42,11 +42,15 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
     preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
     watcher = PreflightWatcher(launcher, request.spec)  # the health job's spec: its remediation names that job
-    began = time.monotonic()  # the whole preflight on this machine's clock, never a node's (preflight.decide)
     handle = launcher.submit(request)
     print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
           flush=True)
+    # The whole preflight on this machine's clock, never a node's (preflight.decide), from when the job was seen
+    # running: its time in the queue (Kueue's admission, the pods' scheduling: hours for 448 nodes) held no node.
+    began = None
     for state in launcher.watch(handle, tick=watcher):
+        if state is JobState.RUNNING and began is None:
+            began = time.monotonic()
         if launcher.name != "local":
             print(f"harness: preflight job {handle.job_id} {state.value}", flush=True)
     if not launcher.preflight_in_allocation:
@@ -57,7 +61,8 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
             launcher.delete(handle)  # read: the next run's health job must not meet it (or its pods)
         reports = [p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json")]
         # A node the job ran on that wrote no report is judged (and fails: health_report missing), not skipped.
-        preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes, seconds=time.monotonic() - began)
+        preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes,
+                         seconds=None if began is None else time.monotonic() - began)
     watcher()
     record = preflight.read(spec.out_dir)
     if record is None:

@@ -617,6 +617,29 @@ def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(clus
     assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone
 
 
+def test_preflight_time_leaves_out_the_health_jobs_time_in_the_queue(cluster_api, tmp_path, monkeypatch):
+    """448 nodes may wait hours for Kueue's admission and the scheduler; no node is held meanwhile, so preflight's
+    time (its badput) starts when the job is seen running. The queue is an hour on a clock the test moves."""
+    from harness import remediation
+
+    spec = JobSpec("resnet", nodes=2, preflight=True, out_dir=tmp_path / "run",
+                   profile=profiles.load("h100-ib")).resolved()
+    launcher = get_launcher("k8s")
+    queued = {"s": 0.0}
+    real_clock, real_watch = time.monotonic, launcher.watch
+    monkeypatch.setattr(remediation.time, "monotonic", lambda: real_clock() + queued["s"])
+
+    def watch(handle, **kwargs):
+        yield JobState.PENDING
+        queued["s"] += 3600
+        yield from real_watch(handle, **kwargs)
+
+    monkeypatch.setattr(launcher, "watch", watch)
+    with FakeCluster(cluster_api, tmp_path / "pvc"):
+        record = remediation.run_health_job(launcher, spec)
+    assert record["passed"] and 0 < record["seconds"] < 3600
+
+
 def test_the_fake_cluster_sees_a_health_job_with_all_its_pods_however_slowly_the_operator_makes_them(
         cluster_api, tmp_path, monkeypatch):
     """The fake API answers on threads of its own, and FakeCluster scans every 50 ms from another: a scan between
