@@ -135,7 +135,9 @@ def _configuration_refusal(first_line: str, traceback: str) -> str | None:
     if not first_line.startswith(name):
         return None
     reason = first_line.removeprefix(name)
-    return reason if f"{CONFIGURATION_REFUSAL}{reason}" in traceback.splitlines() else None
+    # Compared without trailing blanks: the message is stripped where the traceback's line is not.
+    ours = f"{CONFIGURATION_REFUSAL}{reason}".rstrip()
+    return reason if any(line.rstrip() == ours for line in traceback.splitlines()) else None
 
 
 def _machine_error(message: str, refusal: bool) -> str | None:

@@ -289,6 +289,8 @@ def test_another_librarys_configuration_error_is_the_workloads(tmp_path, monkeyp
     assert _recorded(exiting("bad value"), tmp_path, monkeypatch).kind == WORKLOAD
     assert classify(0, 1, None, "ConfigurationError: bad value", True).kind == WORKLOAD
     assert _recorded(Ours("bad value"), tmp_path, monkeypatch).kind == "configuration"
+    # A reason ending in blanks: the message is stripped, the traceback's line keeps them.
+    assert _recorded(Ours("bad value, not 'nccl_timeout'  "), tmp_path, monkeypatch).kind == "configuration"
 
 
 def _recorded(exc: BaseException, tmp_path, monkeypatch):
