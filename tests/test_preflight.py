@@ -647,6 +647,27 @@ def test_each_local_rank_of_the_pair_phase_gets_its_own_link_verdict(tmp_path):
                                                 "timed out after 300 s")
 
 
+def test_a_nodes_own_seconds_are_not_moved_by_its_clock_being_stepped(tmp_path, monkeypatch):
+    """chrony steps a freshly booted node's clock (makestep) while its checks run: the report's seconds are its
+    monotonic time, not an hour more."""
+    import json
+    import time
+
+    from harness.health import NODES_DIR
+    from harness.health import __main__ as health
+
+    def checks_while_the_clock_is_stepped(*args):
+        wall = time.time() + 3600
+        monkeypatch.setattr(health.time, "time", lambda: wall)
+        return [], {"deadline_s": 1200}, {"gpu": None}
+
+    monkeypatch.setattr(health, "local_checks", checks_while_the_clock_is_stepped)
+    monkeypatch.setenv("NODE_NAME", "a")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert health.main(["--out", str(tmp_path)]) == 0
+    assert 0 <= json.loads((tmp_path / NODES_DIR / "a.json").read_text())["seconds"] < 3600
+
+
 def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int) -> dict:
     """`python -m harness.health` on each of `nodes` at once, as a health job runs it (one process per node, the
     world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The timeout is a safety net."""

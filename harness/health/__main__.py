@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     # tests: processes per CPU node in the pair phase, standing in for a GPU node's one per GPU
     parser.add_argument("--cpu-pair-ranks", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    started = time.time()
+    # `started` stamps the report (the preflight watcher tells passes apart by it); durations are on the
+    # monotonic clock, which NTP stepping the node's clock mid-check (chrony's makestep after boot) does not move.
+    started, clock = time.time(), time.monotonic()
     node = node_name()
     checks, th, found = local_checks(node, args.out, json.loads(args.settings), args.gpus, args.rdma, args.sysfs,
                                      args.checkpoints_gib)
@@ -102,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         # Every node runs as many pair ranks as the profile promises GPUs (a GPU missing here fails its own
         # pairs), so that local rank i of each node has its partners.
         cuda = found["gpu"] is not None and args.gpus > 0
-        left = th["deadline_s"] - (time.time() - started) - REPORT_MARGIN_S
+        left = th["deadline_s"] - (time.monotonic() - clock) - REPORT_MARGIN_S
         links = between_nodes(node, args.gpus if cuda else args.cpu_pair_ranks, th["pair_mib"] << 20,
                               th["pair_rounds"], cuda, th["check_deadline_s"], max(th["check_deadline_s"], int(left)))
         world = links.pop("world_busbw_gbps")
         record.update(links, world_busbw_gbps=None if world is None else world * fault_scale(node, "world_busbw"))
-    record["seconds"] = round(time.time() - started, 3)
+    record["seconds"] = round(time.monotonic() - clock, 3)
     _write(path, record)
     failed = [c for c in checks if c.verdict == "fail"]
     print(f"harness.health: {node}: {len(checks)} checks, {len(failed)} failed"
