@@ -304,6 +304,15 @@ def kept_out_lines(record: dict) -> list[str]:
     return lines + [f"preflight: {line}" for line in record.get("remediation", [])]
 
 
+def _seconds_since(began: str) -> float | None:
+    """Seconds on boot_clock since `began`; None where the batch script could not read the clock (an empty or odd
+    value): the slowest node's own time stands in, and the allocation is judged all the same."""
+    try:
+        return max(0.0, boot_clock() - float(began))
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Inside the allocation: judge the nodes and print the training nodes (comma-separated) on stdout."""
     parser = argparse.ArgumentParser(prog="python -m harness.preflight", description=main.__doc__)
@@ -312,10 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocated", required=True, help="the allocation's nodes, comma-separated")
     parser.add_argument("--blame-failures", action="store_true",
                         help="also keep out the nodes the newest failed training attempt points at")
-    parser.add_argument("--began", type=float,
+    parser.add_argument("--began", default="",
                         help="this host's /proc/uptime when the health step started (boot_clock): the whole's clock")
     args = parser.parse_args(argv)
-    seconds = None if args.began is None else max(0.0, boot_clock() - args.began)
+    seconds = _seconds_since(args.began)
     record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds)
     print(table(record), file=sys.stderr, flush=True)
     if not record["passed"]:

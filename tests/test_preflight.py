@@ -274,6 +274,9 @@ def test_preflight_time_is_never_one_clock_minus_another(tmp_path, monkeypatch):
     monkeypatch.setattr(preflight, "boot_clock", lambda: 1042.5)
     assert preflight.main(["--out", str(tmp_path), "--nodes", "2", "--allocated", "a,b", "--began", "1000"]) == 0
     assert preflight.read(tmp_path)["seconds"] == 42.5
+    # A batch script that could not read the clock hands over nothing: the allocation is judged all the same.
+    assert preflight.main(["--out", str(tmp_path), "--nodes", "2", "--allocated", "a,b", "--began", ""]) == 0
+    assert preflight.read(tmp_path)["seconds"] == 20.0
 
 
 def test_the_slurm_judge_is_told_when_preflight_began_on_its_own_hosts_clock():
