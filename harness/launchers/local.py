@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, health_command,
+from harness.launchers.base import (Handle, JobState, Launcher, Request, record_state, agent_command, health_command,
                                     rank_log_files, show_files, workload_plan)
 from harness.spec import JobSpec
 
@@ -116,7 +116,7 @@ class LocalLauncher(Launcher):
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
         # What was recorded: a cancel from another shell since the read above stays (Handle.update).
-        return JobState(handle.update(state=state.value, exit_code=proc.returncode)["state"])
+        return record_state(handle, state, exit_code=proc.returncode)
 
     def logs(self, handle: Handle) -> str:
         return show_files(rank_log_files(handle.out_dir))
@@ -125,11 +125,12 @@ class LocalLauncher(Launcher):
         pid = int(handle.job_id)
         if not _agent_alive(pid):
             return
-        handle.update(state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
+        # Stopped first, recorded after: a record that cannot be written must not keep the job running.
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)
             self._wait_gone(handle, CANCEL_GRACE_S)  # so that cancel returns with the job gone
+        handle.update(state=JobState.CANCELLED.value)
 
     def _wait_gone(self, handle: Handle, timeout: float) -> bool:
         pid, proc = int(handle.job_id), self._procs.get(handle.job_id)
