@@ -498,17 +498,26 @@ def test_a_lock_file_another_user_made_still_records(tmp_path, monkeypatch, caps
     assert warning.count("\n") == 1 and "Permission denied" in warning and "without the lock" in warning, warning
 
 
-def test_a_local_cancel_stops_the_job_even_when_it_cannot_be_recorded(tmp_path, monkeypatch):
-    """The job is stopped first and recorded after: a record that cannot be written (a full results disk) is
-    said, but the job is gone all the same."""
+def _stand_in_agent():
+    """A process the local launcher takes for its node agent (a session of its own; `harness.agent` on its
+    command line) without starting a job."""
     import subprocess
 
+    from harness.launchers.local import _agent_alive
+
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "harness.agent"],
+                             start_new_session=True)
+    assert _wait_for(lambda: _agent_alive(agent.pid))  # exec'd: its command line is its own
+    return agent
+
+
+def test_a_local_cancel_stops_the_job_even_when_it_cannot_be_recorded(tmp_path, monkeypatch, capsys):
+    """A record that cannot be written (a full results disk) is said in one line, and the job stopped all the
+    same: a cancel never depends on job.json."""
     from harness.launchers.local import LocalLauncher
 
     _write_job(tmp_path, state="RUNNING")
-    # A stand-in for a node agent, as the launcher knows one (its own session; `harness.agent` on its command line).
-    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "harness.agent"],
-                             start_new_session=True)
+    agent = _stand_in_agent()
     try:
         handle = Handle(backend="local", job_id=str(agent.pid), out_dir=tmp_path)
 
@@ -518,12 +527,35 @@ def test_a_local_cancel_stops_the_job_even_when_it_cannot_be_recorded(tmp_path, 
         monkeypatch.setattr(Handle, "update", disk_full)
         launcher = LocalLauncher()
         launcher._procs[handle.job_id] = agent
-        with pytest.raises(OSError, match="No space"):
-            launcher.cancel(handle)
+        launcher.cancel(handle)
         assert agent.poll() is not None
+        warning = capsys.readouterr().err
+        assert warning.count("\n") == 1 and "cannot record the cancel" in warning and "No space" in warning
     finally:
         if agent.poll() is None:
             agent.kill()
+        agent.wait(timeout=120)
+
+
+def test_a_local_job_another_user_owns_is_not_cancelled_nor_recorded_so(tmp_path, monkeypatch):
+    """A job whose processes may not be signalled (another user's) is refused in one line before anything is
+    recorded: job.json does not call a job that runs on cancelled."""
+    from harness.launchers import local
+
+    _write_job(tmp_path, state="RUNNING")
+    agent = _stand_in_agent()
+    try:
+        handle = Handle(backend="local", job_id=str(agent.pid), out_dir=tmp_path)
+
+        def not_ours(pid, sig):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(local.os, "killpg", not_ours)
+        with pytest.raises(HarnessError, match=f"cannot stop job {agent.pid}: .*another user's; it is not cancelled"):
+            local.LocalLauncher().cancel(handle)
+        assert agent.poll() is None and handle.record()["state"] == "RUNNING"
+    finally:
+        agent.kill()
         agent.wait(timeout=120)
 
 

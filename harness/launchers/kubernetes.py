@@ -21,8 +21,8 @@ import yaml
 
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
-from harness.launchers.base import (Handle, JobState, Launcher, Request, record_state, cluster_procs_per_node, health_command,
-                                    workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
+                                    record_state, workload_plan)
 from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, record_state, agent_command, health_command,
-                                    rank_log_files, show_files, workload_plan)
+from harness.launchers.base import (JOB_FILE, Handle, JobState, Launcher, Request, agent_command, health_command,
+                                    rank_log_files, record_state, show_files, workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -125,12 +125,23 @@ class LocalLauncher(Launcher):
         pid = int(handle.job_id)
         if not _agent_alive(pid):
             return
-        # Stopped first, recorded after: a record that cannot be written must not keep the job running.
+        try:
+            os.killpg(pid, 0)  # ours to stop: nothing is recorded for a cancel that cannot happen
+        except PermissionError:
+            raise HarnessError(f"cannot stop job {pid}: its processes are another user's; it is not cancelled",
+                               1) from None
+        # Recorded before the signal, unlike a cluster's cancel (which the scheduler may refuse): a `harness run`
+        # watching from another shell then reads the job's end as the cancel, not as a failure. A record that
+        # cannot be written (a full results disk) is said, and the job stopped all the same.
+        try:
+            handle.update(state=JobState.CANCELLED.value)
+        except OSError as exc:
+            print(f"harness: warning: cannot record the cancel in {handle.out_dir / JOB_FILE}: {exc.strerror}",
+                  file=sys.stderr)
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)
             self._wait_gone(handle, CANCEL_GRACE_S)  # so that cancel returns with the job gone
-        handle.update(state=JobState.CANCELLED.value)
 
     def _wait_gone(self, handle: Handle, timeout: float) -> bool:
         pid, proc = int(handle.job_id), self._procs.get(handle.job_id)

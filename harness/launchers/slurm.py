@@ -33,9 +33,9 @@ from harness.cache_flush import slurm_flush_lines
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
-from harness.launchers.base import (Handle, JobState, Launcher, Request, record_state, agent_command,
-                                    cluster_procs_per_node, health_command, rank_log_files, show_files,
-                                    workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
+                                    cluster_procs_per_node, health_command, rank_log_files, record_state,
+                                    show_files, workload_plan)
 from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
 from workloads.common.requirements_check import AGENT_BOOTSTRAP, IMAGE_ENV
