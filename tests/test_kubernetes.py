@@ -330,6 +330,9 @@ def test_a_cancel_after_the_job_succeeded_keeps_its_outcome(fake_api, tmp_path):
     assert handle.record()["state"] == "SUCCEEDED" and ("mlperf", "rn50") in fake_api.jobs
     assert not any(method == "DELETE" for method, _ in fake_api.requests)
     assert launcher.status(handle) is JobState.SUCCEEDED
+    del fake_api.jobs[("mlperf", "rn50")]  # collected and deleted since: a cancel now has nothing to ask or do
+    launcher.cancel(handle)
+    assert handle.record()["state"] == "SUCCEEDED"
 
 
 def test_a_poll_that_crosses_a_cancel_answers_the_recorded_cancel(fake_api, tmp_path, monkeypatch):

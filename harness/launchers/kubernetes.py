@@ -137,8 +137,9 @@ class KubernetesLauncher(Launcher):
         return "".join(parts)
 
     def cancel(self, handle: Handle) -> None:
-        # The live state, not only the recorded one: a job that ended since the last poll keeps its outcome.
-        if self.status(handle).terminal:
+        # The live state too: a job that ended since the last poll keeps its outcome (and one recorded ended
+        # may be gone from the cluster already: nothing to ask).
+        if JobState(handle.record().get("state", "UNKNOWN")).terminal or self.status(handle).terminal:
             return
         _, api, namespace, name = handle_job(handle)
         jobs, core = clients()
