@@ -300,6 +300,58 @@ def test_trainjob_failed_and_cancelled(fake_api, tmp_path):
     assert ("DELETE", "/apis/trainer.kubeflow.org/v1alpha1/namespaces/mlperf/trainjobs/tj2") in fake_api.requests
 
 
+def test_a_delete_the_api_refuses_is_said_and_records_no_cancel(fake_api, tmp_path, monkeypatch):
+    """The job is recorded CANCELLED only once the API took the delete: a refused one says why in one line and
+    leaves the record as it was, so that the job still running is still watched and can be cancelled again."""
+    launcher, handle = submitted(tmp_path)
+    fake_api.set_condition("mlperf", "rn50", "Running")
+    assert launcher.status(handle) is JobState.RUNNING
+
+    def forbidden(*args, **kwargs):
+        raise k8s.ApiException(status=403, reason="Forbidden")
+
+    monkeypatch.setattr(k8s.CustomObjectsApi, "delete_namespaced_custom_object", forbidden)
+    with pytest.raises(HarnessError, match="refused to delete the PyTorchJob rn50: 403 Forbidden") as refused:
+        launcher.cancel(handle)
+    assert "\n" not in str(refused.value)
+    assert handle.record()["state"] == "RUNNING" and ("mlperf", "rn50") in fake_api.jobs
+    assert launcher.status(handle) is JobState.RUNNING
+    assert all(event["reason"] != "HarnessCancelled" for event in fake_api.events)
+
+
+def test_a_cancel_after_the_job_succeeded_keeps_its_outcome(fake_api, tmp_path):
+    """The job succeeded since the last poll: the cancel reads its live state, records SUCCEEDED and deletes
+    nothing, rather than calling a finished job cancelled."""
+    launcher, handle = submitted(tmp_path)
+    fake_api.set_condition("mlperf", "rn50", "Running")
+    assert launcher.status(handle) is JobState.RUNNING
+    fake_api.set_condition("mlperf", "rn50", "Succeeded")
+    launcher.cancel(handle)
+    assert handle.record()["state"] == "SUCCEEDED" and ("mlperf", "rn50") in fake_api.jobs
+    assert not any(method == "DELETE" for method, _ in fake_api.requests)
+    assert launcher.status(handle) is JobState.SUCCEEDED
+    del fake_api.jobs[("mlperf", "rn50")]  # collected and deleted since: a cancel now has nothing to ask or do
+    launcher.cancel(handle)
+    assert handle.record()["state"] == "SUCCEEDED"
+
+
+def test_a_poll_that_crosses_a_cancel_answers_the_recorded_cancel(fake_api, tmp_path, monkeypatch):
+    """`harness cancel` in another shell records CANCELLED while `harness run`'s poll reads the job that failed of
+    it: the poll answers what is recorded (CANCELLED), and sends no Failed Event on top of the cancel's."""
+    launcher, handle = submitted(tmp_path)
+    fake_api.set_condition("mlperf", "rn50", "Failed", "rn50-worker-0 exited with code 143")
+    real_get = k8s.CustomObjectsApi.get_namespaced_custom_object
+
+    def read_as_the_cancel_lands(self, *args, **kwargs):
+        handle.update(state=JobState.CANCELLED.value)
+        return real_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(k8s.CustomObjectsApi, "get_namespaced_custom_object", read_as_the_cancel_lands)
+    events = len(fake_api.events)
+    assert launcher.status(handle) is JobState.CANCELLED
+    assert handle.record()["state"] == "CANCELLED" and len(fake_api.events) == events
+
+
 def test_submit_without_a_results_volume_is_refused(fake_api, tmp_path):
     result = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--set", "kubernetes.results_pvc=",
                      "--out", str(tmp_path / "run"), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})

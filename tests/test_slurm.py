@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import profiles
+from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
 from harness.results import parse_file
 from harness.spec import JobSpec
@@ -196,6 +197,47 @@ def test_a_requeued_job_pending_on_busy_nodes_waits_and_one_without_enough_nodes
         assert unfit is None
     else:
         assert verdict in unfit and "needs 3 node(s)" in unfit and "ReqNodeNotAvail" in unfit
+
+
+def _slurm_answers(monkeypatch, answers: dict[str, tuple[int, str, str]]) -> None:
+    """Slurm's client commands, answered from `answers` ({command: (exit code, stdout, stderr)}): no cluster."""
+    import harness.launchers.slurm as slurm
+
+    monkeypatch.setattr(slurm, "_run", lambda argv: subprocess.CompletedProcess(argv, *answers[argv[0]]))
+
+
+def test_a_scancel_slurm_refuses_is_said_and_records_no_cancel(monkeypatch, tmp_path):
+    """A cancel is recorded only once Slurm took it: a refused scancel (another user's job, a controller that is
+    down) says why in one line and leaves the job's state as it was, not a CANCELLED that nothing corrects."""
+    from harness.launchers import Handle
+
+    (tmp_path / "job.json").write_text(json.dumps({"backend": "slurm", "job_id": "7", "state": "RUNNING"}))
+    _slurm_answers(monkeypatch, {"squeue": (0, "RUNNING\n", ""),
+                                 "scancel": (1, "", "scancel: error: Kill job error on job id 7: Access/permission "
+                                                    "denied\n")})
+    handle = Handle.load(tmp_path)
+    with pytest.raises(HarnessError, match="scancel 7 failed, the job is not cancelled: .*permission denied$"):
+        get_launcher("slurm").cancel(handle)
+    assert handle.record()["state"] == "RUNNING"
+
+
+def test_a_slurm_poll_that_crosses_a_cancel_answers_the_recorded_cancel(monkeypatch, tmp_path):
+    """`harness cancel` in another shell records CANCELLED while `harness run`'s poll reads the job's end from
+    Slurm: the poll answers CANCELLED, as job.json says, with the facts it read."""
+    from harness.launchers import Handle
+
+    (tmp_path / "job.json").write_text(json.dumps({"backend": "slurm", "job_id": "7", "state": "RUNNING"}))
+    handle = Handle.load(tmp_path)
+    launcher = get_launcher("slurm")
+
+    def read_as_the_cancel_lands(job_id):
+        handle.update(state=JobState.CANCELLED.value)
+        return "FAILED"
+
+    monkeypatch.setattr(launcher, "_slurm_state", read_as_the_cancel_lands)
+    monkeypatch.setattr(launcher, "_exit_code", lambda job_id: 143)
+    assert launcher.status(handle) is JobState.CANCELLED
+    assert (handle.record()["state"], handle.record()["exit_code"]) == ("CANCELLED", 143)
 
 
 @pytest.mark.slurm

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -82,7 +83,8 @@ class Handle:
         `harness run` records states, an exit code and collect errors while `harness cancel` or `collect` in
         another shell records theirs: each update is read, changed and replaced under the job lock, so none
         is lost to another's stale copy. A recorded cancel is final: a state worked out before it (a status
-        poll that saw the job die of the cancel's own signal) does not replace it."""
+        poll that saw the job die of the cancel's own signal) does not replace it. Backends record CANCELLED
+        only once the scheduler took the cancel, so a cancel it refused leaves nothing to undo."""
         with self._locked():
             record = self.record()
             if record.get("state") == JobState.CANCELLED.value:
@@ -93,34 +95,47 @@ class Handle:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """Hold the run folder's job lock: a POSIX record lock (fcntl), which NFS honours through its lock
+        """Hold the run folder's job lock, or say in one line why not and write without it (_take_lock)."""
+        fd = self._take_lock()
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
+    def _take_lock(self) -> int | None:
+        """The job lock's descriptor, held: a POSIX record lock (fcntl), which NFS honours through its lock
         manager and the kernel releases when its holder dies, so a killed `harness run` leaves none behind.
         Only writers take it: a reader sees a whole job.json anyway (replace_whole), and never waits.
-        A writer that cannot have it within LOCK_WAIT_S (a stopped holder, a hung mount) says so."""
+
+        The lock only keeps two writers from losing each other's fields; a record is worth more than that, and
+        a cancel or a watch must never stop for it. So whatever keeps the lock from us (a lock file another user
+        made that we may not open, a read-only lock file, NFS without its lock manager, a holder stuck past
+        LOCK_WAIT_S: a stopped process, a crashed host's lock kept for its lease) is said in one line on stderr,
+        and the record is written unlocked, replaced whole as before locks (None)."""
         path = self.out_dir / JOB_LOCK
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask's mode, as job.json's
         except OSError as exc:
-            raise HarnessError(f"cannot record in {self.out_dir / JOB_FILE}: {path}: {exc.strerror}") from None
-        try:
-            deadline, pause = time.monotonic() + LOCK_WAIT_S, 0.001
-            while True:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno == errno.ENOLCK:  # no lock manager (NFS without lockd): written as before locks
-                        break
-                    if exc.errno not in (errno.EACCES, errno.EAGAIN):  # anything but "held elsewhere"
-                        raise HarnessError(f"cannot lock {path}: {exc.strerror}") from None
-                if time.monotonic() > deadline:
-                    raise HarnessError(f"{self.out_dir / JOB_FILE} stayed locked by another harness command for "
-                                       f"{LOCK_WAIT_S:g} s ({path}): is one stopped, or the file system hung?")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+            return self._unlocked(f"cannot open {path}: {exc.strerror}")
+        deadline, pause = time.monotonic() + LOCK_WAIT_S, 0.001
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as exc:
+                held = exc.errno in (errno.EACCES, errno.EAGAIN)  # held elsewhere: worth waiting for
+                if not held or time.monotonic() > deadline:
+                    os.close(fd)
+                    return self._unlocked(f"{path} stayed locked by another harness command for {LOCK_WAIT_S:g} s "
+                                          "(is one stopped, or the file system hung?)" if held else
+                                          f"cannot lock {path}: {exc.strerror}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def _unlocked(self, why: str) -> None:
+        print(f"harness: warning: {why}; recording in {self.out_dir / JOB_FILE} without the lock", file=sys.stderr)
+        return None
 
     def _write(self, record: dict) -> None:
         # Replaced whole: `harness logs`, `cancel` or `collect` in another shell reads it while `harness run`
@@ -137,6 +152,13 @@ class Handle:
             raise HarnessError(f"{run_dir} is not a run folder: it has no {JOB_FILE}") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise HarnessError(f"{path} is unreadable: {exc}") from None
+
+
+def record_state(handle: Handle, state: JobState, **facts: Any) -> JobState:
+    """Record the state a status poll worked out, with its facts, and return the state now recorded: the one
+    place every backend's `status` answers from, so that after a cancel (final, Handle.update) a poll that
+    saw the job end of it says CANCELLED, as job.json does."""
+    return JobState(handle.update(state=state.value, **facts)["state"])
 
 
 class Launcher(ABC):

@@ -22,7 +22,7 @@ import yaml
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
-                                    workload_plan)
+                                    record_state, workload_plan)
 from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
@@ -117,10 +117,12 @@ class KubernetesLauncher(Launcher):
         job = call(f"read the {api.kind}", jobs.get_namespaced_custom_object, api.group, api.version, namespace,
                    api.plural, name)
         state, reason = api.state(job)
-        if state.value != recorded.value:
-            handle.update(state=state.value, reason=reason)
+        if state.value == recorded.value:
+            return state
+        now = record_state(handle, state, reason=reason)
+        if now is state:  # not a cancel recorded since the read above: that one has its own Event
             record_event(core, api, job, state, reason)
-        return state
+        return now
 
     def logs(self, handle: Handle) -> str:
         _, api, namespace, name = handle_job(handle)
@@ -135,15 +137,18 @@ class KubernetesLauncher(Launcher):
         return "".join(parts)
 
     def cancel(self, handle: Handle) -> None:
-        if JobState(handle.record().get("state", "UNKNOWN")).terminal:
+        # The live state too: a job that ended since the last poll keeps its outcome (and one recorded ended
+        # may be gone from the cluster already: nothing to ask).
+        if JobState(handle.record().get("state", "UNKNOWN")).terminal or self.status(handle).terminal:
             return
         _, api, namespace, name = handle_job(handle)
         jobs, core = clients()
-        handle.update(state=JobState.CANCELLED.value)
         job = call(f"read the {api.kind}", jobs.get_namespaced_custom_object, api.group, api.version, namespace,
                    api.plural, name)
-        record_event(core, api, job, JobState.CANCELLED, "cancelled by the user")
+        # Recorded once the API took the delete: a refused one leaves the job's state as it is, and says why.
         self.delete(handle)
+        handle.update(state=JobState.CANCELLED.value)
+        record_event(core, api, job, JobState.CANCELLED, "cancelled by the user")
 
     def checked_nodes(self, handle: Handle) -> list[str]:
         """The Nodes the health job's pods were bound to; they stay after it ends (kubernetes_nodes.health_job)."""

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, health_command,
-                                    rank_log_files, show_files, workload_plan)
+from harness.launchers.base import (JOB_FILE, Handle, JobState, Launcher, Request, agent_command, health_command,
+                                    rank_log_files, record_state, show_files, workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -116,7 +116,7 @@ class LocalLauncher(Launcher):
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
         # What was recorded: a cancel from another shell since the read above stays (Handle.update).
-        return JobState(handle.update(state=state.value, exit_code=proc.returncode)["state"])
+        return record_state(handle, state, exit_code=proc.returncode)
 
     def logs(self, handle: Handle) -> str:
         return show_files(rank_log_files(handle.out_dir))
@@ -125,7 +125,19 @@ class LocalLauncher(Launcher):
         pid = int(handle.job_id)
         if not _agent_alive(pid):
             return
-        handle.update(state=JobState.CANCELLED.value)  # before the signal, so no one reads it as a failure
+        try:
+            os.killpg(pid, 0)  # ours to stop: nothing is recorded for a cancel that cannot happen
+        except PermissionError:
+            raise HarnessError(f"cannot stop job {pid}: its processes are another user's; it is not cancelled",
+                               1) from None
+        # Recorded before the signal, unlike a cluster's cancel (which the scheduler may refuse): a `harness run`
+        # watching from another shell then reads the job's end as the cancel, not as a failure. A record that
+        # cannot be written (a full results disk) is said, and the job stopped all the same.
+        try:
+            handle.update(state=JobState.CANCELLED.value)
+        except OSError as exc:
+            print(f"harness: warning: cannot record the cancel in {handle.out_dir / JOB_FILE}: {exc.strerror}",
+                  file=sys.stderr)
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)

@@ -34,8 +34,8 @@ from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, health_command, rank_log_files, show_files,
-                                    workload_plan)
+                                    cluster_procs_per_node, health_command, rank_log_files, record_state,
+                                    show_files, workload_plan)
 from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
 from workloads.common.requirements_check import AGENT_BOOTSTRAP, IMAGE_ENV
@@ -303,10 +303,9 @@ class SlurmLauncher(Launcher):
             unfit = self._cannot_fit(handle.job_id)
             if unfit:  # a requeued job that lost a node it needs: fail now, with why, rather than wait forever
                 _run(["scancel", handle.job_id])
-                handle.update(state=JobState.FAILED.value, slurm_state=slurm_state, failure=unfit)
-                return JobState.FAILED
+                return record_state(handle, JobState.FAILED, slurm_state=slurm_state, failure=unfit)
         if state.terminal:
-            handle.update(state=state.value, slurm_state=slurm_state, exit_code=self._exit_code(handle.job_id))
+            return record_state(handle, state, slurm_state=slurm_state, exit_code=self._exit_code(handle.job_id))
         return state
 
     def _cannot_fit(self, job_id: str) -> str | None:
@@ -340,8 +339,10 @@ class SlurmLauncher(Launcher):
     def cancel(self, handle: Handle) -> None:
         if self.status(handle).terminal:
             return
-        handle.update(state=JobState.CANCELLED.value)
+        # Recorded once Slurm took it: a refused scancel leaves the job's state as it is, and says why.
         proc = _run(["scancel", handle.job_id])
         if proc.returncode != 0:
-            raise HarnessError(f"scancel {handle.job_id} failed: {proc.stderr.strip()}", 1)
+            raise HarnessError(f"scancel {handle.job_id} failed, the job is not cancelled: "
+                               f"{proc.stderr.strip() or f'exit code {proc.returncode}'}", 1)
+        handle.update(state=JobState.CANCELLED.value)
 
