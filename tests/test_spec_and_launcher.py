@@ -426,8 +426,9 @@ def test_a_cancel_from_another_shell_while_the_run_reads_the_end_is_what_the_run
     assert Handle.load(tmp_path).record()["exit_code"] == -15
 
 
-def test_a_file_system_without_locks_still_records(tmp_path, monkeypatch):
-    """NFS without its lock manager answers ENOLCK: the record is still written (unlocked, as before locks)."""
+def test_a_file_system_without_locks_still_records(tmp_path, monkeypatch, capsys):
+    """NFS without its lock manager answers ENOLCK: the record is still written (unlocked, as before locks), and
+    said once, not at each of a watch's status polls."""
     import errno
 
     from harness.launchers import base
@@ -437,8 +438,12 @@ def test_a_file_system_without_locks_still_records(tmp_path, monkeypatch):
 
     _write_job(tmp_path, state="RUNNING")
     monkeypatch.setattr(base.fcntl, "lockf", no_locks)
+    for poll in range(3):
+        assert Handle.load(tmp_path).update(state="RUNNING", polls=poll)["polls"] == poll
     assert Handle.load(tmp_path).update(state="SUCCEEDED")["state"] == "SUCCEEDED"
     assert Handle.load(tmp_path).record()["state"] == "SUCCEEDED"
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "No locks available" in warning, warning
 
 
 def _hold_job_lock(folder: Path, held, release) -> None:

@@ -61,6 +61,9 @@ class Request:
     notes: tuple[str, ...] = ()  # what the user should know about the request (printed on stderr)
 
 
+_WARNED_UNLOCKED: set[Path] = set()  # run folders whose job.json this process has recorded in without the lock
+
+
 @dataclass
 class Handle:
     """A submitted job: enough to find it again from another process."""
@@ -134,7 +137,12 @@ class Handle:
             pause = min(2 * pause, 0.05)
 
     def _unlocked(self, why: str) -> None:
-        print(f"harness: warning: {why}; recording in {self.out_dir / JOB_FILE} without the lock", file=sys.stderr)
+        """Said once per run folder and process: `harness run` records at every status poll, and on NFS without its
+        lock manager each of them would say it again."""
+        if self.out_dir not in _WARNED_UNLOCKED:
+            _WARNED_UNLOCKED.add(self.out_dir)
+            print(f"harness: warning: {why}; recording in {self.out_dir / JOB_FILE} without the lock",
+                  file=sys.stderr)
         return None
 
     def _write(self, record: dict) -> None:
