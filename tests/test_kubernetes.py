@@ -25,6 +25,7 @@ from harness import profiles
 from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
 from harness.launchers import JobState, get_launcher
+from harness.launchers.base import Handle
 from harness.launchers.kubernetes_collect import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.results import load
 from harness.spec import JobSpec
@@ -350,6 +351,29 @@ def test_a_poll_that_crosses_a_cancel_answers_the_recorded_cancel(fake_api, tmp_
     events = len(fake_api.events)
     assert launcher.status(handle) is JobState.CANCELLED
     assert handle.record()["state"] == "CANCELLED" and len(fake_api.events) == events
+
+
+def test_a_poll_between_a_cancels_delete_and_its_record_answers_cancelled(fake_api, tmp_path, monkeypatch):
+    """`harness cancel` deletes the job, then records CANCELLED: `harness run`'s poll from another shell in between
+    finds the job gone, and reads that as the cancel it was asked for, not as an error. A job deleted outside the
+    harness is one line."""
+    launcher, handle = submitted(tmp_path)
+    fake_api.set_condition("mlperf", "rn50", "Running")
+    assert launcher.status(handle) is JobState.RUNNING
+    real_delete = type(launcher).delete
+
+    def delete_then_poll(self, handle):
+        real_delete(self, handle)
+        assert launcher.status(Handle.load(handle.out_dir)) is JobState.CANCELLED
+
+    monkeypatch.setattr(type(launcher), "delete", delete_then_poll)
+    launcher.cancel(handle)
+    assert handle.record()["state"] == "CANCELLED"
+    other, gone = submitted(tmp_path / "other")
+    fake_api.jobs.clear()
+    with pytest.raises(HarnessError, match="rn50 is gone from namespace mlperf") as error:
+        other.status(gone)
+    assert "\n" not in str(error.value)
 
 
 def test_submit_without_a_results_volume_is_refused(fake_api, tmp_path):

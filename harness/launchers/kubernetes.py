@@ -115,7 +115,12 @@ class KubernetesLauncher(Launcher):
         _, api, namespace, name = handle_job(handle)
         jobs, core = clients()
         job = call(f"read the {api.kind}", jobs.get_namespaced_custom_object, api.group, api.version, namespace,
-                   api.plural, name)
+                   api.plural, name, missing_ok=True)
+        if job is None:
+            if handle.record().get("cancel_requested"):  # deleted by a `harness cancel` that records it next
+                return record_state(handle, JobState.CANCELLED)
+            raise HarnessError(f"the {api.kind} {name} is gone from namespace {namespace} (deleted outside the "
+                               "harness?); what the run wrote is in its folder", 1)
         state, reason = api.state(job)
         if state.value == recorded.value:
             return state
@@ -146,6 +151,9 @@ class KubernetesLauncher(Launcher):
         job = call(f"read the {api.kind}", jobs.get_namespaced_custom_object, api.group, api.version, namespace,
                    api.plural, name)
         # Recorded once the API took the delete: a refused one leaves the job's state as it is, and says why.
+        # Asked first, so that a `harness run` watching from another shell that finds the job gone before the
+        # record reads it as cancelled (status).
+        handle.update(cancel_requested=True)
         self.delete(handle)
         handle.update(state=JobState.CANCELLED.value)
         record_event(core, api, job, JobState.CANCELLED, "cancelled by the user")

@@ -105,11 +105,14 @@ def clients() -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
     return k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
 
 
-def call(what: str, fn, *args, **kwargs):
-    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError)."""
+def call(what: str, fn, *args, missing_ok: bool = False, **kwargs):
+    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError); with
+    `missing_ok`, None where the object is not there (404)."""
     try:
         return fn(*args, **kwargs)
     except k8s.ApiException as exc:
+        if missing_ok and exc.status == 404:
+            return None
         hint = "; pick another --name or delete the old job" if exc.status == 409 else ""
         raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", 1) from None
     except OSError as exc:  # urllib3's connection errors
