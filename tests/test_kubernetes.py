@@ -3,6 +3,7 @@ FAKE API server (with a fake kubelet that runs the results pod here)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -316,8 +317,29 @@ def test_a_delete_the_api_refuses_is_said_and_records_no_cancel(fake_api, tmp_pa
         launcher.cancel(handle)
     assert "\n" not in str(refused.value)
     assert handle.record()["state"] == "RUNNING" and ("mlperf", "rn50") in fake_api.jobs
+    assert not handle.record()["cancel_requested"]  # a job deleted later by someone else is no cancel of ours
     assert launcher.status(handle) is JobState.RUNNING
     assert all(event["reason"] != "HarnessCancelled" for event in fake_api.events)
+
+
+def test_a_cancel_whose_record_cannot_be_written_still_deletes_the_job(fake_api, tmp_path, monkeypatch, capsys):
+    """An operator cancels a teammate's run: its folder is not theirs to write. The job is deleted all the same,
+    and the record that could not be written is said in one line, no traceback."""
+    from harness.launchers import base
+
+    launcher, handle = submitted(tmp_path)
+    fake_api.set_condition("mlperf", "rn50", "Running")
+
+    def not_ours(path, text):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(base, "replace_whole", not_ours)
+    capsys.readouterr()
+    launcher.cancel(handle)
+    assert ("mlperf", "rn50") not in fake_api.jobs
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings and all(w.startswith("harness: warning: cannot record in") and "Permission denied" in w
+                            for w in warnings), warnings
 
 
 def test_a_cancel_after_the_job_succeeded_keeps_its_outcome(fake_api, tmp_path):

@@ -221,6 +221,24 @@ def test_a_scancel_slurm_refuses_is_said_and_records_no_cancel(monkeypatch, tmp_
     assert handle.record()["state"] == "RUNNING"
 
 
+def test_a_slurm_cancel_whose_record_cannot_be_written_is_said_after_the_scancel(monkeypatch, tmp_path, capsys):
+    """Slurm took the cancel; the run folder is a teammate's (not ours to write): one warning line, no traceback."""
+    import errno
+
+    from harness.launchers import Handle, base
+
+    (tmp_path / "job.json").write_text(json.dumps({"backend": "slurm", "job_id": "7", "state": "RUNNING"}))
+    _slurm_answers(monkeypatch, {"squeue": (0, "RUNNING\n", ""), "scancel": (0, "", "")})
+
+    def not_ours(path, text):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(base, "replace_whole", not_ours)
+    get_launcher("slurm").cancel(Handle.load(tmp_path))
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "cannot record in" in warning and "the cancel goes on" in warning, warning
+
+
 def test_a_slurm_poll_that_crosses_a_cancel_answers_the_recorded_cancel(monkeypatch, tmp_path):
     """`harness cancel` in another shell records CANCELLED while `harness run`'s poll reads the job's end from
     Slurm: the poll answers CANCELLED, as job.json says, with the facts it read."""

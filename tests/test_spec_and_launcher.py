@@ -516,6 +516,26 @@ def _stand_in_agent():
     return agent
 
 
+def _disk_full(monkeypatch) -> None:
+    """job.json cannot be replaced: a full results disk (or a folder we may not write)."""
+    from harness.launchers import base
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(base, "replace_whole", full)
+
+
+def test_a_record_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A teammate's run folder (umask 022: neither its lock file nor the folder ours to write) or a full disk:
+    recording is refused in one line naming job.json, never a traceback; what was recorded stays."""
+    _write_job(tmp_path, state="RUNNING")
+    _disk_full(monkeypatch)
+    with pytest.raises(HarnessError, match=r"cannot record in .*job\.json: No space left on device$"):
+        Handle.load(tmp_path).update(state="CANCELLED")
+    assert Handle.load(tmp_path).record()["state"] == "RUNNING"
+
+
 def test_a_local_cancel_stops_the_job_even_when_it_cannot_be_recorded(tmp_path, monkeypatch, capsys):
     """A record that cannot be written (a full results disk) is said in one line, and the job stopped all the
     same: a cancel never depends on job.json."""
@@ -526,16 +546,14 @@ def test_a_local_cancel_stops_the_job_even_when_it_cannot_be_recorded(tmp_path, 
     try:
         handle = Handle(backend="local", job_id=str(agent.pid), out_dir=tmp_path)
 
-        def disk_full(self, **fields):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(Handle, "update", disk_full)
+        _disk_full(monkeypatch)
         launcher = LocalLauncher()
         launcher._procs[handle.job_id] = agent
         launcher.cancel(handle)
         assert agent.poll() is not None
         warning = capsys.readouterr().err
-        assert warning.count("\n") == 1 and "cannot record the cancel" in warning and "No space" in warning
+        assert warning.count("\n") == 1 and "cannot record in" in warning and "No space" in warning, warning
+        assert "the cancel goes on" in warning
     finally:
         if agent.poll() is None:
             agent.kill()

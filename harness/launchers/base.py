@@ -61,7 +61,15 @@ class Request:
     notes: tuple[str, ...] = ()  # what the user should know about the request (printed on stderr)
 
 
-_WARNED_UNLOCKED: set[Path] = set()  # run folders whose job.json this process has recorded in without the lock
+_WARNED: set[tuple[Path, str]] = set()  # (run folder, what) this process has warned of
+
+
+def _warn_once(out_dir: Path, what: str, line: str) -> None:
+    """Said once per run folder and process: `harness run` records at every status poll, and a lock or a disk
+    that fails one poll fails the next ones too."""
+    if (out_dir, what) not in _WARNED:
+        _WARNED.add((out_dir, what))
+        print(f"harness: warning: {line}", file=sys.stderr)
 
 
 @dataclass
@@ -137,18 +145,18 @@ class Handle:
             pause = min(2 * pause, 0.05)
 
     def _unlocked(self, why: str) -> None:
-        """Said once per run folder and process: `harness run` records at every status poll, and on NFS without its
-        lock manager each of them would say it again."""
-        if self.out_dir not in _WARNED_UNLOCKED:
-            _WARNED_UNLOCKED.add(self.out_dir)
-            print(f"harness: warning: {why}; recording in {self.out_dir / JOB_FILE} without the lock",
-                  file=sys.stderr)
+        _warn_once(self.out_dir, "unlocked", f"{why}; recording in {self.out_dir / JOB_FILE} without the lock")
         return None
 
     def _write(self, record: dict) -> None:
         # Replaced whole: `harness logs`, `cancel` or `collect` in another shell reads it while `harness run`
         # records a state, and a write that fails half way (a results disk full of checkpoints) keeps the old one.
-        replace_whole(self.out_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
+        # A folder we may not write (a teammate's run, umask 022) or a full disk is one line.
+        path = self.out_dir / JOB_FILE
+        try:
+            replace_whole(path, json.dumps(record, indent=2) + "\n")
+        except OSError as exc:
+            raise HarnessError(f"cannot record in {path}: {exc.strerror or exc}", 1) from None
 
     @classmethod
     def load(cls, run_dir: Path) -> "Handle":
@@ -162,11 +170,25 @@ class Handle:
             raise HarnessError(f"{path} is unreadable: {exc}") from None
 
 
+def record_cancel(handle: Handle, **fields: Any) -> None:
+    """Record what a cancel did, or say in one line why it could not: the cancel itself goes on either way (a job
+    left running because its folder is a teammate's, or its disk full, would cost more than a missing record)."""
+    try:
+        handle.update(**fields)
+    except HarnessError as exc:
+        print(f"harness: warning: {exc}; the cancel goes on", file=sys.stderr)
+
+
 def record_state(handle: Handle, state: JobState, **facts: Any) -> JobState:
     """Record the state a status poll worked out, with its facts, and return the state now recorded: the one
     place every backend's `status` answers from, so that after a cancel (final, Handle.update) a poll that
-    saw the job end of it says CANCELLED, as job.json does."""
-    return JobState(handle.update(state=state.value, **facts)["state"])
+    saw the job end of it says CANCELLED, as job.json does. A record that cannot be written (a teammate's folder,
+    a full disk) is said once, and the state seen answered: a watch or a cancel does not stop for it."""
+    try:
+        return JobState(handle.update(state=state.value, **facts)["state"])
+    except HarnessError as exc:
+        _warn_once(handle.out_dir, "unrecorded", f"{exc}; the job's state is read from {handle.backend}")
+        return state
 
 
 class Launcher(ABC):

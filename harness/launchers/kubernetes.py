@@ -22,7 +22,7 @@ import yaml
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
-                                    record_state, workload_plan)
+                                    record_cancel, record_state, workload_plan)
 from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
@@ -120,7 +120,8 @@ class KubernetesLauncher(Launcher):
             if handle.record().get("cancel_requested"):  # deleted by a `harness cancel` that records it next
                 return record_state(handle, JobState.CANCELLED)
             raise HarnessError(f"the {api.kind} {name} is gone from namespace {namespace} (deleted outside the "
-                               "harness?); what the run wrote is in its folder", 1)
+                               f"harness?); `harness collect {handle.out_dir}` copies what it wrote from the results "
+                               "volume", 1)
         state, reason = api.state(job)
         if state.value == recorded.value:
             return state
@@ -153,9 +154,13 @@ class KubernetesLauncher(Launcher):
         # Recorded once the API took the delete: a refused one leaves the job's state as it is, and says why.
         # Asked first, so that a `harness run` watching from another shell that finds the job gone before the
         # record reads it as cancelled (status).
-        handle.update(cancel_requested=True)
-        self.delete(handle)
-        handle.update(state=JobState.CANCELLED.value)
+        record_cancel(handle, cancel_requested=True)
+        try:
+            self.delete(handle)
+        except HarnessError:
+            record_cancel(handle, cancel_requested=False)  # a job deleted later by someone else is not our cancel
+            raise
+        record_cancel(handle, state=JobState.CANCELLED.value)
         record_event(core, api, job, JobState.CANCELLED, "cancelled by the user")
 
     def checked_nodes(self, handle: Handle) -> list[str]:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (JOB_FILE, Handle, JobState, Launcher, Request, agent_command, health_command,
-                                    rank_log_files, record_state, show_files, workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, health_command,
+                                    rank_log_files, record_cancel, record_state, show_files, workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -133,11 +133,7 @@ class LocalLauncher(Launcher):
         # Recorded before the signal, unlike a cluster's cancel (which the scheduler may refuse): a `harness run`
         # watching from another shell then reads the job's end as the cancel, not as a failure. A record that
         # cannot be written (a full results disk) is said, and the job stopped all the same.
-        try:
-            handle.update(state=JobState.CANCELLED.value)
-        except OSError as exc:
-            print(f"harness: warning: cannot record the cancel in {handle.out_dir / JOB_FILE}: {exc.strerror}",
-                  file=sys.stderr)
+        record_cancel(handle, state=JobState.CANCELLED.value)
         os.killpg(pid, signal.SIGTERM)  # the agent forwards it to its workers
         if not self._wait_gone(handle, CANCEL_GRACE_S):
             os.killpg(pid, signal.SIGKILL)

@@ -34,7 +34,7 @@ from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, health_command, rank_log_files, record_state,
+                                    cluster_procs_per_node, health_command, rank_log_files, record_cancel, record_state,
                                     show_files, workload_plan)
 from harness.preflight import EXIT_PREFLIGHT
 from harness.spec import JobSpec
@@ -344,5 +344,5 @@ class SlurmLauncher(Launcher):
         if proc.returncode != 0:
             raise HarnessError(f"scancel {handle.job_id} failed, the job is not cancelled: "
                                f"{proc.stderr.strip() or f'exit code {proc.returncode}'}", 1)
-        handle.update(state=JobState.CANCELLED.value)
+        record_cancel(handle, state=JobState.CANCELLED.value)
 
