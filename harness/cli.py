@@ -536,6 +536,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     launcher, handle = _launcher_and_handle(args.run_dir)
+    state = launcher.status(handle)
+    if state.terminal:
+        print(f"harness: job {handle.job_id} has already ended ({state.value}); nothing to cancel")
+        return 0
     launcher.cancel(handle)
     print(f"harness: cancelled job {handle.job_id}; results so far stay in {handle.out_dir}")
     return 0

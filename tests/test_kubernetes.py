@@ -179,6 +179,8 @@ def test_logs_and_cancel(fake_api, tmp_path):
                                                          "pytorchjobs/rn50") in fake_api.requests
     assert fake_api.events[-1]["reason"] == "HarnessCancelled"
     assert launcher.status(handle) is JobState.CANCELLED
+    again = harness("cancel", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    assert again.returncode == 0 and "has already ended (CANCELLED); nothing to cancel" in again.stdout, again.stdout
 
 
 def test_api_errors_are_one_line(fake_api, tmp_path):
