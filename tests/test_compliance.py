@@ -199,6 +199,29 @@ def test_files_are_checked_in_worker_processes_with_the_same_verdicts(tmp_path, 
     assert [pooled[p].passed for p in paths] == [False, False, True, True, True]
 
 
+def test_workers_are_spawned_where_a_native_thread_runs():
+    """A native thread (torch's OpenMP pool, an RPC library's receiver) is invisible to threading.active_count(); a
+    checker forked beside one can inherit a lock it held and hang (a pytest worker with 30 of them did). Only a
+    process of one thread forks its workers."""
+    import _thread
+    import threading
+
+    assert compliance._threads() >= threading.active_count()
+    release = threading.Event()  # a thread of threading's own, waited on by a native one
+    started = threading.Event()
+
+    def native():
+        started.set()
+        release.wait()
+
+    _thread.start_new_thread(native, ())
+    try:
+        assert started.wait(timeout=120)
+        assert compliance._start_method().get_start_method() == "spawn"
+    finally:
+        release.set()
+
+
 @needs_shared
 def test_the_report_names_the_one_shared_log_the_checker_fails():
     """tinycorp's run that never logged run_stop: the checker fails it, the score stays the official one."""

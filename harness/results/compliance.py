@@ -174,11 +174,21 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _threads() -> int:
+    """The threads this process runs, native ones included (torch's OpenMP pool, an RPC library's receiver), which
+    `threading.active_count()` does not see: /proc/self/task on Linux."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def _start_method() -> BaseContext:
     """fork where it is safe: in a process that runs one thread, such as `harness report`, workers then start in
     milliseconds with the checker already imported (spawned ones take 0.4 s here). spawn where other threads
-    run, such as a notebook's kernel: a forked child can inherit a lock that another thread held."""
-    if threading.active_count() == 1 and "fork" in get_all_start_methods():
+    run, such as a notebook's kernel or a process that has run torch: a forked child can inherit a lock that
+    another thread held (a pytest worker with 30 native threads hung in a forked checker, counted as one)."""
+    if _threads() == 1 and "fork" in get_all_start_methods():
         from mlperf_logging.compliance_checker import mlp_compliance  # noqa: F401 - imported once, for every worker
 
         return get_context("fork")
