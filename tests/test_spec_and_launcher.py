@@ -382,7 +382,7 @@ def test_two_processes_updating_job_json_lose_nothing(tmp_path):
 
     folder = tmp_path / "job"
     _write_job(folder, state="RUNNING")
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # not fork: a child forked beside torch's threads can hang
     start, losses = context.Barrier(2), context.Manager().dict()
     writers = [context.Process(target=_update_own_key, args=(folder, key, start, losses)) for key in ("run", "cancel")]
     for writer in writers:
@@ -466,7 +466,7 @@ def test_a_stuck_lock_holder_is_said_and_the_record_written_without_it(tmp_path,
     from harness.launchers import base
 
     _write_job(tmp_path, state="RUNNING")
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # not fork: a child forked beside torch's threads can hang
     held, release = context.Event(), context.Event()
     holder = context.Process(target=_hold_job_lock, args=(tmp_path, held, release))
     holder.start()
