@@ -267,9 +267,6 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
             raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if spec.gpus_per_node is not None and spec.gpus_per_node < 0:
         raise HarnessError(f"--gpus-per-node must be 0 (CPU nodes) or more, got {spec.gpus_per_node}")
-    if spec.gpus_per_node and spec.procs_per_node and spec.procs_per_node > spec.gpus_per_node:
-        raise HarnessError(f"--procs-per-node {spec.procs_per_node} is more than --gpus-per-node "
-                           f"{spec.gpus_per_node}: each process drives one GPU")
     if spec.metrics_port is not None and not 0 <= spec.metrics_port < 65536:
         raise HarnessError(f"--metrics-port must be a TCP port (1 to 65535), or 0 for no metrics; got "
                            f"{spec.metrics_port}")

@@ -99,6 +99,12 @@ def test_gpus_and_processes_per_node_stay_apart(tmp_path):
     assert "#SBATCH --gpus-per-node=4" in slurm.stdout and "--nproc-per-node=4" in slurm.stdout
     too_many = _dry("resnet", "--backend", "slurm", *CW, "--gpus-per-node", "4", "--procs-per-node", "8")
     assert too_many.returncode == 2 and "--procs-per-node 8 is more than --gpus-per-node 4" in too_many.stderr
+    # The profile's GPUs count as much as the option's: before, 16 processes on the profile's 8 GPUs rendered.
+    for backend in ("slurm", "k8s"):
+        too_many = _dry("resnet", "--backend", backend, *CW, "--procs-per-node", "16")
+        assert too_many.returncode == 2, too_many.stdout
+        assert too_many.stderr == ("harness: error: --procs-per-node 16 is more than the profile's gpus_per_node 8: "
+                                   "each process drives one GPU\n")
 
 
 # --- values checked strictly -------------------------------------------------------------------

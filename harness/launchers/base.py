@@ -330,8 +330,17 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
     return ()
 
 
+def check_procs_fit(spec: JobSpec, gpus: int) -> None:
+    """Each process drives one GPU: a node with `gpus` GPUs (as the launcher counts them) takes no more."""
+    if gpus and spec.procs_per_node and spec.procs_per_node > gpus:
+        given = "--gpus-per-node" if spec.gpus_per_node is not None else "the profile's gpus_per_node"
+        raise HarnessError(f"--procs-per-node {spec.procs_per_node} is more than {given} {gpus}: each process "
+                           "drives one GPU")
+
+
 def cluster_procs_per_node(spec: JobSpec) -> int:
     """Processes per node on a cluster: as asked, else one per GPU, else the profile's CPU default."""
+    check_procs_fit(spec, spec.gpus())
     return spec.procs_per_node or spec.gpus() or spec.profile.procs_per_node or 1
 
 

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, health_command,
-                                    rank_log_files, record_cancel, record_state, show_files, workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, check_procs_fit,
+                                    health_command, rank_log_files, record_cancel, record_state, show_files,
+                                    workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -78,6 +79,7 @@ class LocalLauncher(Launcher):
             gpus = spec.gpus_per_node
             if gpus and gpus > visible_gpus():
                 raise HarnessError(f"--gpus-per-node {gpus}: this machine has {visible_gpus()} GPU(s) torch can use")
+            check_procs_fit(spec, gpus)
         nproc = spec.procs_per_node or gpus or 2
         env = {**spec.profile.env, **spec.env}
         if not gpus:
