@@ -7,16 +7,18 @@ and a non-zero exit status; never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import DEFAULT_RUNS_ROOT, JobSpec, check_writable, claim_fresh_folder, parse_env, run_stamp, validate
+from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.llama.config import RCP_GLOBAL_BATCHES
@@ -312,37 +314,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
           flush=True)
     watcher = None
-    if spec.preflight:
-        from harness import remediation
+    # A CI timeout sends SIGTERM, not Ctrl-C: either stops what runs, the health job or the training job, so no
+    # job outlives `harness run` to hold its nodes.
+    with _sigterm_raises():
+        if spec.preflight:
+            from harness import remediation
 
-        if launcher.preflight_in_allocation:
-            watcher = remediation.PreflightWatcher(launcher, spec)
-        else:
-            record = remediation.run_health_job(launcher, spec)
-            if not record["passed"]:
-                return _preflight_failed(record)
-            request = launcher.render(remediation.without_excluded(spec, record))
-    handle = launcher.submit(request)
-    ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
+            if launcher.preflight_in_allocation:
+                watcher = remediation.PreflightWatcher(launcher, spec)
+            else:
+                try:
+                    record = remediation.run_health_job(launcher, spec)
+                except (KeyboardInterrupt, _Terminated) as stop:
+                    return _stopped(stop, f"stopped during preflight (its job is cancelled); nothing trained, "
+                                          f"the checks so far stay in {spec.out_dir}")
+                if not record["passed"]:
+                    return _preflight_failed(record)
+                request = launcher.render(remediation.without_excluded(spec, record))
+        handle, state = None, None
+        try:
+            handle = launcher.submit(request)
+            ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
 
-    def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
-        for each in ticks:
-            each()
+            def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
+                for each in ticks:
+                    each()
 
-    # A CI timeout sends SIGTERM, not Ctrl-C: both cancel the job, so no workers outlive `harness run`.
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        state = None
-        for state in launcher.watch(handle, tick=tick):
-            if launcher.name != "local":  # local workers print their own progress
-                print(f"harness: job {handle.job_id} {state.value}", flush=True)
-    except (KeyboardInterrupt, _Terminated) as stop:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cancel short
-        launcher.cancel(handle)
-        print(f"harness: cancelled; results so far stay in {spec.out_dir}", file=sys.stderr)
-        return 143 if isinstance(stop, _Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            for state in launcher.watch(handle, tick=tick):
+                if launcher.name != "local":  # local workers print their own progress
+                    print(f"harness: job {handle.job_id} {state.value}", flush=True)
+        except (KeyboardInterrupt, _Terminated) as stop:
+            if handle is None:
+                return _stopped(stop, "stopped while submitting: the job may have reached the scheduler before "
+                                      f"its record in {spec.out_dir} was written")
+            launcher.cancel(handle)
+            return _stopped(stop, f"cancelled; results so far stay in {spec.out_dir}")
     job_ok = state is not None and state.value == "SUCCEEDED"
     collected = True
     try:
@@ -381,12 +387,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     launcher = get_launcher(args.backend)
     profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
     # The health job is described by a job spec like any other, with no workload to run after it.
-    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=args.out, env=parse_env(args.env), name="preflight",
+    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=args.out, env=parse_env(args.env), health_only=True,
                    profile=profile, preflight=True, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
                    taint_bad_nodes=args.taint_bad_nodes)
-    if spec.out_dir is None:  # where the backend's runs go (Slurm's results_dir), as `harness run`'s
-        runs_root = launcher.runs_root(spec) or DEFAULT_RUNS_ROOT
-        spec = dataclasses.replace(spec, out_dir=runs_root / f"preflight-{run_stamp()}")
+    if spec.out_dir is None:
+        spec = dataclasses.replace(spec, out_dir=default_out_dir(launcher.runs_root(spec), "preflight"))
     validate(spec, paths_here=launcher.paths_here)
     spec = spec.resolved(runs_root=launcher.runs_root(spec))
     if args.dry_run:
@@ -396,17 +401,39 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.out is None:  # the default name, or the first free -2, -3 after it
         spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
     check_writable(spec.out_dir)
-    record = remediation.run_health_job(launcher, spec)
+    with _sigterm_raises():
+        try:
+            record = remediation.run_health_job(launcher, spec)
+        except (KeyboardInterrupt, _Terminated) as stop:
+            return _stopped(stop, f"preflight stopped (its job is cancelled); the checks so far stay in "
+                                  f"{spec.out_dir}")
     print(f"harness: wrote {spec.out_dir / 'preflight.json'}")
     return 0 if record["passed"] else _preflight_failed(record)
 
 
 class _Terminated(Exception):
-    """SIGTERM arrived while `harness run` watched its job."""
+    """SIGTERM arrived while `harness run` or `harness preflight` watched a job."""
 
 
 def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cancel short
     raise _Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises _Terminated in the block, so that the job being watched is cancelled, as on Ctrl-C."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(stop: BaseException, what: str) -> int:
+    """Say what a Ctrl-C or SIGTERM left; the shell's exit code for that signal."""
+    print(f"harness: {what}", file=sys.stderr)
+    return 143 if isinstance(stop, _Terminated) else 130
 
 
 def _collect(launcher, handle) -> None:

@@ -5,13 +5,14 @@ the cluster about the nodes kept out (a Slurm drain; a Kubernetes condition, tai
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import time
 
 from harness import preflight
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
-from harness.launchers.base import JobState, Launcher
+from harness.launchers.base import Handle, JobState, Launcher
 from harness.spec import JobSpec
 
 
@@ -42,17 +43,22 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
     preflight_file = spec.out_dir / preflight.PREFLIGHT_FILE
     preflight_file.unlink(missing_ok=True)  # a run folder holds the verdicts of this allocation only
     watcher = PreflightWatcher(launcher, request.spec)  # the health job's spec: its remediation names that job
-    handle = launcher.submit(request)
-    print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
-          flush=True)
     # The whole preflight on this machine's clock, never a node's (preflight.decide), from when the job was seen
     # running: its time in the queue (Kueue's admission, the pods' scheduling: hours for 448 nodes) held no node.
-    began = None
-    for state in launcher.watch(handle, tick=watcher):
-        if state is JobState.RUNNING and began is None:
-            began = time.monotonic()
-        if launcher.name != "local":
-            print(f"harness: preflight job {handle.job_id} {state.value}", flush=True)
+    handle, began = None, None
+    try:
+        handle = launcher.submit(request)
+        print(f"harness: preflight on {launcher.name}: {spec.nodes + spec.spare_nodes} node(s), job {handle.job_id}",
+              flush=True)
+        for state in launcher.watch(handle, tick=watcher):
+            if state is JobState.RUNNING and began is None:
+                began = time.monotonic()
+            if launcher.name != "local":
+                print(f"harness: preflight job {handle.job_id} {state.value}", flush=True)
+    except BaseException:  # Ctrl-C, SIGTERM (the CLI raises it), a lost API: no one reads this job's verdict now
+        if handle is not None:
+            _stop_unread(launcher, handle)
+        raise
     if not launcher.preflight_in_allocation:
         try:
             ran = launcher.checked_nodes(handle)
@@ -71,6 +77,16 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
         print(f"harness: preflight: only {len(record['allocated'])} of {spec.nodes + spec.spare_nodes} node(s) "
               "wrote a report", file=sys.stderr)
     return record
+
+
+def _stop_unread(launcher: Launcher, handle: Handle) -> None:
+    """A health job whose verdict no one will read must not hold its nodes (448 of them, for hours of a hung
+    check): cancelled, or, where the cancel cannot be made, said how to."""
+    try:
+        launcher.cancel(handle)
+    except HarnessError as exc:
+        print(f"harness: the preflight job {handle.job_id} may still be running ({exc}); "
+              f"stop it with: harness cancel {shlex.quote(str(handle.out_dir))}", file=sys.stderr)
 
 
 def without_excluded(spec: JobSpec, record: dict) -> JobSpec:

@@ -80,6 +80,7 @@ class JobSpec:
     drain_bad_nodes: bool = False  # Slurm: drain the nodes preflight kept out, with the reason
     taint_bad_nodes: bool = False  # Kubernetes: a NoSchedule taint on them (a condition is always written)
     exclude_nodes: list[str] = field(default_factory=list)  # nodes the training must not use
+    health_only: bool = False  # `harness preflight`: the health job alone, no workload after it
     # The verdicts of the nodes training may use, where preflight.json stays on the submitting side (Kubernetes):
     # harness.preflight.pod_verdicts, handed to the training pods for their preflight_passed metric.
     node_verdicts: dict = field(default_factory=dict)
@@ -88,6 +89,8 @@ class JobSpec:
     def default_name(self) -> str:
         """The job's name without --name. MLPerf's names hold underscores (llama31_8b), which Kubernetes object
         names may not. A cluster backend may make it unique per job (Kubernetes appends the job's token)."""
+        if self.health_only:
+            return "preflight"
         return f"{self.benchmark}-{self.preset}".replace("_", "-")
 
     def resolved(self, runs_root: Path | None = None) -> "JobSpec":
@@ -99,7 +102,7 @@ class JobSpec:
         if spec.checkpoint_every is None:
             spec.checkpoint_every = CHECKPOINT_EVERY.get(spec.preset)  # an unknown preset is refused later
         if spec.out_dir is None:
-            spec.out_dir = (runs_root or DEFAULT_RUNS_ROOT) / f"{spec.benchmark}-{spec.preset}-{run_stamp()}"
+            spec.out_dir = default_out_dir(runs_root, f"{spec.benchmark}-{spec.preset}")
         for key in PATH_FIELDS:
             if getattr(spec, key) is not None:
                 setattr(spec, key, Path(getattr(spec, key)).absolute())
@@ -331,9 +334,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     return [f"note: {line}" for line in missing]
 
 
-def run_stamp() -> str:
-    """The time in a default run folder's name, to the second: claim_fresh_folder tells apart runs of one second."""
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
+def default_out_dir(runs_root: Path | None, kind: str) -> Path:
+    """A run folder without --out: `<runs root>/<kind>-<time to the second>`, where the backend's runs go (Slurm's
+    results_dir), else results/runs. claim_fresh_folder tells apart two of one second."""
+    return (runs_root or DEFAULT_RUNS_ROOT) / f"{kind}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def claim_fresh_folder(out_dir: Path) -> Path:

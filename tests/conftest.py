@@ -6,9 +6,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,24 @@ def harness(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     proc = subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd or REPO, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
     return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def harness_stopped_by_sigterm(*args: str, when: Callable[[], bool]) -> Completed:
+    """`harness ARGS` in a session of its own, sent SIGTERM (a CI job's timeout) once `when()` holds: an event
+    waited for with a generous deadline, never a pace. Killed whole if it outlives the test."""
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not when():
+            time.sleep(0.2)
+        assert when(), "the job never got where the test signals it"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return Completed(proc.returncode, stdout, stderr)
 
 
 def compliance(path: Path, ruleset: str, cwd: Path) -> Completed:

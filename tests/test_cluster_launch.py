@@ -19,7 +19,7 @@ from harness.agent import EXIT_BUDGET_SPENT, EXIT_RETRY, read_records
 from harness.errors import HarnessError
 from harness.launchers.base import rendezvous_timeouts
 from harness.spec import JobSpec, parse_env
-from tests.conftest import REPO, free_port, harness
+from tests.conftest import REPO, free_port, harness, harness_stopped_by_sigterm
 from workloads.common.run_record import ATTEMPTS_FILE, node_attempts_path, read_attempts
 
 CW = ("--profile", "coreweave-h100")
@@ -217,24 +217,13 @@ def test_ranks_write_their_own_output_files_when_asked(tmp_path):
 def test_sigterm_cancels_the_local_job_as_ctrl_c_does(tmp_path):
     out = tmp_path / "run"
     # Rank 0 hangs at step 3, so the job is still running when the signal comes, however fast it trains.
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "resnet", "--inject-failure", "0:3:hang",
-                             "--out", str(out)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not list((out / "logs").glob("rank_1.log")):
-            time.sleep(0.2)
-        assert (out / "logs" / "rank_1.log").exists()
-        agent_pid = int(json.loads((out / "job.json").read_text())["job_id"])
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, stderr
-    assert "cancelled; results so far stay in" in stderr and "Traceback" not in stderr
-    assert json.loads((out / "job.json").read_text())["state"] == "CANCELLED"
-    alive = Path(f"/proc/{agent_pid}/cmdline")
+    stopped = harness_stopped_by_sigterm("run", "resnet", "--inject-failure", "0:3:hang", "--out", str(out),
+                                         when=lambda: (out / "logs" / "rank_1.log").exists())
+    assert stopped.returncode == 143, stopped.stderr
+    assert "cancelled; results so far stay in" in stopped.stderr and "Traceback" not in stopped.stderr
+    record = json.loads((out / "job.json").read_text())
+    assert record["state"] == "CANCELLED"
+    alive = Path(f"/proc/{record['job_id']}/cmdline")
     assert not alive.exists() or b"harness.agent" not in alive.read_bytes()
 
 

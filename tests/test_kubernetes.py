@@ -629,6 +629,7 @@ class FakeCluster:
         self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
         self.train = train  # False: training jobs are left to the test
         self.done: list[str] = []  # the jobs it finished, in order
+        self.reads_when_running: dict[str, int] = {}  # each job's reads when it was first found Running
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -640,12 +641,21 @@ class FakeCluster:
         self.stop.set()
         self.thread.join()
 
+    def _seen_running(self, namespace: str, name: str, job: dict) -> bool:
+        """Whether the job is Running and has been read twice since (a read under way may have served the state
+        before): a job ends only after the watch has seen it run, however slowly the watch polls."""
+        true = [c["type"] for c in job.get("status", {}).get("conditions", []) if c["status"] == "True"]
+        if not true or true[-1] != "Running":
+            return False
+        reads = self.api.job_reads(namespace, name)
+        return reads >= self.reads_when_running.setdefault(name, reads) + 2
+
     def _run(self) -> None:
         while not self.stop.wait(0.05):
             with self.api.lock:  # a job and all its pods, or neither (fake_kube_api's notes)
                 for (namespace, name), job in list(self.api.jobs.items()):
                     if name in self.done or namespace != self.namespace or not (
-                            self.train or name.endswith("-preflight")):
+                            self.train or name.endswith("-preflight")) or not self._seen_running(namespace, name, job):
                         continue
                     folder = pod_folder(self.api, self.volume, name, namespace)
                     if name.endswith("-preflight"):
@@ -699,22 +709,64 @@ def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_a
     assert yaml.safe_load(named.stdout)["metadata"]["name"] == "rn"
 
 
-def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(cluster_api, tmp_path):
+def test_each_harness_preflight_gets_a_health_job_name_of_its_own(tmp_path, capsys):
+    """`harness preflight` alone names its health job as `harness run` does, with a per-run token: before, every
+    one was `preflight-preflight`, so a second one in the namespace was refused (409) while the first's job
+    stayed."""
+    from harness.cli import main
+
+    names = []
+    for i in range(2):
+        assert main(["preflight", "--backend", "k8s", "--profile", "h100-ib", "--nodes", "2", "--out",
+                     str(tmp_path / f"p{i}"), "--dry-run"]) == 0
+        names.append(yaml.safe_load(capsys.readouterr().out)["metadata"]["name"])
+    assert all(re.fullmatch(r"preflight-[0-9a-f]{8}-preflight", name) for name in names) and len(set(names)) == 2
+
+
+def test_a_node_that_ran_the_health_job_but_wrote_no_report_fails_preflight(cluster_api, tmp_path, monkeypatch):
     """A node whose health pod was bound to it but wrote nothing (hung, killed at the deadline) is judged, and
-    fails with the reason, as on Slurm; it is not left out of the allocation unseen."""
+    fails with the reason, as on Slurm; it is not left out of the allocation unseen. The submitting machine is
+    slow to read the job after creating it, as a busy one is: the job still ends only after the watch has seen it
+    run (FakeCluster), so preflight's time is measured from then."""
     from harness import remediation
 
     spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, out_dir=tmp_path / "run",
                    profile=profiles.load("h100-ib")).resolved()
+    launcher = get_launcher("k8s")
+    submit = type(launcher).submit
+
+    def slow_to_read(self, request):
+        handle = submit(self, request)
+        time.sleep(1.0)
+        return handle
+
+    monkeypatch.setattr(type(launcher), "submit", slow_to_read)
     began = time.monotonic()
     with FakeCluster(cluster_api, tmp_path / "pvc", silent=("gpu-c",)):
-        record = remediation.run_health_job(get_launcher("k8s"), spec)
-    # The whole on the submitting machine's own clock, from before the job was submitted (preflight.decide).
+        record = remediation.run_health_job(launcher, spec)
+    # The whole on the submitting machine's own clock, from when the job was seen running (preflight.decide).
     assert 0 < record["seconds"] <= time.monotonic() - began
     assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and record["kept"] == ["gpu-a", "gpu-b"]
     assert record["excluded"] == {"gpu-c": ["health_report missing, expected written by the node: the node did not "
                                             "run or finish the checks"]}
     assert not cluster_api.jobs and not cluster_api.pods  # the health job, its pods and the results pods: gone
+
+
+def test_a_lost_watch_cancels_the_kubernetes_health_job(cluster_api, tmp_path, monkeypatch):
+    """Whatever ends the watch of a health job (Ctrl-C here, at a poll) deletes it with its pods: no one will
+    read its verdict, and on 448 nodes it would hold them until its deadline."""
+    from harness import remediation
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(remediation.PreflightWatcher, "__call__", interrupted)
+    spec = JobSpec("resnet", nodes=2, preflight=True, out_dir=tmp_path / "run",
+                   profile=profiles.load("h100-ib")).resolved()
+    with pytest.raises(KeyboardInterrupt):
+        remediation.run_health_job(get_launcher("k8s"), spec)
+    assert not cluster_api.jobs and not cluster_api.pods
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["state"] == "CANCELLED"
 
 
 def test_preflight_time_leaves_out_the_health_jobs_time_in_the_queue(cluster_api, tmp_path, monkeypatch):

@@ -769,3 +769,71 @@ def test_a_check_whose_process_exits_0_without_a_result_fails_its_node():
 
     [check] = checks_of(isolated("nvml", "node-a", "sys:exit", {}, deadline=60))
     assert check.verdict == FAIL and "died without a result" in check.note
+
+
+def _processes_carrying(marker: str) -> list[str]:
+    """The command lines of the live processes whose environment holds `marker` (a zombie's reads empty)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # it ended while we looked
+            continue
+    return found
+
+
+def test_a_nodes_sigterm_kills_a_child_popen_has_not_yet_handed_back():
+    """The health node's SIGTERM handler kills every child process of the node, registered or not: a cancel that
+    lands while Popen is starting a check's child (the child exists, Popen has not returned) left that child
+    running, as the suite once showed under load (a hung check outliving its node). Here the child is never
+    registered at all; it runs in a session of its own, as a check's does."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    script = ("import os, signal, subprocess, sys, time\n"
+              "from harness.health.isolate import stop_children\n"
+              "signal.signal(signal.SIGTERM, stop_children)\n"
+              "child = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+              "print(child.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(600)\n")
+    node = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert node.returncode == 143, node.stderr
+    stat = Path(f"/proc/{int(node.stdout)}/stat")
+    deadline = time.monotonic() + 60  # killed: gone, or a zombie until init reaps it
+    while time.monotonic() < deadline and stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+        time.sleep(0.1)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [("preflight",), ("run", "resnet", "--preflight")])
+def test_sigterm_during_preflight_stops_the_health_job_and_its_hung_check(tmp_path, command):
+    """A CI timeout's SIGTERM (or Ctrl-C) while the health job runs: the job is cancelled, with the check child it
+    started in a session of its own (here one hung, as an NVML call after Xid 79), and nothing trains. Before,
+    `harness run` handled SIGTERM only once training was submitted, and `harness preflight` never: the health job
+    kept its nodes. The hung check cannot end before its 600 s deadline, so the job is running when the signal
+    comes, however fast the machine."""
+    import json
+    import time
+
+    from tests.conftest import harness_stopped_by_sigterm
+
+    out, marker = tmp_path / "run", f"HARNESS_TEST_MARKER={tmp_path}"  # unique to this session
+    stopped = harness_stopped_by_sigterm(
+        *command, "--out", str(out), "--env", marker, "--env", "NODE_NAME=n1",
+        "--env", "HARNESS_PREFLIGHT_FAULT=n1:gpu_inventory:hang", "--set", "preflight.check_deadline_s=600",
+        when=lambda: any("harness.health.isolate" in p for p in _processes_carrying(marker)))  # the hung check runs
+    assert stopped.returncode == 143, stopped.stderr
+    assert "(its job is cancelled)" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert json.loads((out / "job.json").read_text())["state"] == "CANCELLED"
+    assert not list(out.glob("result_*.txt")) and not (out / "logs" / "rank_0.log").exists()  # nothing trained
+    deadline = time.monotonic() + 60  # the health job's process and its check's child, killed, are gone
+    while time.monotonic() < deadline and _processes_carrying(marker):
+        time.sleep(0.2)
+    assert _processes_carrying(marker) == []
+

@@ -510,11 +510,11 @@ def _stand_in_agent():
     command line) without starting a job."""
     import subprocess
 
-    from harness.launchers.local import _agent_alive
+    from harness.launchers.local import _job_alive
 
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "harness.agent"],
                              start_new_session=True)
-    assert _wait_for(lambda: _agent_alive(agent.pid))  # exec'd: its command line is its own
+    assert _wait_for(lambda: _job_alive(agent.pid))  # exec'd: its command line is its own
     return agent
 
 

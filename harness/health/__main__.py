@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from harness.health import NODES_DIR, Check, at_least, fault_scale, skipped
 from harness.health.allreduce import between_nodes
 from harness.health.gpu import NO_GPU, UNDER_LOAD, nvml_checks
-from harness.health.isolate import Child, checks_of, isolated
+from harness.health.isolate import Child, checks_of, isolated, stop_children
 from harness.health.ib import HCA_ENV, SYSFS_ROOT, ib_checks
 from harness.health.storage import storage_checks
 from harness.health.thresholds import resolve
@@ -118,4 +119,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stop_children)  # here only: main() also runs inside tests' processes
     sys.exit(main())

@@ -31,6 +31,41 @@ from harness.health import FAIL, Check, fault_hangs
 
 
 KILL_GRACE_S = 5  # how long a killed child may take to go before the node stops waiting for it
+_running: set[Child] = set()  # the children not yet collected, each in a session of its own
+
+
+def stop_children(signum: int, frame) -> None:
+    """The node process's SIGTERM handler (a cancel): its checks' children are not in its process group, so a
+    signal to the group misses them, and a hung one would outlive the job. They are killed, then the node.
+
+    Every child process of the node is killed, not only the registered ones: a signal that lands while Popen is
+    starting a child (it exists, Popen has not returned) would otherwise miss that one. (Python runs the handler
+    between bytecodes: in the C calls the node makes around the pairs, its store's connect and wait, when no
+    child runs, the node goes when the call returns or at the scheduler's SIGKILL.)"""
+    for pid in _children_of(os.getpid()):
+        try:
+            os.killpg(pid, signal.SIGKILL)  # its session: the ranks the check started too
+        except ProcessLookupError:  # not yet in a session of its own, or gone
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for child in list(_running):
+        child.kill()  # reaped, its folder removed
+    raise SystemExit(128 + signum)
+
+
+def _children_of(parent: int) -> list[int]:
+    """The processes whose parent is `parent`, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):  # it ended while we looked
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
 
 
 @dataclass
@@ -54,6 +89,7 @@ class Child:
         self.process = subprocess.Popen([sys.executable, "-m", "harness.health.isolate", target, json.dumps(kwargs),
                                          str(self.folder / "result.json"), node, name],
                                         stdin=subprocess.PIPE, start_new_session=True)
+        _running.add(self)
         self.clock = time.monotonic()
         if not watch:
             self.process.stdin.close()
@@ -64,6 +100,24 @@ class Child:
         except (OSError, ValueError):
             return None
 
+    def kill(self) -> object:
+        """Kill the child's process group; what it wrote before."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended just now
+            pass
+        try:
+            self.process.wait(timeout=KILL_GRACE_S)  # reaped, unless it is stuck in the driver
+        except subprocess.TimeoutExpired:
+            pass
+        value = self._read()
+        self._forget()
+        return value
+
+    def _forget(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        _running.discard(self)
+
     def wait(self, deadline: float) -> Outcome:
         """The child's outcome, `deadline` seconds after its clock started at the latest."""
         if not self.process.stdin.closed:
@@ -72,20 +126,11 @@ class Child:
         try:
             code = self.process.wait(timeout=max(0.0, deadline - (time.monotonic() - self.clock)))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended just now
-                pass
-            try:
-                self.process.wait(timeout=KILL_GRACE_S)  # reaped, unless it is stuck in the driver
-            except subprocess.TimeoutExpired:
-                pass
-            value = self._read()
-            shutil.rmtree(self.folder, ignore_errors=True)
+            value = self.kill()
             return Outcome(value, Check(self.name, FAIL, f"timed out after {deadline:g} s",
                                         f"done within {deadline:g} s"))
         value = self._read()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._forget()
         error = value.get("error") if isinstance(value, dict) else None
         if code == 0 and error is None and value is not None:  # exit 0 without a result fails too
             return Outcome(value, None)

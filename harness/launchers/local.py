@@ -110,7 +110,7 @@ class LocalLauncher(Launcher):
 
     def status(self, handle: Handle) -> JobState:
         proc = self._procs.get(handle.job_id)
-        running = proc.poll() is None if proc is not None else _agent_alive(int(handle.job_id))
+        running = proc.poll() is None if proc is not None else _job_alive(int(handle.job_id))
         if running:
             return JobState.RUNNING
         recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))
@@ -125,7 +125,7 @@ class LocalLauncher(Launcher):
 
     def cancel(self, handle: Handle) -> None:
         pid = int(handle.job_id)
-        if not _agent_alive(pid):
+        if not _job_alive(pid):
             return
         try:
             os.killpg(pid, 0)  # ours to stop: nothing is recorded for a cancel that cannot happen
@@ -146,7 +146,7 @@ class LocalLauncher(Launcher):
 
         def alive() -> bool:
             # Our own child is gone once reaped; /proc alone can look empty while it is still exiting.
-            return proc.poll() is None if proc is not None else _agent_alive(pid)
+            return proc.poll() is None if proc is not None else _job_alive(pid)
 
         deadline = time.monotonic() + timeout
         while alive() and time.monotonic() < deadline:
@@ -154,12 +154,13 @@ class LocalLauncher(Launcher):
         return not alive()
 
 
-def _agent_alive(pid: int) -> bool:
-    """True if `pid` is still our node agent (not a zombie, not a reused pid)."""
+def _job_alive(pid: int) -> bool:
+    """True if `pid` is still our job, a node agent or a health job (not a zombie, not a reused pid)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return False
-        return b"harness.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"harness.agent" in command or b"\0harness.health\0" in command
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
