@@ -214,7 +214,7 @@ class Resilience:
             raise InjectedFault(f"injected workload error at step {step}")
         if kind == "slow":
             inner = getattr(self.workload.model, "module", self.workload.model)
-            inner.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FAULT_S) if module.training else None)
+            inner.register_forward_pre_hook(lambda module, args: _compute_for(SLOW_FAULT_S) if module.training else None)
             return
         if kind in ("stall", "hang"):
             self._hold(step, STALL_S if kind == "stall" else None)
@@ -245,6 +245,14 @@ class Resilience:
         now = time.time()
         RunRecord(self.record_path, self.attempt).interval("fault", now, now, (step, step))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _compute_for(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU time: a forward pass that computes longer, which the straggler watch
+    sees on CPU (it times CPU time there, so a sleep would be invisible) and on GPUs (the kernels start later)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def _damage(folder: Path) -> None:

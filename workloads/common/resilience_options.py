@@ -17,7 +17,7 @@ FAULT_KINDS = {
     "exception": "raise an exception in the training code (a workload error, which is not retried)",
     "kill-in-save": "SIGKILL the worker while it writes the first checkpoint taken at or after STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
-    "slow": "make the worker's forward passes 0.2 s slower from STEP on (a straggler)",
+    "slow": "make the worker's forward passes compute 0.2 s longer from STEP on (a straggler)",
     "stall": "hold the worker 10 s at STEP, then go on (a GPU or file system that stops for a while)",
     "hang": "stop the worker at STEP without exiting, as a hung GPU does (its job must be ended from outside)",
 }

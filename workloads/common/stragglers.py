@@ -7,6 +7,11 @@ model's forward passes (hooks on the inner module, after DDP's own start-of-forw
 sync; CUDA events on GPUs, read only at the end of a window). With FSDP the forward
 also holds parameter all-gathers, which blurs, but does not hide, a slow rank.
 
+On CPU the forward's time is the thread's CPU time (time.thread_time), not wall time: on
+a shared host (a laptop, a CI machine, ranks beside other work) the OS deschedules
+whichever rank loses its neighbours' lottery, which did not compute slower, and a wall
+clock would name it. A rank whose compute is slow spends that CPU time and is named.
+
 Every window (about `--straggler-window` seconds of training, as a step count that every
 rank agrees on) the ranks all-gather their mean forward time and mean step time, two
 floats each, and score themselves as NVIDIA's resiliency extension does: the fastest
@@ -72,7 +77,7 @@ class StragglerWatch:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
         else:
-            self._started = clock
+            self._started = time.thread_time()
         self.hooks_s += time.perf_counter() - clock
 
     def _after(self, module, args, output) -> None:
@@ -84,7 +89,7 @@ class StragglerWatch:
             end.record()
             self._events.append((self._started, end))
         else:
-            self._events.append(clock - self._started)
+            self._events.append(time.thread_time() - self._started)
         self._started = None
         self.hooks_s += time.perf_counter() - clock
 
