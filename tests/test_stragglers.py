@@ -7,10 +7,12 @@ themselves and pass on any machine.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
+from workloads.common.resilience import _compute_for
 from workloads.common.resilience_options import StragglerWindow
 from workloads.common.run_record import RunRecord
 from workloads.common.stragglers import CALIBRATE_STEP, StragglerWatch
@@ -94,3 +96,36 @@ def test_a_window_score_waits_for_the_next_metrics_write(tmp_path):
     assert "straggler_score" not in json.loads((tmp_path / "rank_0.json").read_text())
     feed.flush()
     assert json.loads((tmp_path / "rank_0.json").read_text())["straggler_score"] == 0.5
+
+
+class _Forward(torch.nn.Module):
+    """A forward pass that waits off the CPU (as a rank the OS descheduled does) or computes, for `seconds`."""
+
+    def __init__(self, seconds: float, computes: bool):
+        super().__init__()
+        self.seconds, self.computes = seconds, computes
+
+    def forward(self, x):
+        if self.computes:
+            _compute_for(self.seconds)
+        else:
+            time.sleep(self.seconds)
+        return x
+
+
+@pytest.mark.parametrize("computes", [False, True])
+def test_on_cpu_a_forward_counts_what_the_rank_computed_not_time_it_waited_off_the_cpu(one_rank_world, tmp_path,
+                                                                                         computes):
+    """A busy machine deschedules a rank's forward now and then: that time is not the rank computing slower, and
+    on the wall clock it named a rank of a clean run a straggler on CI. The thread's CPU time counts only what
+    was computed; --inject-failure's `slow` computes, so it still counts."""
+    record_path = tmp_path / "run_0.jsonl"
+    model = _Forward(0.05, computes)
+    watch = StragglerWatch(model, one_rank_world, RunRecord(record_path, 0), StragglerWindow.parse("2steps"))
+    for step in range(1, CALIBRATE_STEP + 3):
+        model(torch.ones(1))
+        watch.after_step(step, 0.05)
+    watch.close()
+    (window,) = [json.loads(line) for line in record_path.read_text().splitlines()]
+    (forward_s,) = window["forward_s"]
+    assert forward_s >= 0.05 if computes else forward_s < 0.01, forward_s
