@@ -82,7 +82,7 @@ def write_llama_corpus(root: Path, vocab_size: int, seq_len: int, train_samples:
     """MLCommons' C4 for Llama 3.1: the training file (train_samples windows of seq_len + 1 tokens, so that the
     run never cycles it) and the validation file (eval_samples windows: the eval reads its first ones), in int32
     (token ids reach 128,255)."""
-    from workloads.llama.data import EOD, TRAIN, VALIDATION
+    from workloads.decoder.data import EOD, TRAIN, VALIDATION
 
     return _random_corpus(root, [(TRAIN, train_samples), (VALIDATION, eval_samples)], vocab_size, seq_len, EOD,
                           np.int32, seed)

@@ -42,7 +42,7 @@ from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_image_folde
     write_megatron_corpus
 from gpu_timing import Job, Steps, config_module, run_rank, spread
 from summary import machine  # bench/summary.py, beside this script
-from workloads.llama.config import LLAMA31_8B  # torch-free
+from workloads.decoder.config import LLAMA31_8B  # torch-free
 
 WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b")
 DECODERS = ("gpt3", "llama31_8b")  # rated in tokens/s and MFU too
@@ -102,16 +102,16 @@ def gpt3_bench_preset(on_gpu: bool):
 
 
 def llama_bench_preset(on_gpu: bool, world: int):
-    """llama31_8b as one GPU holds it with AdamW: Llama 3.2 1B's shape (Llama 3.1's blocks: GQA, SwiGLU, RoPE
+    """llama31_8b as one GPU holds it with AdamW: Decoder 3.2 1B's shape (Llama 3.1's blocks: GQA, SwiGLU, RoPE
     with 3.1's scaling, RMSNorm; untied embeddings, so 1.5B parameters) at sequence 8192 and the full preset's
     optimizer, activation checkpointing only if the estimate without it exceeds an H100's memory. On CPU the
     tiny preset. Micro batch 1 and global batch = world: no accumulation, a step is one forward and backward."""
-    from workloads.llama.config import PRESETS, LlamaConfig, estimate_memory, plan_layout
+    from workloads.decoder.config import PRESETS, DecoderConfig, estimate_memory, plan_layout
 
     if not on_gpu:
         tiny = PRESETS["tiny"]
         return replace(tiny, global_batch=world * tiny.micro_batch)
-    cfg = replace(PRESETS["full"], model=LlamaConfig(vocab_size=128_256, seq_len=8192, n_layer=16, n_head=32,
+    cfg = replace(PRESETS["full"], model=DecoderConfig(vocab_size=128_256, seq_len=8192, n_layer=16, n_head=32,
                                                      n_kv_head=8, d_model=2048, ffn_hidden=8192),
                   global_batch=world, micro_batch=1, tensor_parallel=1, activation_checkpointing=False,
                   eval_sequences=8)

@@ -21,7 +21,7 @@ from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
-from workloads.llama.config import RCP_GLOBAL_BATCHES
+from workloads.decoder.config import RCP_GLOBAL_BATCHES
 from workloads.registry import BENCHMARKS
 
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="starting weights, as MLPerf starts from its reference checkpoints: for bert a PyTorch "
                           "state dict file (the reference's parameter names are understood), for gpt3 a "
                           "torch.distributed.checkpoint folder, for llama2_70b_lora one `python -m "
-                          "workloads.llama.convert` wrote from Hugging Face's safetensors; default for the tiny "
+                          "workloads.decoder.convert` wrote from Hugging Face's safetensors; default for the tiny "
                           "presets: one the harness trains once")
     run.add_argument("--synthetic", action="store_true",
                      help="train on generated input instead of a dataset (from random weights for bert and gpt3): "

@@ -21,7 +21,7 @@ from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
-from workloads.llama.config import RCP_GLOBAL_BATCHES  # torch-free
+from workloads.decoder.config import RCP_GLOBAL_BATCHES  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs

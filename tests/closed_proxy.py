@@ -20,14 +20,14 @@ import sys
 from workloads.bert import config as bert
 from workloads.common import campaign
 from workloads.gpt3 import config as gpt3
-from workloads.llama import config as llama
+from workloads.decoder import config as llama
 from workloads.resnet import config as resnet
 
 BERT_MODEL = bert.BertConfig(vocab_size=128, max_seq_len=512, n_layer=1, n_head=2, d_model=32, d_ff=64)
 GPT3_MODEL = gpt3.GPTConfig(vocab_size=128, seq_len=2048, n_layer=1, n_head=2, d_model=32)
 # llama31_8b's has no transformer block: what the proxy checks (the closed keys, the 1,024-sequence eval the
 # rules fix, the checker) does not depend on it, and attention over 8,192 tokens was three quarters of its time.
-LLAMA_MODEL = llama.LlamaConfig(vocab_size=128, seq_len=8192, n_layer=0, n_head=2, n_kv_head=2, d_model=32,
+LLAMA_MODEL = llama.DecoderConfig(vocab_size=128, seq_len=8192, n_layer=0, n_head=2, n_kv_head=2, d_model=32,
                                 ffn_hidden=32)
 # llama2_70b_lora's keeps one, for its adapters to train.
 LLAMA2_MODEL = dataclasses.replace(LLAMA_MODEL, n_layer=1, rope_theta=10_000.0, rope_scaling=None)

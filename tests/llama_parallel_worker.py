@@ -20,13 +20,13 @@ from torch.testing import assert_close
 
 from tests.gpt3_parallel_worker import gradients_and_clipping_match, say
 from workloads.common.language_model import accumulate_gradients, next_token_split, scored_loss_sum
-from workloads.llama.config import Layout, LlamaConfig, LoraConfig, RopeScaling
-from workloads.llama.lora import freeze_base
-from workloads.llama.model import Llama
-from workloads.llama.parallelize import ContextSplit, build_mesh, parallelize
+from workloads.decoder.config import Layout, DecoderConfig, LoraConfig, RopeScaling
+from workloads.decoder.lora import freeze_base
+from workloads.decoder.model import Decoder
+from workloads.decoder.parallelize import ContextSplit, build_mesh, parallelize
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0)  # no dropout: the ranks' masks could not match one process's
-CONFIG = LlamaConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
+CONFIG = DecoderConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
                      rope_scaling=RopeScaling(original_context=8))
 MICRO_BATCH = 2
 ACCUMULATE = 2
@@ -35,9 +35,9 @@ CPU = torch.device("cpu")
 
 def parity(layout: Layout, lora: LoraConfig | None = None) -> None:
     torch.manual_seed(0)
-    reference = Llama(CONFIG, lora=lora)
+    reference = Decoder(CONFIG, lora=lora)
     with torch.device("meta"):
-        model = Llama(CONFIG, lora=lora)
+        model = Decoder(CONFIG, lora=lora)
     if lora:
         with torch.no_grad():
             for name, param in reference.named_parameters():

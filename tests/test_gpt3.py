@@ -121,15 +121,15 @@ def test_every_gpt3_parameter_decays_as_the_reference_does(one_rank_world, tmp_p
     run_gpt3.sh): the workload's AdamW decays biases and LayerNorms too; llama31_8b's exempts the norms."""
     from workloads.common.campaign import RunOptions
     from workloads.gpt3.train import GPT3Workload
-    from workloads.llama.config import PRESETS as LLAMA
-    from workloads.llama.model import Llama
+    from workloads.decoder.config import PRESETS as LLAMA
+    from workloads.decoder.model import Decoder
 
     options = RunOptions(benchmark="gpt3", preset="tiny", out=tmp_path, runs=1, seed=0, submitter="test",
                          system=None, data=None, synthetic=True, max_steps=1, batch_size=None)
     workload = GPT3Workload(options, one_rank_world, seed=0)
     [group] = workload.optimizer.param_groups
     assert group["weight_decay"] == 0.1 and len(group["params"]) == len(list(workload.model.parameters()))
-    model = Llama(LLAMA["tiny"].model)
+    model = Decoder(LLAMA["tiny"].model)
     decayed, exempt = optimizer_groups(model, 0.1)
     names = {id(p): name for name, p in model.named_parameters()}
     assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_throughput  # noqa: E402  (bench/ is not a package)
 import wheelhouse  # noqa: E402
-from workloads.llama.config import LLAMA31_8B  # noqa: E402
+from workloads.decoder.config import LLAMA31_8B  # noqa: E402
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def test_llama_files_are_what_llama31_8bs_loaders_read(tmp_path):
     the validation windows the eval scores."""
     from gpu_formats import write_llama_corpus
     from workloads.common.megatron_data import IndexedDataset, SequenceSamples
-    from workloads.llama.data import TRAIN, VALIDATION, c4_loaders
+    from workloads.decoder.data import TRAIN, VALIDATION, c4_loaders
 
     vocab = 128_256
     root = write_llama_corpus(tmp_path / "c4", vocab_size=vocab, seq_len=16, train_samples=6, eval_samples=3, seed=1)
@@ -272,7 +272,7 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     third-party module the bench and the workloads import must come from one or the other."""
     probe = ("import sys; before = set(sys.modules); sys.path.insert(0, 'bench'); "
              "import gpu_throughput, gpu_timing, gpu_formats, torch.distributed.checkpoint; "
-             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train, workloads.llama.pretrain; "
+             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train, workloads.decoder.pretrain; "
              "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before}))")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()

@@ -33,11 +33,11 @@ from workloads.common.refusals import ConfigurationError
 from workloads.gpt3.config import PRESETS as GPT3_PRESETS
 from workloads.gpt3.data import write_tiny_corpus as write_gpt3_corpus
 from workloads.gpt3.model import GPT
-from workloads.llama.config import LORA_PRESETS
-from workloads.llama.convert import write_checkpoint
-from workloads.llama.data import TRAIN as LLAMA_TRAIN, write_tiny_corpus as write_llama_corpus
-from workloads.llama.govreport import write_tiny_govreport
-from workloads.llama.model import Llama
+from workloads.decoder.config import LORA_PRESETS
+from workloads.decoder.convert import write_checkpoint
+from workloads.decoder.data import TRAIN as LLAMA_TRAIN, write_tiny_corpus as write_llama_corpus
+from workloads.decoder.govreport import write_tiny_govreport
+from workloads.decoder.model import Decoder
 from workloads.registry import BENCHMARKS
 from workloads.resnet import data as resnet_data
 
@@ -79,7 +79,7 @@ def tiny_lora_inputs(folder):
     (folder / "data").mkdir()
     write_tiny_govreport(folder / "data", model.seq_len)
     torch.manual_seed(0)
-    write_checkpoint(Llama(model).state_dict(), folder / "base")
+    write_checkpoint(Decoder(model).state_dict(), folder / "base")
     return ["--data", str(folder / "data"), "--init-checkpoint", str(folder / "base")]
 
 

@@ -18,23 +18,23 @@ from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
 from workloads.common.megatron_data import IndexedDataset, write_indexed_dataset
-from workloads.llama.config import LLAMA31_8B, PRESETS, RCP_BATCHES, LlamaConfig, RopeScaling, \
+from workloads.decoder.config import LLAMA31_8B, PRESETS, RCP_BATCHES, DecoderConfig, RopeScaling, \
     estimate_traffic, plan_layout, preset_config
-from workloads.llama.data import TINY_VOCAB, TRAIN, VALIDATION, c4_loaders, tiny_entropy
-from workloads.llama.model import CausalAttention, Llama, apply_rope, rope_frequencies
-from workloads.llama.parallelize import ContextParallelAttention, context_chunks
-from workloads.llama.pretrain import lr_factor
+from workloads.decoder.data import TINY_VOCAB, TRAIN, VALIDATION, c4_loaders, tiny_entropy
+from workloads.decoder.model import CausalAttention, Decoder, apply_rope, rope_frequencies
+from workloads.decoder.parallelize import ContextParallelAttention, context_chunks
+from workloads.decoder.pretrain import lr_factor
 
 
 def test_the_8b_shape_has_its_8_03_billion_parameters():
     assert LLAMA31_8B.params == 8_030_261_248 and LLAMA31_8B.head_dim == 128 and LLAMA31_8B.kv_dim == 1024
-    small = LlamaConfig(vocab_size=50, seq_len=8, n_layer=2, n_head=4, n_kv_head=2, d_model=16, ffn_hidden=24)
-    assert sum(p.numel() for p in Llama(small).parameters()) == small.params
+    small = DecoderConfig(vocab_size=50, seq_len=8, n_layer=2, n_head=4, n_kv_head=2, d_model=16, ffn_hidden=24)
+    assert sum(p.numel() for p in Decoder(small).parameters()) == small.params
 
 
 def test_rope_scaling_keeps_short_wavelengths_slows_long_ones_and_blends_between():
     """Meta's apply_scaling for Llama 3.1 (factor 8, low 1, high 4, original context 8192), term by term."""
-    unscaled = rope_frequencies(LlamaConfig(**{**LLAMA31_8B.__dict__, "rope_scaling": None})).double()
+    unscaled = rope_frequencies(DecoderConfig(**{**LLAMA31_8B.__dict__, "rope_scaling": None})).double()
     scaled = rope_frequencies(LLAMA31_8B).double()
     wavelength = 2 * math.pi / unscaled
     short, long = wavelength < 8192 / 4, wavelength > 8192 / 1
@@ -142,8 +142,8 @@ def test_the_layout_at_512_gpus_fills_nodes_and_hsdp_keeps_fsdp_on_nvlink():
 def test_the_residual_projections_start_smaller_as_megatrons_do():
     """init_method_std 0.02 everywhere, 0.02 / sqrt(2 x layers) for attention's wo and SwiGLU's w2."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, seq_len=8, n_layer=8, n_head=4, n_kv_head=2, d_model=256, ffn_hidden=512)
-    model = Llama(cfg)
+    cfg = DecoderConfig(vocab_size=64, seq_len=8, n_layer=8, n_head=4, n_kv_head=2, d_model=256, ffn_hidden=512)
+    model = Decoder(cfg)
     stds = {name: param.std().item() for name, param in model.named_parameters() if param.ndim == 2}
     for name, std in stds.items():
         want = 0.02 / math.sqrt(16) if name.endswith(("wo.weight", "w2.weight")) else 0.02

@@ -20,15 +20,15 @@ from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, 
 from tests.test_resilience import _restored_step
 from workloads.common.language_model import IGNORED
 from workloads.common.resilience import Block, _ModelAndOptimizer
-from workloads.llama.config import GIB, LLAMA2_70B, LORA_PRESETS, LORA_RCP_BATCHES, LlamaConfig, LoraConfig, \
+from workloads.decoder.config import GIB, LLAMA2_70B, LORA_PRESETS, LORA_RCP_BATCHES, DecoderConfig, LoraConfig, \
     estimate_memory, lora_preset_config, plan_layout
-from workloads.llama.convert import convert, load_base, to_rotate_half, write_checkpoint
-from workloads.llama.govreport import TRAIN, VALIDATION, ensure_tiny_govreport, labelled_split, read_split, \
+from workloads.decoder.convert import convert, load_base, to_rotate_half, write_checkpoint
+from workloads.decoder.govreport import TRAIN, VALIDATION, ensure_tiny_govreport, labelled_split, read_split, \
     write_split
-from workloads.llama.lora import LlamaLoraWorkload, cosine_factor, freeze_base
-from workloads.llama.model import Llama, apply_rope
+from workloads.decoder.lora import LlamaLoraWorkload, cosine_factor, freeze_base
+from workloads.decoder.model import Decoder, apply_rope
 
-SMALL = LlamaConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
+SMALL = DecoderConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
                     rope_theta=10_000.0, rope_scaling=None)
 NVIDIA_LORA = SHARED / "mlperf-results/training_v5.1/NVIDIA/results/theia_ngpu512_ngc25.09_nemo/llama2_70b_lora"
 
@@ -39,13 +39,13 @@ def test_llama2_70b_has_its_68_98_billion_parameters_and_44_6_million_adapter_we
     assert LLAMA2_70B.rope_theta == 10_000 and LLAMA2_70B.rope_scaling is None and LLAMA2_70B.vocab_size == 32_000
     assert LoraConfig().params(LLAMA2_70B) == 44_564_480
     lora = LoraConfig(rank=4)
-    model = Llama(SMALL, lora=lora)
+    model = Decoder(SMALL, lora=lora)
     assert sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) == lora.params(SMALL)
 
 
 def test_adapters_start_at_the_base_model_add_b_a_x_times_alpha_over_rank_and_alone_train():
     torch.manual_seed(0)
-    base, tuned = Llama(SMALL), Llama(SMALL, lora=LoraConfig(rank=4, alpha=8, dropout=0.1))
+    base, tuned = Decoder(SMALL), Decoder(SMALL, lora=LoraConfig(rank=4, alpha=8, dropout=0.1))
     tuned.load_state_dict(base.state_dict(), strict=False)
     tokens = torch.randint(0, SMALL.vocab_size, (2, SMALL.seq_len))
     tuned.eval()
@@ -144,7 +144,7 @@ def test_the_tiny_data_scores_only_the_summaries_in_the_eval(tmp_path, monkeypat
     assert set(np.unique(validation[:, 1][scored])) <= {4, 5, 6, 7}
 
 
-def _hf_layout(model: Llama, cfg: LlamaConfig, fused: bool) -> dict[str, torch.Tensor]:
+def _hf_layout(model: Decoder, cfg: DecoderConfig, fused: bool) -> dict[str, torch.Tensor]:
     """The model's weights as Hugging Face's conversion writes them (q, k rows permuted for rotate-half RoPE)."""
     state, out = model.state_dict(), {}
     out["model.embed_tokens.weight"], out["model.norm.weight"] = state["tok_embeddings.weight"], state["norm.weight"]
@@ -190,7 +190,7 @@ def test_a_converted_hugging_face_checkpoint_gives_the_models_logits(tmp_path, f
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    model = Llama(SMALL)
+    model = Decoder(SMALL)
     hf = tmp_path / "hf"
     hf.mkdir()
     tensors = _hf_layout(model, SMALL, fused)
@@ -198,7 +198,7 @@ def test_a_converted_hugging_face_checkpoint_gives_the_models_logits(tmp_path, f
     save_file({n: tensors[n] for n in half}, str(hf / "model-00001-of-00002.safetensors"))
     save_file({n: t for n, t in tensors.items() if n not in half}, str(hf / "model-00002-of-00002.safetensors"))
     convert(hf, tmp_path / "converted", SMALL)
-    loaded = Llama(SMALL, lora=LoraConfig(rank=4))
+    loaded = Decoder(SMALL, lora=LoraConfig(rank=4))
     load_base(loaded, tmp_path / "converted")
     tokens = torch.randint(0, SMALL.vocab_size, (2, SMALL.seq_len))
     model.eval(), loaded.eval()
@@ -254,7 +254,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_no_base_w
     """The loop's checkpoint state for a workload that does not checkpoint its frozen base (Resilience's
     _ModelAndOptimizer with frozen=False): adapters and AdamW state in, base out, and both come back on load."""
     torch.manual_seed(0)
-    model = Llama(SMALL, lora=LoraConfig(rank=4))
+    model = Decoder(SMALL, lora=LoraConfig(rank=4))
     freeze_base(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     model(torch.randint(0, SMALL.vocab_size, (2, SMALL.seq_len))).sum().backward()
@@ -263,7 +263,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_no_base_w
     assert state["model"] and all(".lora_" in name for name in state["model"])
     assert set(state["optim"]["state"]) == set(state["model"])
     saved = {name: tensor.clone() for name, tensor in state["model"].items()}
-    fresh = Llama(SMALL, lora=LoraConfig(rank=4))
+    fresh = Decoder(SMALL, lora=LoraConfig(rank=4))
     freeze_base(fresh)
     fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
     _ModelAndOptimizer(fresh, fresh_optimizer, frozen=False).load_state_dict(state)
@@ -283,7 +283,7 @@ def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
     for name, rows in ((TRAIN, 16), (VALIDATION, 173)):
         write_split(data / name, _packed(rows, 8192, rng, LORA_PROXY.vocab_size))
     torch.manual_seed(0)
-    write_checkpoint(Llama(LORA_PROXY).state_dict(), tmp_path / "base")
+    write_checkpoint(Decoder(LORA_PROXY).state_dict(), tmp_path / "base")
     out = tmp_path / "closed"
     result = closed_proxy_run("llama2_70b_lora", "--data", str(data), "--init-checkpoint", str(tmp_path / "base"),
                               "--max-steps", "1", "--out", str(out), procs=2)

@@ -66,7 +66,7 @@ def test_the_spec_refuses_what_the_worker_would_for_the_same_reason():
         validate(JobSpec("llama2_70b_lora", synthetic=True))
     assert validate(JobSpec("llama2_70b_lora", synthetic=True), dry_run=True) == [
         "note: llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR (a checkpoint `python -m "
-        "workloads.llama.convert` wrote from Hugging Face's), also with --synthetic"]
+        "workloads.decoder.convert` wrote from Hugging Face's), also with --synthetic"]
 
 
 def test_command_line_and_job_json_round_trip_to_the_same_spec(tmp_path):

@@ -41,10 +41,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               init_checkpoint="FILE (a PyTorch state dict)", config="workloads.bert.config"),
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
               init_checkpoint="DIR (a torch.distributed.checkpoint folder)", config="workloads.gpt3.config"),
-    Benchmark("llama31_8b", "workloads.llama.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              config="workloads.llama.config"),
-    Benchmark("llama2_70b_lora", "workloads.llama.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
-              init_checkpoint="DIR (a checkpoint `python -m workloads.llama.convert` wrote from Hugging Face's)",
+    Benchmark("llama31_8b", "workloads.decoder.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+              config="workloads.decoder.config"),
+    Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
+              init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               fine_tunes=True),
 )}
 

@@ -4,7 +4,7 @@ scored loss of an eval batch, and gradient clipping, for whole models and for DT
 AdamW's parameter groups are Megatron's for both references. A `split` turns a batch of samples into the model's
 inputs and the targets this rank scores: the whole shifted sequence of seq_len + 1 tokens (the default), GPT-3's
 samples of seq_len tokens with the last target unscored (rolled_split), or a context-parallel rank's chunks with
-their positions (workloads.llama.parallelize).
+their positions (workloads.decoder.parallelize).
 """
 
 from __future__ import annotations

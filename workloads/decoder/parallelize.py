@@ -33,8 +33,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
     SequenceParallel, parallelize_module
 
 from workloads.common.language_model import Split, next_token_split
-from workloads.llama.config import Layout
-from workloads.llama.model import Llama
+from workloads.decoder.config import Layout
+from workloads.decoder.model import Decoder
 
 MESH_DIMS = ("replicate", "shard", "context", "tensor")
 # torchtitan's way of naming flattened dimensions (sliced from the root mesh) warns of a deprecation in a
@@ -52,7 +52,7 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     return mesh
 
 
-def parallelize(model: Llama, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> Llama:
+def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> Decoder:
     """Tensor parallel, context parallel, torch.compile per block, then FSDP2 (HSDP), in place."""
     if mesh["tensor"].size() > 1:
         _tensor_parallel(model, mesh["tensor"])
@@ -73,7 +73,7 @@ def parallelize(model: Llama, mesh: DeviceMesh, device: torch.device, compiled: 
     return model
 
 
-def _tensor_parallel(model: Llama, tp: DeviceMesh) -> None:
+def _tensor_parallel(model: Decoder, tp: DeviceMesh) -> None:
     sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
     parallelize_module(model, tp, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),

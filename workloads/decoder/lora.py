@@ -3,7 +3,7 @@ its attention until the eval loss reaches the target (timed).
 
 MLPerf shape (mlcommons/training `llama2_70b_lora/`: `run_llama_70B_scrolls_r16.sh`, `scripts/train.py`,
 `scripts/utils.py`, `scripts/mlperf_logging_utils.py`, under the 6.1.0 rules and RCPs): adapters of rank 16,
-alpha 32, dropout 0.1 on the fused qkv and the output projection (workloads.llama.model.LoRA); AdamW (weight
+alpha 32, dropout 0.1 on the fused qkv and the output projection (workloads.decoder.model.LoRA); AdamW (weight
 decay 1e-4), gradient clipping 0.3, cosine decay from the batch's RCP learning rate to 0 over 1,024 steps,
 no warmup. Evaluations every 384 sequences (rounded up to whole steps), none in the first
 int(0.125 x GBS + 2) of them (the reference's eval_delay); the eval loss is the mean over the 173 validation
@@ -31,12 +31,12 @@ from workloads.common.language_model import scored_loss_sum
 from workloads.common.loop import Target
 from workloads.common.megatron_data import token_loaders
 from workloads.common.resilience import Block
-from workloads.llama.convert import load_base
-from workloads.llama.govreport import PackedSamples, Sequences, ensure_tiny_govreport, govreport_loaders, \
+from workloads.decoder.convert import load_base
+from workloads.decoder.govreport import PackedSamples, Sequences, ensure_tiny_govreport, govreport_loaders, \
     labelled_split
-from workloads.llama.model import Llama
-from workloads.llama.parallelize import parallelize
-from workloads.llama.workload import LlamaWorkload
+from workloads.decoder.model import Decoder
+from workloads.decoder.parallelize import parallelize
+from workloads.decoder.workload import LlamaWorkload
 
 
 def cosine_factor(step: int, max_steps: int) -> float:
@@ -64,7 +64,7 @@ class LlamaLoraWorkload(LlamaWorkload):
         base = self._base_checkpoint()
 
         with torch.device("meta"):
-            model = Llama(cfg.model, activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora)
+            model = Decoder(cfg.model, activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora)
         if ctx.device.type == "cuda":  # the frozen base is held in bf16, as the reference loads it
             for name, param in model.named_parameters():
                 if ".lora_" not in name:
@@ -100,7 +100,7 @@ class LlamaLoraWorkload(LlamaWorkload):
     def _base_checkpoint(self) -> Path:
         if self.opts.init_checkpoint:
             return self.opts.init_checkpoint
-        from workloads.llama.warm_start import ensure_tiny_base
+        from workloads.decoder.warm_start import ensure_tiny_base
 
         # The tiny preset's base (workloads.registry.missing_inputs refuses the others, synthetic ones too)
         return self.built_once(lambda: ensure_tiny_base(self.cfg.model))

@@ -12,7 +12,7 @@ so the permutation is undone here.
 The output is a torch.distributed.checkpoint folder of this model's parameter names: a run loads it with
 DCP into its FSDP/tensor-parallel shards, so each rank reads only the slices it holds.
 
-    python -m workloads.llama.convert HF_FOLDER OUT_FOLDER [--preset full]
+    python -m workloads.decoder.convert HF_FOLDER OUT_FOLDER [--preset full]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from workloads.llama.config import LORA_PRESETS, LlamaConfig
+from workloads.decoder.config import LORA_PRESETS, DecoderConfig
 
 # Hugging Face name (after `model.layers.N.`) -> this model's (after `layers.N.`)
 LAYER_NAMES = {
@@ -57,7 +57,7 @@ def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def convert_tensors(tensors: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+def convert_tensors(tensors: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Hugging Face's names and layout (fused or unfused qkv) -> this model's state dict."""
     q_dim = cfg.n_head * cfg.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -103,13 +103,13 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def convert(hf_folder: Path, out: Path, cfg: LlamaConfig) -> None:
+def convert(hf_folder: Path, out: Path, cfg: DecoderConfig) -> None:
     """Read a Hugging Face folder, check every parameter is there with its shape, write the DCP folder."""
-    from workloads.llama.model import Llama
+    from workloads.decoder.model import Decoder
 
     state = convert_tensors(read_safetensors(hf_folder), cfg)
     with torch.device("meta"):
-        want = Llama(cfg).state_dict()
+        want = Decoder(cfg).state_dict()
     missing = sorted(set(want) - set(state))
     if missing:
         raise ValueError(f"{hf_folder} lacks {len(missing)} of the model's tensors, e.g. {', '.join(missing[:3])}")
@@ -136,12 +136,12 @@ def load_base(model: nn.Module, folder: Path) -> None:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # DCP raises its own CheckpointException for a missing key or folder
         raise ValueError(f"{folder} is not a Llama checkpoint of this model's shape (convert one with `python -m "
-                         f"workloads.llama.convert`): {str(exc).splitlines()[0][:300]}") from None
+                         f"workloads.decoder.convert`): {str(exc).splitlines()[0][:300]}") from None
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workloads.llama.convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m workloads.decoder.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("hf_folder", type=Path, help="a Hugging Face model folder (*.safetensors), fused or unfused qkv")
     p.add_argument("out", type=Path, help="the checkpoint folder to write (give it to --init-checkpoint)")
     p.add_argument("--preset", choices=tuple(LORA_PRESETS), default="full", help="the model shape (default: full)")

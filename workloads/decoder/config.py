@@ -47,7 +47,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class DecoderConfig:
     """The model's shape."""
 
     vocab_size: int
@@ -89,7 +89,7 @@ class LlamaConfig:
 
 @dataclass(frozen=True)
 class LlamaPretrainConfig:
-    model: LlamaConfig
+    model: DecoderConfig
     global_batch: int  # sequences per optimizer step
     base_lr: float
     warmup_samples: int
@@ -115,15 +115,15 @@ class LlamaPretrainConfig:
         return math.ceil(self.warmup_samples / self.global_batch)
 
 
-LLAMA31_8B = LlamaConfig(vocab_size=128_256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
+LLAMA31_8B = DecoderConfig(vocab_size=128_256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
                          ffn_hidden=14_336)
 # Llama 2 70B as the llama2_70b_lora reference loads it (mlcommons/training `llama2_70b_lora/scripts/
 # regiss_llama_70b_model_config/config.json`): RoPE theta 10,000 without frequency scaling, 32,000 tokens, untied.
-LLAMA2_70B = LlamaConfig(vocab_size=32_000, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+LLAMA2_70B = DecoderConfig(vocab_size=32_000, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
                          ffn_hidden=28_672, rope_theta=10_000.0, rope_scaling=None)
 
 PRESETS = {
-    # MLPerf closed: Llama 3.1 8B from scratch on C4 to validation log perplexity 3.3, at global batch 64 (NVIDIA's
+    # MLPerf closed: Decoder 3.1 8B from scratch on C4 to validation log perplexity 3.3, at global batch 64 (NVIDIA's
     # v5.1 submission on 512 GPUs; the RCP table's row: peak LR 8e-4, 6,144 warmup samples).
     "full": LlamaPretrainConfig(
         model=LLAMA31_8B, global_batch=64, base_lr=RCP_BATCHES[64][0], warmup_samples=RCP_BATCHES[64][1],
@@ -132,7 +132,7 @@ PRESETS = {
     # A 2-layer Llama (GQA, RoPE with 3.1's scaling, SwiGLU, RMSNorm all kept) on generated Markov-chain text
     # written into the same Megatron files, from scratch to a log perplexity its text allows.
     "tiny": LlamaPretrainConfig(
-        model=LlamaConfig(vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+        model=DecoderConfig(vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                           ffn_hidden=192, rope_scaling=RopeScaling(original_context=64)),
         global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000, eval_interval=64,
         eval_sequences=32, target=0.9, loader_workers=0, step_limit=400),
@@ -177,7 +177,7 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.1
 
-    def params(self, m: LlamaConfig) -> int:
+    def params(self, m: DecoderConfig) -> int:
         """Per block: qkv's adapter (one A of d x r, B rows for q, k and v) and o's (A of d x r, B of r x d)."""
         q_dim = m.n_head * m.head_dim
         return m.n_layer * self.rank * (m.d_model + q_dim + 2 * m.kv_dim + q_dim + m.d_model)
@@ -190,7 +190,7 @@ class LoraFinetuneConfig:
     0.3, cosine decay to 0 over max_steps 1,024 without warmup (`--warmup_ratio 0`), LoRA on qkv_proj and
     o_proj; the target eval loss 0.925 is the rules' (`closed_llama2_70b_lora.yaml`)."""
 
-    model: LlamaConfig
+    model: DecoderConfig
     lora: LoraConfig
     global_batch: int  # sequences per optimizer step
     base_lr: float
@@ -223,17 +223,17 @@ class LoraFinetuneConfig:
 
 
 LORA_PRESETS = {
-    # MLPerf closed: Llama 2 70B from MLCommons' checkpoint (--init-checkpoint), batch 8 on 8 x 8 GPUs: FSDP over
+    # MLPerf closed: Decoder 2 70B from MLCommons' checkpoint (--init-checkpoint), batch 8 on 8 x 8 GPUs: FSDP over
     # context 8 inside each node (the only split of batch 8 over 64 GPUs), as NVIDIA runs context 8 at 72 GPUs up.
     "full": LoraFinetuneConfig(
         model=LLAMA2_70B, lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8,
         base_lr=LORA_RCP_BATCHES[8], max_steps=LORA_MAX_STEPS, eval_interval=LORA_EVAL_INTERVAL,
         eval_sequences=LORA_EVAL_SEQUENCES, target=0.925, activation_checkpointing=True),
     # A 2-layer Llama 2 (RoPE theta 10,000 unscaled) warm-started from a checkpoint the harness pretrains once
-    # (workloads/llama/warm_start.py), then LoRA-tuned on generated prompt + summary sequences to an eval loss
+    # (workloads/decoder/warm_start.py), then LoRA-tuned on generated prompt + summary sequences to an eval loss
     # on the summaries under the open rules' 1.0 (open_llama2_70b_lora.yaml).
     "tiny": LoraFinetuneConfig(
-        model=LlamaConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+        model=DecoderConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                           ffn_hidden=192, rope_theta=10_000.0, rope_scaling=None),
         lora=LoraConfig(rank=16, alpha=32, dropout=0.1), global_batch=8, base_lr=2e-2, max_steps=200,
         eval_interval=32, eval_sequences=16, target=0.95, micro_batch=4, eval_batch=4, loader_workers=0),

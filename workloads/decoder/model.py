@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from workloads.llama.config import LlamaConfig, LoraConfig, RopeScaling
+from workloads.decoder.config import DecoderConfig, LoraConfig, RopeScaling
 
 
-def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+def rope_frequencies(cfg: DecoderConfig) -> torch.Tensor:
     """The rotary frequency of each pair of head dimensions: theta^(-2i/d), then Llama 3.1's scaling (Meta's
     `apply_scaling`): wavelengths longer than original_context / low_freq_factor are slowed by `factor`,
     those shorter than original_context / high_freq_factor are kept, and those between are blended."""
@@ -94,7 +94,7 @@ class LoRA(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, lora: LoraConfig | None = None):
+    def __init__(self, cfg: DecoderConfig, lora: LoraConfig | None = None):
         super().__init__()
         self.head_dim = cfg.head_dim
         q_dim = cfg.n_head * cfg.head_dim
@@ -126,7 +126,7 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # gate
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
@@ -137,7 +137,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, lora: LoraConfig | None = None):
+    def __init__(self, cfg: DecoderConfig, lora: LoraConfig | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attention = Attention(cfg, lora)
@@ -150,8 +150,8 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, activation_checkpointing: bool = False, lora: LoraConfig | None = None):
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig, activation_checkpointing: bool = False, lora: LoraConfig | None = None):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing

@@ -4,7 +4,7 @@ perplexity reaches the target (timed).
 MLPerf shape (mlcommons/training `small_llm_pretraining/nemo/pretrain_llama31.py` under the 6.1.0 rules):
 AdamW (0.9, 0.95, eps 1e-5, weight decay 0.1, none on the norms), gradient clipping at 1.0; NeMo's
 CosineAnnealing: linear warmup from peak / (warmup + 1) to the peak, then cosine decay to 0.1 x peak at
-max_steps 1,200,000; the global batch's peak LR and warmup from the RCP table (workloads.llama.config).
+max_steps 1,200,000; the global batch's peak LR and warmup from the RCP table (workloads.decoder.config).
 Evaluates every 12,288 sequences (rounded up to whole steps) on the first 1,024 validation sequences;
 the run stops at the first evaluation at or below 3.3. `samples_count` counts sequences.
 """
@@ -23,10 +23,10 @@ from workloads.common.language_model import optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
-from workloads.llama.data import c4_loaders, ensure_tiny_corpus
-from workloads.llama.model import Llama
-from workloads.llama.parallelize import parallelize
-from workloads.llama.workload import LlamaWorkload
+from workloads.decoder.data import c4_loaders, ensure_tiny_corpus
+from workloads.decoder.model import Decoder
+from workloads.decoder.parallelize import parallelize
+from workloads.decoder.workload import LlamaWorkload
 
 def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float:
     """NeMo's CosineAnnealing with constant_steps 0, as a fraction of the peak (step: optimizer steps done)."""
@@ -46,7 +46,7 @@ class LlamaPretrainWorkload(LlamaWorkload):
         # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
         # shares, so that HSDP's replicas start identical.
         with torch.device("meta"):
-            model = Llama(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
+            model = Decoder(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
         parallelize(model, self.mesh, ctx.device, self.compiled)
         model.to_empty(device=ctx.device)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):

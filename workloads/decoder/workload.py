@@ -20,8 +20,8 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
 from workloads.common.megatron_data import TokenLoaders
 from workloads.common.refusals import ConfigurationError
-from workloads.llama.config import plan_layout, run_config
-from workloads.llama.parallelize import ContextSplit, build_mesh
+from workloads.decoder.config import plan_layout, run_config
+from workloads.decoder.parallelize import ContextSplit, build_mesh
 
 # Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
 # about DTensor random operators on CPU is noise.
@@ -96,7 +96,7 @@ class LlamaWorkload(DecoderSteps, Workload):
             C.CONTEXT_PARALLELISM: layout.context,
             C.EXPERT_PARALLELISM: 1,
             C.MICRO_BATCH_SIZE: layout.micro_batch,
-            C.CONFIG_FILENAME: f"workloads/llama/config.py:{preset_table}[{self.opts.preset!r}]",
+            C.CONFIG_FILENAME: f"workloads/decoder/config.py:{preset_table}[{self.opts.preset!r}]",
         }
 
     def epoch_num(self, step: int) -> int:
