@@ -1,12 +1,16 @@
-"""One rank of tests/test_llama_parallel.py, started by torchrun: a small Llama on a (replicate, shard, context,
-tensor) mesh against the whole model in this process, for each layout named on the command line:
+"""One rank of tests/test_llama_parallel.py, started by torchrun: a small decoder on a (replicate, shard, context,
+tensor) mesh, with experts on the expert mesh too, against the whole model in this process, for each layout named
+on the command line:
 
-    llama_parallel_worker.py [lora:]R,S,C,T [[lora:]R,S,C,T ...]
+    llama_parallel_worker.py [lora:|moe:|moe-idle:]R,S,C,T[,E] [...]
 
-For each layout: the loss over 2 accumulated micro batches, every gradient, the clipped gradients (one norm
-over the whole mesh) and the eval's scored loss sum must match the whole model's. With `lora:`, the model
-carries llama2_70b_lora's adapters (made non-zero, so every adapter has a gradient) on a frozen base, whose
-parameters must get no gradient. Prints "parity ok [lora:]R,S,C,T" per layout and rank.
+For each layout: the initial weights drawn from one seed equal the whole model's (no two shards alike), and the
+loss over 2 accumulated micro batches, every gradient, the clipped gradients (one norm over every mesh) and the
+eval's scored loss sum must match the whole model's. With `lora:`, the model carries llama2_70b_lora's adapters
+(made non-zero, so every adapter has a gradient) on a frozen base, whose parameters must get no gradient. With
+`moe:`, it is a gpt-oss-like model (8 experts, top 2, a sliding window in its first layer) whose experts are split
+over E ranks; `moe-idle:` routes no token to the experts past the third, so some experts, and under expert parallel
+2 a whole rank's experts, receive nothing. Prints "parity ok SPEC" per layout and rank.
 """
 
 from __future__ import annotations
@@ -18,42 +22,79 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.testing import assert_close
 
-from tests.gpt3_parallel_worker import gradients_and_clipping_match, say
+from tests.gpt3_parallel_worker import full, gradients_and_clipping_match, say
 from workloads.common.language_model import accumulate_gradients, next_token_split, scored_loss_sum
-from workloads.decoder.config import Layout, DecoderConfig, LoraConfig, RopeScaling
+from workloads.decoder.config import DecoderConfig, Layout, LoraConfig, MoeConfig, RopeScaling
 from workloads.decoder.lora import freeze_base
 from workloads.decoder.model import Decoder
-from workloads.decoder.parallelize import ContextSplit, build_mesh, parallelize
+from workloads.decoder.moe import MoE
+from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh, parallelize
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0)  # no dropout: the ranks' masks could not match one process's
 CONFIG = DecoderConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
                      rope_scaling=RopeScaling(original_context=8))
+MOE_CONFIG = DecoderConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=48,
+                           kv_channels=12, rope_theta=150_000.0, rope_scaling=None, sliding_window=5,
+                           full_attention_every=2, moe=MoeConfig(experts=8, top_k=2, hidden=24))
 MICRO_BATCH = 2
 ACCUMULATE = 2
 CPU = torch.device("cpu")
 
 
-def parity(layout: Layout, lora: LoraConfig | None = None) -> None:
+def idle_experts_after(model: torch.nn.Module, last: int) -> None:
+    """Route no token to the experts past `last`: their logits pushed far down (a fixed shift, not a parameter)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            shift = torch.zeros(module.n_experts)
+            shift[last + 1:] = -1e4
+            module.router.forward = _shifted_router(module.router, shift)
+
+
+def _shifted_router(router, shift):
+    def forward(x):
+        logits = torch.nn.functional.linear(x.float(), router.gate.weight.float()) + shift
+        top_logits, experts = logits.topk(router.top_k, dim=-1)
+        return top_logits.softmax(dim=-1), experts
+    return forward
+
+
+def draws_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Both drawn by init_weights from one seed: the split model holds the whole model's values, piece by piece."""
+    torch.manual_seed(5)
+    reference.init_weights()
+    torch.manual_seed(5)
+    model.init_weights()
+    params = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        assert_close(full(params[name].detach()), param.detach(), rtol=0, atol=0, msg=lambda text, name=name: f"{name}: {text}")
+
+
+def parity(layout: Layout, kind: str = "") -> None:
+    lora = LORA if kind == "lora" else None
+    config = MOE_CONFIG if kind.startswith("moe") else CONFIG
     torch.manual_seed(0)
-    reference = Decoder(CONFIG, lora=lora)
+    reference = Decoder(config, lora=lora)
     with torch.device("meta"):
-        model = Decoder(CONFIG, lora=lora)
+        model = Decoder(config, lora=lora)
+    mesh = build_mesh(layout, CPU)
+    parallelize(model, mesh, CPU, expert_mesh=build_expert_mesh(layout, CPU) if config.moe else None)
+    if lora:
+        freeze_base(model)  # after tensor parallelism, whose styles make new (trainable) parameters
+    model.to_empty(device=CPU)
+    draws_match(reference, model)
     if lora:
         with torch.no_grad():
             for name, param in reference.named_parameters():
                 if ".lora_" in name:
                     param.normal_(0, 0.1)
         freeze_base(reference)
-    mesh = build_mesh(layout, CPU)
-    parallelize(model, mesh, CPU)
-    if lora:
-        freeze_base(model)  # after tensor parallelism, whose styles make new (trainable) parameters
-    model.to_empty(device=CPU)
-    model.rope_freqs.copy_(reference.rope_freqs)
+    if kind == "moe-idle":
+        idle_experts_after(reference, 2)
+        idle_experts_after(model, 2)
     set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
     split = ContextSplit(mesh["context"].get_local_rank(), layout.context) if layout.context > 1 else next_token_split
 
-    tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len + 1),
+    tokens = torch.randint(0, config.vocab_size, (layout.global_batch, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     data_rank = mesh["data"].get_local_rank()
     mine = [tokens[(step * layout.data + data_rank) * MICRO_BATCH:][:MICRO_BATCH] for step in range(ACCUMULATE)]
@@ -63,7 +104,7 @@ def parity(layout: Layout, lora: LoraConfig | None = None) -> None:
     assert_close(loss / layout.world, expected)
 
     params = dict(model.named_parameters())
-    assert len({p.device_mesh for p in params.values()}) == 1  # one mesh: one norm over all of it
+    assert len({p.device_mesh for p in params.values()}) == (2 if config.moe else 1)  # experts have a mesh of their own
     gradients_and_clipping_match(reference, model)
 
     # The eval: each data rank scores its sequences (the first one uncounted, as an eval shard's padding is).
@@ -77,17 +118,22 @@ def parity(layout: Layout, lora: LoraConfig | None = None) -> None:
     sums = torch.tensor([got_sum.item(), float(got_count)], dtype=torch.float64)
     dist.all_reduce(sums)
     # Every tensor rank holds the same sums: the whole world counts each scored token `tensor` times.
-    assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64))
-    say(f"rank {dist.get_rank()}: parity ok {'lora:' if lora else ''}"
-        f"{layout.replicate},{layout.shard},{layout.context},{layout.tensor}")
+    assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
+                 rtol=1e-6, atol=0)  # float32 sums, added in another order
+    say(f"rank {dist.get_rank()}: parity ok {kind + ':' if kind else ''}{shape_of(layout)}")
+
+
+def shape_of(layout: Layout) -> str:
+    sizes = (layout.replicate, layout.shard, layout.context, layout.tensor) + ((layout.expert,) if layout.expert > 1 else ())
+    return ",".join(map(str, sizes))
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     for spec in sys.argv[1:]:
-        adapters, _, shape = spec.rpartition(":")
-        replicate, shard, context, tensor = map(int, shape.split(","))
+        kind, _, shape = spec.rpartition(":")
+        replicate, shard, context, tensor, *expert = map(int, shape.split(","))
         parity(Layout(world=dist.get_world_size(), procs_per_node=dist.get_world_size(), replicate=replicate,
-                      shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE),
-               LORA if adapters == "lora" else None)
+                      shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE,
+                      expert=expert[0] if expert else 1), kind)
     dist.destroy_process_group()

@@ -21,14 +21,15 @@ class Benchmark:
     ruleset: str  # the newest MLPerf Training ruleset that has this benchmark: what its logs are checked against
     init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
     fine_tunes: bool = False  # trains adapters on given weights: --init-checkpoint even on synthetic input
-    config: str | None = None  # the torch-free module whose PRESETS[preset].model.params counts the parameters
+    presets_table: str | None = None  # "module:TABLE", torch-free, whose TABLE[preset].model.params counts the parameters
 
     def checkpoint_bytes(self, preset: str) -> int | None:
         """One checkpoint of `preset`: fp32 weights and the optimizer's two fp32 moments, 12 bytes a parameter (the
         memory estimates' weights and optimizer terms; 2.1 TB for GPT-3 175B). None where no config counts them."""
-        if self.config is None:
+        if self.presets_table is None:
             return None
-        return CHECKPOINT_BYTES_PER_PARAM * importlib.import_module(self.config).PRESETS[preset].model.params
+        module, table = self.presets_table.split(":")
+        return CHECKPOINT_BYTES_PER_PARAM * getattr(importlib.import_module(module), table)[preset].model.params
 
     def workload_class(self):
         module, name = self.workload.split(":")
@@ -38,11 +39,13 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0"),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
-              init_checkpoint="FILE (a PyTorch state dict)", config="workloads.bert.config"),
+              init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS"),
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
-              init_checkpoint="DIR (a torch.distributed.checkpoint folder)", config="workloads.gpt3.config"),
-    Benchmark("llama31_8b", "workloads.decoder.pretrain:LlamaPretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              config="workloads.decoder.config"),
+              init_checkpoint="DIR (a torch.distributed.checkpoint folder)", presets_table="workloads.gpt3.config:PRESETS"),
+    Benchmark("llama31_8b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+              presets_table="workloads.decoder.config:PRESETS"),
+    Benchmark("gpt_oss_20b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+              presets_table="workloads.decoder.config:GPT_OSS_PRESETS"),
     Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               fine_tunes=True),

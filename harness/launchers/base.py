@@ -317,7 +317,7 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             if gpu_memory_gib:
                 gpt3.check_fits(cfg, layout, gpu_memory_gib)
             return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
-        if spec.benchmark in ("llama31_8b", "llama2_70b_lora"):
+        if spec.benchmark in ("llama31_8b", "gpt_oss_20b", "llama2_70b_lora"):
             from workloads.decoder import config as llama
 
             cfg = llama.run_config(spec.benchmark, spec.preset, spec.global_batch, spec.force_batch)

@@ -41,6 +41,16 @@ def rolled_split(tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.
     return (tokens.masked_fill(tokens == PAD, 0),), targets.masked_fill(targets == PAD, IGNORED)
 
 
+def eod_masked_split(eod: int, whole: Split = next_token_split) -> Split:
+    """Megatron's eod_mask_loss (megatron/core/datasets/gpt_dataset.py, `_get_ltor_masks_and_position_ids`: the
+    loss mask is 0 where the input token is the end-of-document token): the target after an EOD, the next document's
+    first token, is not scored, since nothing before it in the sample belongs to its document."""
+    def split(tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        (inputs,), targets = whole(tokens)
+        return (inputs,), targets.masked_fill(inputs == eod, IGNORED)
+    return split
+
+
 def _loss_context(logits: torch.Tensor):
     """Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward."""
     return loss_parallel() if isinstance(logits, DTensor) else nullcontext()
@@ -103,12 +113,17 @@ def optimizer_groups(model: nn.Module, weight_decay: float, decay_vectors: bool 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
 
-    Every gradient is a DTensor on one mesh, so their norm is one partial DTensor that full_tensor()
-    reduces over the whole mesh; replicated pieces (the norms) count once."""
-    parameters = list(parameters)
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
-    total = _local(total)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    The gradients of one mesh have one norm, a partial DTensor that full_tensor() reduces over that mesh
+    (replicated pieces, the norms, count once); a model with experts has two meshes (workloads.decoder.parallelize),
+    whose norms add as squares."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [_local(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    for group in by_mesh.values():  # one mesh at a time: DTensor's foreach operations take one
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

@@ -47,8 +47,25 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A Mixture-of-Experts feed-forward (workloads.decoder.moe): `experts` SwiGLU MLPs of width `hidden`, each
+    token sent to the `top_k` its router scores highest and their outputs summed, weighted by the softmax of
+    those k scores. Every token reaches its k experts: no capacity limit, no token dropped, no shared expert."""
+
+    experts: int
+    top_k: int
+    hidden: int
+
+    def params(self, d_model: int) -> int:
+        """The router (d x experts) and the experts' three matrices each."""
+        return d_model * self.experts + self.experts * 3 * d_model * self.hidden
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
-    """The model's shape."""
+    """The model's shape: one decoder with its parts chosen here (workloads.decoder.model). Attention is grouped-query,
+    over the whole causal prefix or, with `sliding_window`, over the last `sliding_window` keys before each query
+    in all but every `full_attention_every`-th layer; the feed-forward is a dense SwiGLU, or `moe`'s experts."""
 
     vocab_size: int
     seq_len: int
@@ -61,34 +78,74 @@ class DecoderConfig:
     rope_theta: float = 500_000.0
     rope_scaling: RopeScaling | None = RopeScaling()
     init_std: float = 0.02
+    kv_channels: int | None = None  # each head's width, where it is not d_model / n_head (Megatron's kv_channels)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Megatron's qk_layernorm)
+    sliding_window: int | None = None  # keys before a query that a windowed layer attends to (besides itself)
+    full_attention_every: int = 1  # with a window: layers n, 2n, ... (counted from 1) attend to the whole prefix
+    moe: MoeConfig | None = None
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) attends through the sliding window: Megatron's rule (window_attn_skip_freq,
+        megatron/core/transformer/attention.py): layer numbers counted from 1 that the frequency divides are full."""
+        return self.sliding_window is not None and (layer + 1) % self.full_attention_every != 0
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.kv_channels or self.d_model // self.n_head
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_head * self.head_dim
 
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    def attention_params(self) -> int:
+        """q and o (d x q_dim each), k and v (d x kv_dim each)."""
+        return 2 * self.d_model * (self.q_dim + self.kv_dim)
+
+    def expert_params(self) -> int:
+        """One block's experts (none in a dense block): what expert parallelism splits."""
+        return self.moe.experts * 3 * self.d_model * self.moe.hidden if self.moe else 0
+
     def block_params(self) -> int:
-        """One block: q and o (d^2 each), k and v (d x kv_dim each), SwiGLU's three matrices, two RMSNorms."""
+        """One block: attention, the feed-forward (SwiGLU's three matrices, or the router and experts), two RMSNorms."""
         d = self.d_model
-        return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_hidden + 2 * d
+        ffn = self.moe.params(d) if self.moe else 3 * d * self.ffn_hidden
+        return self.attention_params() + ffn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def params(self) -> int:
         """Untied input embedding and output layer, the blocks, the final RMSNorm."""
         return 2 * self.vocab_size * self.d_model + self.n_layer * self.block_params() + self.d_model
 
+    @property
+    def active_params(self) -> int:
+        """The parameters one token passes through: an MoE block's top_k experts, not all of them."""
+        if not self.moe:
+            return self.params
+        idle = self.moe.experts - self.moe.top_k
+        return self.params - self.n_layer * idle * 3 * self.d_model * self.moe.hidden
+
+    def attended_keys(self) -> float:
+        """Keys a query attends to, on average over the layers and the sequence's positions (causal: T / 2 in full
+        attention; about the window in a windowed layer)."""
+        full = self.seq_len / 2
+        windowed = sum(self.windowed(layer) for layer in range(self.n_layer))
+        window = min(self.sliding_window or 0, self.seq_len) + 1
+        return ((self.n_layer - windowed) * full + windowed * min(window, full)) / self.n_layer
+
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 N for the matmuls (embedding lookups excluded) plus 12 L T d for
-        attention (PaLM's MFU formula, as NVIDIA's MFU figures count it)."""
-        matmul_params = self.params - self.vocab_size * self.d_model
-        return 6 * matmul_params + 12 * self.n_layer * self.seq_len * self.d_model
+        """Training FLOPs per token: 6 N for the matmuls over the active parameters (embedding lookups excluded)
+        plus 12 L T d for attention (PaLM's MFU formula, as NVIDIA's MFU figures count it; T the keys attended,
+        2 x the mean for a causal mask, so a sliding window counts the keys it attends)."""
+        matmul_params = self.active_params - self.vocab_size * self.d_model
+        return 6 * matmul_params + 12 * self.n_layer * 2 * self.attended_keys() * self.q_dim
 
 
 @dataclass(frozen=True)
-class LlamaPretrainConfig:
+class PretrainConfig:
     model: DecoderConfig
     global_batch: int  # sequences per optimizer step
     base_lr: float
@@ -109,10 +166,24 @@ class LlamaPretrainConfig:
     activation_checkpointing: bool = False
     loader_workers: int = 2
     step_limit: int | None = None  # stop after this many steps whatever the schedule (tiny: a bound on CPU time)
+    end_lr: float | None = None  # the schedule's floor, where it is a constant rather than end_lr_ratio x peak
+    megatron_schedule: bool = False  # Megatron's warmup (peak x step / warmup), not NeMo's ((step + 1) / (warmup + 1))
+    eod_mask_loss: bool = False  # targets whose input token is the end-of-document token are not scored
+    eod_token: int = 128_001  # Llama 3.1's <|end_of_text|>, which ends every C4 document in the Megatron files
+    expert_parallel: int = 8  # at most this many ranks split an MoE layer's experts (a node's GPUs: NVLink)
 
     @property
     def warmup_steps(self) -> int:
         return math.ceil(self.warmup_samples / self.global_batch)
+
+    @property
+    def decay_steps(self) -> int:
+        """Megatron's lr_decay_iters as the reference sets it: max_steps - warmup (config_*_1x8x1.sh)."""
+        return self.max_steps - self.warmup_steps
+
+    @property
+    def floor_lr(self) -> float:
+        return self.end_lr if self.end_lr is not None else self.base_lr * self.end_lr_ratio
 
 
 LLAMA31_8B = DecoderConfig(vocab_size=128_256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
@@ -125,13 +196,13 @@ LLAMA2_70B = DecoderConfig(vocab_size=32_000, seq_len=8192, n_layer=80, n_head=6
 PRESETS = {
     # MLPerf closed: Decoder 3.1 8B from scratch on C4 to validation log perplexity 3.3, at global batch 64 (NVIDIA's
     # v5.1 submission on 512 GPUs; the RCP table's row: peak LR 8e-4, 6,144 warmup samples).
-    "full": LlamaPretrainConfig(
+    "full": PretrainConfig(
         model=LLAMA31_8B, global_batch=64, base_lr=RCP_BATCHES[64][0], warmup_samples=RCP_BATCHES[64][1],
         end_lr_ratio=0.1, max_steps=MAX_STEPS, eval_interval=EVAL_INTERVAL_SAMPLES, eval_sequences=EVAL_SEQUENCES,
         target=3.3, tensor_parallel=2, activation_checkpointing=True),
     # A 2-layer Llama (GQA, RoPE with 3.1's scaling, SwiGLU, RMSNorm all kept) on generated Markov-chain text
     # written into the same Megatron files, from scratch to a log perplexity its text allows.
-    "tiny": LlamaPretrainConfig(
+    "tiny": PretrainConfig(
         model=DecoderConfig(vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                           ffn_hidden=192, rope_scaling=RopeScaling(original_context=64)),
         global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000, eval_interval=64,
@@ -139,7 +210,7 @@ PRESETS = {
 }
 
 
-def preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> LlamaPretrainConfig:
+def preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> PretrainConfig:
     """The preset, at another global batch when asked: the full preset takes that batch's RCP row (peak LR,
     warmup), and refuses, with the table, a batch the RCPs were not measured at unless forced (then the
     preset's LR and warmup stay, and the runs cannot pass the RCP check)."""
@@ -150,6 +221,59 @@ def preset_config(preset: str, global_batch: int | None = None, force: bool = Fa
         _refuse("llama31_8b", global_batch, "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples"
                                                        for batch, (lr, warmup) in RCP_BATCHES.items()))
     lr, warmup = RCP_BATCHES.get(global_batch, (cfg.base_lr, cfg.warmup_samples)) if preset == "full" \
+        else (cfg.base_lr, cfg.warmup_samples)
+    return replace(cfg, global_batch=global_batch, base_lr=lr, warmup_samples=warmup)
+
+
+# --- gpt_oss_20b: the Mixture-of-Experts pretraining benchmark ------------------------------------------------------
+# mlcommons/training `small_llm_moe_pretraining/primus/conf/gpt_oss_20B-pretrain.yaml` (its overrides of Primus'
+# gpt_oss_20B model yaml) and `config_*_1x8x1.sh`, under `closed_gpt_oss_20b.yaml` and `rcps_gpt_oss_20b.json`;
+# docs/benchmarks/gpt_oss_20b.md gives each value's source.
+GPT_OSS_MAX_STEPS = 1_200_000  # train_iters; closed_gpt_oss_20b.yaml: max_steps == 1200000
+GPT_OSS_END_LR = 4e-5  # min_lr (PRIMUS_MIN_LR), the same at every RCP batch (the RCP logs' opt_end_learning_rate)
+# rcps_gpt_oss_20b.json: global batch -> (peak LR, warmup samples).
+GPT_OSS_RCP_BATCHES: dict[int, tuple[float, int]] = {
+    16: (4e-4, 2_048),
+    32: (8e-4, 4_096),
+    64: (1e-3, 12_288),
+}
+
+GPT_OSS_20B = DecoderConfig(
+    vocab_size=128_256, seq_len=8192, n_layer=24, n_head=64, n_kv_head=8, d_model=2880, ffn_hidden=2880,
+    kv_channels=64, qk_norm=True, norm_eps=1e-6, rope_theta=150_000.0, rope_scaling=None, init_std=0.008, sliding_window=128,
+    full_attention_every=2, moe=MoeConfig(experts=32, top_k=4, hidden=2880))
+
+GPT_OSS_PRESETS = {
+    # MLPerf closed: gpt-oss 20B from scratch on the llama31_8b C4 files to validation log perplexity 3.34, at global
+    # batch 64 (Cisco's v6.0 submission on 16 x 8 H100s), the RCP table's row: peak LR 1e-3, 12,288 warmup samples.
+    "full": PretrainConfig(
+        model=GPT_OSS_20B, global_batch=64, base_lr=GPT_OSS_RCP_BATCHES[64][0],
+        warmup_samples=GPT_OSS_RCP_BATCHES[64][1], end_lr_ratio=GPT_OSS_END_LR / GPT_OSS_RCP_BATCHES[64][0],
+        end_lr=GPT_OSS_END_LR, max_steps=GPT_OSS_MAX_STEPS, eval_interval=EVAL_INTERVAL_SAMPLES,
+        eval_sequences=EVAL_SEQUENCES, target=3.34, adam_eps=1e-5, activation_checkpointing=True,
+        megatron_schedule=True, eod_mask_loss=True),
+    # A 2-layer gpt-oss (8 experts, top 2, a 32-key sliding window in the first layer and full attention in the
+    # second, RoPE unscaled, the EOD loss mask) on the llama31_8b tiny preset's generated text, whose documents end
+    # in token 0, from scratch to a log perplexity its text allows.
+    "tiny": PretrainConfig(
+        model=DecoderConfig(vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=64,
+                            kv_channels=16, qk_norm=True, rope_theta=150_000.0, rope_scaling=None, init_std=0.02,
+                            sliding_window=32, full_attention_every=2, moe=MoeConfig(experts=8, top_k=2, hidden=64)),
+        global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000, eval_interval=64,
+        eval_sequences=32, target=0.9, loader_workers=0, step_limit=400, megatron_schedule=True, eod_mask_loss=True,
+        eod_token=0),
+}
+
+
+def gpt_oss_preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> PretrainConfig:
+    """As preset_config, for gpt_oss_20b: the full preset takes a batch's peak LR and warmup from its RCP table."""
+    cfg = GPT_OSS_PRESETS[preset]
+    if global_batch is None or global_batch == cfg.global_batch:
+        return cfg
+    if preset == "full" and global_batch not in GPT_OSS_RCP_BATCHES and not force:
+        _refuse("gpt_oss_20b", global_batch, "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples"
+                                                        for batch, (lr, warmup) in GPT_OSS_RCP_BATCHES.items()))
+    lr, warmup = GPT_OSS_RCP_BATCHES.get(global_batch, (cfg.base_lr, cfg.warmup_samples)) if preset == "full" \
         else (cfg.base_lr, cfg.warmup_samples)
     return replace(cfg, global_batch=global_batch, base_lr=lr, warmup_samples=warmup)
 
@@ -254,13 +378,19 @@ def lora_preset_config(preset: str, global_batch: int | None = None, force: bool
 
 # The batches each Llama benchmark's RCPs were measured at: what --global-batch may be without --force-batch.
 RCP_GLOBAL_BATCHES: dict[str, tuple[int, ...]] = {"llama31_8b": tuple(RCP_BATCHES),
+                                                  "gpt_oss_20b": tuple(GPT_OSS_RCP_BATCHES),
                                                   "llama2_70b_lora": tuple(LORA_RCP_BATCHES)}
 
 
+# Where each benchmark's presets live: the config_filename the 6.1 rules ask each run to log.
+PRESET_TABLES = {"llama31_8b": "PRESETS", "gpt_oss_20b": "GPT_OSS_PRESETS", "llama2_70b_lora": "LORA_PRESETS"}
+
+
 def run_config(benchmark: str, preset: str, global_batch: int | None = None, force: bool = False
-               ) -> LlamaPretrainConfig | LoraFinetuneConfig:
-    """Either Llama benchmark's preset, by name."""
-    return (lora_preset_config if benchmark == "llama2_70b_lora" else preset_config)(preset, global_batch, force)
+               ) -> PretrainConfig | LoraFinetuneConfig:
+    """A decoder benchmark's preset, by name."""
+    configs = {"llama31_8b": preset_config, "gpt_oss_20b": gpt_oss_preset_config, "llama2_70b_lora": lora_preset_config}
+    return configs[benchmark](preset, global_batch, force)
 
 
 @dataclass(frozen=True)
@@ -279,6 +409,12 @@ class Layout:
     tensor: int
     micro_batch: int
     grad_accum: int
+    expert: int = 1  # the ranks an MoE layer's experts are split over, inside an FSDP group
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks of an FSDP group that hold the same experts: FSDP shards those over them."""
+        return self.fsdp // self.expert
 
     @property
     def data(self) -> int:
@@ -294,11 +430,13 @@ class Layout:
         return self.data * self.micro_batch * self.grad_accum
 
 
-def plan_layout(cfg: LlamaPretrainConfig | LoraFinetuneConfig, world: int, procs_per_node: int) -> Layout:
+def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_node: int) -> Layout:
     """Tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
     sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP)."""
     m = cfg.model
     tensor = min(cfg.tensor_parallel, procs_per_node, world)
+    if m.moe and tensor > 1:
+        raise ValueError("a model with experts runs at tensor parallel 1 (context parallel splits its sequences)")
     if world % tensor or m.n_kv_head % tensor or m.n_head % tensor:
         raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the {m.n_head} attention "
                          f"heads and the {m.n_kv_head} key/value heads")
@@ -319,9 +457,11 @@ def plan_layout(cfg: LlamaPretrainConfig | LoraFinetuneConfig, world: int, procs
                              "the tensor parallel, or another batch")
     per_group = max(1, procs_per_node // (tensor * context)) * cfg.shard_nodes  # data ranks in one FSDP group
     shard = math.gcd(data, per_group)
+    # Experts split over the most ranks of an FSDP group that divide their count, up to the preset's cap (a node).
+    expert = math.gcd(shard * context, m.moe.experts, cfg.expert_parallel, procs_per_node) if m.moe else 1
     return Layout(world=world, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
                   context=context, tensor=tensor, micro_batch=cfg.micro_batch,
-                  grad_accum=cfg.global_batch // (data * cfg.micro_batch))
+                  grad_accum=cfg.global_batch // (data * cfg.micro_batch), expert=expert)
 
 
 @dataclass(frozen=True)
@@ -344,7 +484,7 @@ class MemoryEstimate:
         return sum(getattr(self, term) for term in self.TERMS)
 
 
-def estimate_memory(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout, on_gpu: bool = True
+def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on_gpu: bool = True
                     ) -> MemoryEstimate:
     """Per-rank bytes, term by term; bf16 compute on GPUs (2 bytes), fp32 on CPU (4).
 
@@ -382,7 +522,7 @@ def estimate_memory(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layou
                           activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 
 
-def estimate_traffic(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout) -> Traffic:
+def estimate_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -> Traffic:
     """The bytes each GPU sends per step (workloads.common.traffic). For LoRA only the adapters' gradients are
     reduced: the frozen base's parameters are gathered, never its gradients."""
     m = cfg.model
@@ -395,7 +535,7 @@ def estimate_traffic(cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layo
                                     reduced_params=cfg.lora.params(m) if lora else None)
 
 
-def describe(benchmark: str, cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout,
+def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
              gpu_memory_gib: float | None) -> list[str]:
     """The lines `--dry-run` shows: the model, the layout, memory per GPU and traffic per GPU per step."""
     m = cfg.model
@@ -422,7 +562,7 @@ def describe(benchmark: str, cfg: LlamaPretrainConfig | LoraFinetuneConfig, layo
     ]
 
 
-def check_fits(benchmark: str, cfg: LlamaPretrainConfig | LoraFinetuneConfig, layout: Layout,
+def check_fits(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
                gpu_memory_gib: float) -> None:
     total = estimate_memory(cfg, layout).total / GIB
     if total > gpu_memory_gib:

@@ -36,7 +36,7 @@ from workloads.decoder.govreport import PackedSamples, Sequences, ensure_tiny_go
     labelled_split
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import parallelize
-from workloads.decoder.workload import LlamaWorkload
+from workloads.decoder.workload import DecoderWorkload
 
 
 def cosine_factor(step: int, max_steps: int) -> float:
@@ -51,7 +51,7 @@ def freeze_base(model: torch.nn.Module) -> None:
         param.requires_grad_(".lora_" in name)
 
 
-class LlamaLoraWorkload(LlamaWorkload):
+class LlamaLoraWorkload(DecoderWorkload):
     rate_shown = ("seq/s", "throughput")
     checkpoint_frozen = False  # checkpoints keep the adapters and their optimizer state, not the frozen base
 
@@ -108,7 +108,7 @@ class LlamaLoraWorkload(LlamaWorkload):
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg
         return {
-            **self.shared_hyperparameters("LORA_PRESETS"),
+            **self.shared_hyperparameters(),
             C.OPT_LR_WARMUP_FACTOR: 0.0,
             C.OPT_LR_TRAINING_STEPS: cfg.max_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine",

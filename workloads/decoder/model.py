@@ -1,12 +1,14 @@
-"""Llama 2 and 3.1: a decoder-only transformer, from the tiny presets up to 70B. Reads top to bottom.
+"""The decoder family: Llama 2 and 3.1, and gpt-oss, from the tiny presets up to 70B. Reads top to bottom.
 
-Pre-norm blocks (RMSNorm) of grouped-query causal self-attention with rotary positions (RoPE, with
-Llama 3.1's frequency scaling, or Llama 2's none) and a SwiGLU MLP; no biases, no dropout; the input
-embedding and the output layer are separate matrices. With `lora`, the attention's projections carry
-low-rank adapters beside their (frozen) weights, as llama2_70b_lora fine-tunes them. Every layer reads its head counts from the shapes it gets, so the
-same code runs whole or split by tensor parallelism (see parallelize.py), and the attention's core is a
-module of its own that context parallelism replaces with one that gathers keys and values across ranks.
-Positions are an input: a context-parallel rank holds two chunks of the sequence, not a prefix of it.
+Pre-norm blocks (RMSNorm) of grouped-query causal self-attention with rotary positions (RoPE, with Llama 3.1's
+frequency scaling, or none) and a feed-forward; no biases, no dropout; the input embedding and the output layer are
+separate matrices. The config chooses the parts: attention over the whole causal prefix or, in some layers, a
+sliding window of the last keys (gpt-oss); a dense SwiGLU or a Mixture of Experts (workloads.decoder.moe). With
+`lora`, the attention's projections carry low-rank adapters beside their (frozen) weights, as llama2_70b_lora
+fine-tunes them. Every layer reads its head counts from the shapes it gets, so the same code runs whole or split
+by tensor parallelism (see parallelize.py), and the attention's core is a module of its own that context
+parallelism replaces with one that gathers keys and values across ranks. Positions are an input: a
+context-parallel rank holds two chunks of the sequence, not a prefix of it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from workloads.common.whole_draws import draw_
 from workloads.decoder.config import DecoderConfig, LoraConfig, RopeScaling
+from workloads.decoder.moe import MoE
 
 
 def rope_frequencies(cfg: DecoderConfig) -> torch.Tensor:
@@ -57,15 +61,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+def visible(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query attends to: itself and earlier positions, and with a window only the last `window`
+    of those before it (Megatron's window_size (window, 0): keys from position - window to position)."""
+    behind = query_positions[:, None] - key_positions[None, :]
+    return (behind >= 0) & (behind <= window) if window is not None else behind >= 0
+
+
 class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v over (batch, heads, seq, dim), each position seeing itself and earlier ones.
+    """softmax(q k^T / sqrt(d)) v over (batch, heads, seq, dim), each position seeing itself and earlier ones, or
+    with `window` only the last `window` positions before it.
 
     Grouped-query: k and v have fewer heads, each shared by n_head / n_kv_head query heads (scaled dot-product
     attention's enable_gqa repeats them without copying). Positions are given but unused here: the sequence is
     whole and in order. parallelize.py swaps in ContextParallelAttention, which needs them."""
 
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        order = torch.arange(q.size(2), device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(order, order, self.window), enable_gqa=True)
 
 
 class LoRA(nn.Module):
@@ -84,7 +103,7 @@ class LoRA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.a.reset_parameters()
+        draw_(self.a.weight, lambda whole: nn.init.kaiming_uniform_(whole, a=math.sqrt(5)))  # nn.Linear's draw
         for b in self.b:
             nn.init.zeros_(b.weight)
 
@@ -94,15 +113,17 @@ class LoRA(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, lora: LoraConfig | None = None):
+    def __init__(self, cfg: DecoderConfig, window: int | None = None, lora: LoraConfig | None = None):
         super().__init__()
         self.head_dim = cfg.head_dim
-        q_dim = cfg.n_head * cfg.head_dim
+        q_dim = cfg.q_dim
         self.wq = nn.Linear(cfg.d_model, q_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, cfg.d_model, bias=False)
-        self.core = CausalAttention()
+        self.core = CausalAttention(window)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         # The reference's LoRA targets (--lora_target_modules "qkv_proj,o_proj"): the fused qkv and the output.
         self.lora_qkv = LoRA(cfg.d_model, (q_dim, cfg.kv_dim, cfg.kv_dim), lora) if lora else None
         self.lora_o = LoRA(q_dim, (cfg.d_model,), lora) if lora else None
@@ -116,6 +137,8 @@ class Attention(nn.Module):
             q, k, v = q + dq, k + dk, v + dv
         # (batch, seq, heads * dim) -> (batch, seq, heads, dim); heads are this rank's share under TP.
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
@@ -137,12 +160,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, lora: LoraConfig | None = None):
+    def __init__(self, cfg: DecoderConfig, layer: int, lora: LoraConfig | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, lora)
+        self.attention = Attention(cfg, cfg.sliding_window if cfg.windowed(layer) else None, lora)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg)
+        self.feed_forward = MoE(cfg.d_model, cfg.moe) if cfg.moe else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
                 ) -> torch.Tensor:
@@ -156,7 +179,7 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, lora) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, layer, lora) for layer in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from tok_embeddings
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
@@ -164,22 +187,31 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Megatron's initialisation, which the reference uses through NeMo: Normal(0, init_std) for every matrix
-        (init_method_std 0.02), the residual projections (attention's wo, SwiGLU's w2) at init_std / sqrt(2 x
-        layers) (its scaled output_layer_init_method), ones for the norms; called again after a model built on
-        the meta device gets real storage."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
-            if isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-        for layer in self.layers:
-            for projection in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(projection.weight, mean=0.0, std=self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer))
+        """Megatron's initialisation, which the references use (through NeMo for llama31_8b, Primus for gpt_oss_20b):
+        Normal(0, init_std) for every matrix, the router's and the experts' too; the residual projections
+        (attention's wo, SwiGLU's or each expert's w2) at init_std / sqrt(2 x layers) (its scaled
+        output_layer_init_method); ones for the norms. Each parameter is drawn whole, in the same order on every
+        rank, and split after (workloads.common.whole_draws), so the initial model does not depend on the layout.
+        Called again after a model built on the meta device gets real storage."""
+        residual = {id(p) for layer in self.layers for p in (layer.attention.wo.weight, self._down(layer))}
+        scaled_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
+        for name, param in self.named_parameters():
+            if ".lora_" in name:
+                continue
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            else:
+                std = scaled_std if id(param) in residual else self.cfg.init_std
+                draw_(param, lambda whole, std=std: nn.init.normal_(whole, mean=0.0, std=std))
         for module in self.modules():
             if isinstance(module, LoRA):
                 module.reset_parameters()
         self.rope_freqs.copy_(rope_frequencies(self.cfg))
+
+    @staticmethod
+    def _down(layer: Block) -> nn.Parameter:
+        ffn = layer.feed_forward
+        return ffn.experts.w2 if isinstance(ffn, MoE) else ffn.w2.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the

@@ -1,4 +1,5 @@
-"""Llama's parallelism, the torchtitan way, on a (replicate, shard, context, tensor) mesh.
+"""The decoders' parallelism, the torchtitan way, on a (replicate, shard, context, tensor) mesh, and for a Mixture of
+Experts a second mesh of the same ranks, (replicate, expert_shard, expert), that splits the experts.
 
 - tensor: Megatron's column/row split of attention (by query and key/value heads, LoRA's adapters alongside)
   and SwiGLU, with sequence parallelism between them (the norms and the residual stream hold 1/tensor of the
@@ -13,9 +14,15 @@
   same weights), within a node or group of nodes, gathering one block at a time.
 - replicate: HSDP's groups hold whole copies of the shards; only the gradient all-reduce crosses between
   them, once per micro batch, so FSDP's gathers stay on the fast links.
+- expert: an MoE layer's experts are split over `expert` consecutive ranks of an FSDP group (the inner ones: a
+  node's, so the all-to-all runs over NVLink), as torchtitan borrows expert ranks from the data ranks; FSDP2
+  shards each rank's experts over the ranks of its FSDP group that hold the same experts (expert_shard = FSDP
+  group / expert), and HSDP replicates them across groups like every other parameter. Each token's copies go to
+  their experts' ranks and back (workloads.decoder.moe). Tensor parallel stays 1 for an MoE model: the planner
+  uses context parallel where a data rank would hold less than a sequence.
 
-Every parameter ends up a DTensor on one mesh, so gradient clipping reduces one norm over all of it
-(workloads.common.language_model.clip_grad_norm_).
+Every parameter ends up a DTensor: the experts on the expert mesh, the rest on the dense one. Gradient clipping
+reduces one norm per mesh and adds them (workloads.common.language_model.clip_grad_norm_).
 """
 
 from __future__ import annotations
@@ -28,15 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
     SequenceParallel, parallelize_module
 
 from workloads.common.language_model import Split, next_token_split
 from workloads.decoder.config import Layout
-from workloads.decoder.model import Decoder
+from workloads.decoder.model import Decoder, visible
+from workloads.decoder.moe import MoE
 
 MESH_DIMS = ("replicate", "shard", "context", "tensor")
+EXPERT_MESH_DIMS = ("replicate", "expert_shard", "expert")
 # torchtitan's way of naming flattened dimensions (sliced from the root mesh) warns of a deprecation in a
 # torch later than the one the harness pins; its replacement is not in 2.14.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
@@ -52,25 +61,57 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     return mesh
 
 
-def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> Decoder:
-    """Tensor parallel, context parallel, torch.compile per block, then FSDP2 (HSDP), in place."""
+def build_expert_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The same ranks as (replicate, FSDP group / expert, expert): expert ranks are consecutive inside an FSDP group
+    (tensor parallel is 1 with experts, so an FSDP group's ranks are consecutive)."""
+    return init_device_mesh(device.type, (layout.replicate, layout.fsdp // layout.expert, layout.expert),
+                            mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled: bool = False,
+                expert_mesh: DeviceMesh | None = None) -> Decoder:
+    """Tensor parallel, context parallel, expert parallel, torch.compile per block, then FSDP2 (HSDP), in place.
+    A model with experts needs `expert_mesh` (build_expert_mesh)."""
     if mesh["tensor"].size() > 1:
         _tensor_parallel(model, mesh["tensor"])
     if mesh["context"].size() > 1:
         for layer in model.layers:
-            layer.attention.core = ContextParallelAttention(mesh["context"])
+            layer.attention.core = ContextParallelAttention(mesh["context"], layer.attention.core.window)
+    moe_layers = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, MoE)]
+    if moe_layers and expert_mesh is None:
+        raise ValueError("a model with experts is parallelized with an expert mesh (build_expert_mesh)")
+    for moe in moe_layers:
+        _expert_parallel(moe, expert_mesh)
     if compiled:
-        # Block by block, as torchtitan compiles: every block has the same graph, so it compiles once.
+        # Block by block, as torchtitan compiles: every block has the same graph, so it compiles once. An MoE
+        # block's token counts are data (all_to_all splits, grouped GEMM offsets): graph breaks there.
         for layer in model.layers:
-            layer.compile(fullgraph=mesh["context"].size() == 1)
+            layer.compile(fullgraph=mesh["context"].size() == 1 and not moe_layers)
     # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     fsdp_mesh = mesh["replicate", "fsdp"]  # 2-D: HSDP (replicate across, shard within)
+    for moe in moe_layers:
+        fully_shard(moe.experts, mesh=expert_mesh["replicate", "expert_shard"], mp_policy=policy)
+        # An expert's gradient already sums what every rank of the expert group sent it; FSDP averages over the
+        # rest, so divide by every data rank (all of the mesh), as the dense parameters' gradients are.
+        moe.experts.set_gradient_divide_factor(float(expert_mesh.size()))
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
     return model
+
+
+def _expert_parallel(moe: MoE, expert_mesh: DeviceMesh) -> None:
+    """Each expert tensor becomes a DTensor split along the experts over the mesh's expert dimension (each rank
+    keeps its own experts' rows: no data moves, the model is still on the meta device or is drawn after)."""
+    group = expert_mesh["expert"]
+    if moe.n_experts % group.size():
+        raise ValueError(f"expert parallel {group.size()} must divide the {moe.n_experts} experts")
+    for name, param in list(moe.experts.named_parameters()):
+        split = distribute_tensor(param.data, group, [Shard(0)], src_data_rank=None)
+        moe.experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+    moe.expert_group = group if group.size() > 1 else None
 
 
 def _tensor_parallel(model: Decoder, tp: DeviceMesh) -> None:
@@ -136,12 +177,13 @@ class ContextParallelAttention(nn.Module):
     """Causal attention for a rank holding two chunks of the sequence: keys and values are all-gathered over
     the context group (through autograd: their gradients are reduce-scattered back in backward), put back in
     sequence order, and each local chunk of queries attends to the keys up to and including its own chunk,
-    with the causal diagonal offset by where the chunk starts. Keys and values are gathered before the
-    grouped-query expansion: n_kv_head heads, a quarter of the query heads' bytes for Llama 3.1 8B."""
+    with the causal diagonal offset by where the chunk starts (and, with a window, only its last keys). Keys and
+    values are gathered before the grouped-query expansion: n_kv_head heads, a quarter of the query heads' bytes
+    for Llama 3.1 8B."""
 
-    def __init__(self, group: DeviceMesh):
+    def __init__(self, group: DeviceMesh, window: int | None = None):
         super().__init__()
-        self.group = group
+        self.group, self.window = group, window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         size, rank = self.group.size(), self.group.get_local_rank()
@@ -152,9 +194,9 @@ class ContextParallelAttention(nn.Module):
             queries = q[:, :, local * chunk:(local + 1) * chunk]
             end = (index + 1) * chunk  # keys of every chunk up to this one
             query_at = positions[local * chunk:(local + 1) * chunk]
-            visible = torch.arange(end, device=q.device)[None, :] <= query_at[:, None]
+            mask = visible(query_at, torch.arange(end, device=q.device), self.window)
             outputs.append(F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end],
-                                                          attn_mask=visible, enable_gqa=True))
+                                                          attn_mask=mask, enable_gqa=True))
         return torch.cat(outputs, dim=2)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,18 @@
-"""One llama31_8b run: build the model from scratch (untimed init), then train until the validation log
-perplexity reaches the target (timed).
+"""One from-scratch pretraining run of a decoder benchmark, llama31_8b or gpt_oss_20b: build the model (untimed
+init), then train until the validation log perplexity reaches the target (timed).
 
-MLPerf shape (mlcommons/training `small_llm_pretraining/nemo/pretrain_llama31.py` under the 6.1.0 rules):
-AdamW (0.9, 0.95, eps 1e-5, weight decay 0.1, none on the norms), gradient clipping at 1.0; NeMo's
-CosineAnnealing: linear warmup from peak / (warmup + 1) to the peak, then cosine decay to 0.1 x peak at
-max_steps 1,200,000; the global batch's peak LR and warmup from the RCP table (workloads.decoder.config).
-Evaluates every 12,288 sequences (rounded up to whole steps) on the first 1,024 validation sequences;
-the run stops at the first evaluation at or below 3.3. `samples_count` counts sequences.
+llama31_8b (mlcommons/training `small_llm_pretraining/nemo/pretrain_llama31.py` under the 6.1.0 rules): AdamW
+(0.9, 0.95, eps 1e-5, weight decay 0.1, none on the norms), gradient clipping at 1.0; NeMo's CosineAnnealing: linear
+warmup from peak / (warmup + 1) to the peak, then cosine decay to 0.1 x peak at max_steps 1,200,000; the global
+batch's peak LR and warmup from the RCP table (workloads.decoder.config). Target 3.3.
+
+gpt_oss_20b (mlcommons/training `small_llm_moe_pretraining/primus/conf/gpt_oss_20B-pretrain.yaml`, Megatron-LM
+through Primus): the same AdamW and clipping; Megatron's OptimizerParamScheduler: linear warmup from 0 (peak x
+step / warmup), then cosine decay to min_lr 4e-5 over lr_decay_iters = max_steps - warmup; the EOD loss mask; the
+experts split over the expert mesh. Target 3.34.
+
+Both evaluate every 12,288 sequences (rounded up to whole steps) on 1,024 validation sequences and stop at the
+first evaluation at or below the target. `samples_count` counts sequences.
 """
 
 from __future__ import annotations
@@ -19,14 +25,14 @@ from mlperf_logging.mllog import constants as C
 
 from workloads.common.campaign import RunOptions
 from workloads.common.distributed import DistContext
-from workloads.common.language_model import optimizer_groups
+from workloads.common.language_model import eod_masked_split, optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
 from workloads.decoder.data import c4_loaders, ensure_tiny_corpus
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import parallelize
-from workloads.decoder.workload import LlamaWorkload
+from workloads.decoder.workload import DecoderWorkload
 
 def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float:
     """NeMo's CosineAnnealing with constant_steps 0, as a fraction of the peak (step: optimizer steps done)."""
@@ -36,10 +42,25 @@ def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float
     return end_ratio + (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class LlamaPretrainWorkload(LlamaWorkload):
+def megatron_lr_factor(step: int, warmup: int, decay_steps: int, end_ratio: float) -> float:
+    """Megatron-Core's OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py) with init_lr 0 and
+    lr_decay_style cosine, as a fraction of the peak: peak x step / warmup up to the warmup (the first step at 0: the
+    scheduler is built at step 0, and stepped after each optimizer step), then min + (peak - min) x (1 + cos(pi x
+    (step - warmup) / (decay_steps - warmup))) / 2, and min past decay_steps (lr_decay_iters)."""
+    if warmup > 0 and step <= warmup:
+        return step / warmup
+    if step > decay_steps:
+        return end_ratio
+    progress = (step - warmup) / (decay_steps - warmup)
+    return end_ratio + (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class PretrainWorkload(DecoderWorkload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
         cfg, layout = self.cfg, self.layout
+        if cfg.eod_mask_loss:
+            self.split = self.split_over_context(eod_masked_split(cfg.eod_token))
         self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
@@ -47,7 +68,7 @@ class LlamaPretrainWorkload(LlamaWorkload):
         # shares, so that HSDP's replicas start identical.
         with torch.device("meta"):
             model = Decoder(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
-        parallelize(model, self.mesh, ctx.device, self.compiled)
+        parallelize(model, self.mesh, ctx.device, self.compiled, self.expert_mesh)
         model.to_empty(device=ctx.device)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             torch.manual_seed(seed)
@@ -55,8 +76,10 @@ class LlamaPretrainWorkload(LlamaWorkload):
         self.model = model
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.end_lr_ratio))
+        end_ratio = cfg.floor_lr / cfg.base_lr
+        schedule = (lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.decay_steps, end_ratio)) \
+            if cfg.megatron_schedule else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def loaders_for_run(self):
         cfg, layout, seed = self.cfg, self.layout, self.seed
@@ -73,9 +96,9 @@ class LlamaPretrainWorkload(LlamaWorkload):
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg
         return {
-            **self.shared_hyperparameters("PRESETS"),
+            **self.shared_hyperparameters(),
             C.INIT_CHECKPOINT_STEP: 0,  # from scratch
-            C.OPT_END_LR: cfg.base_lr * cfg.end_lr_ratio,
+            C.OPT_END_LR: cfg.floor_lr,
             C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
             C.OPT_LR_DECAY_STEPS: cfg.max_steps - cfg.warmup_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",

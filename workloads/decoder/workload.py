@@ -1,7 +1,7 @@
-"""What the two Llama benchmarks' workloads share: the preset at the asked batch, the layout and mesh decided from
+"""What the decoder benchmarks' workloads share: the preset at the asked batch, the layout and meshes decided from
 it, the split of a batch over context ranks, the step count, inputs built once per node, and the parallelism the
-6.1 rules ask every run to disclose. llama31_8b (pretrain.py) and llama2_70b_lora (lora.py) add their model,
-data, optimizer and evaluation.
+6.1 rules ask every run to disclose. llama31_8b and gpt_oss_20b (pretrain.py) and llama2_70b_lora (lora.py) add
+their model, data, optimizer and evaluation.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
 from workloads.common.megatron_data import TokenLoaders
 from workloads.common.refusals import ConfigurationError
-from workloads.decoder.config import plan_layout, run_config
-from workloads.decoder.parallelize import ContextSplit, build_mesh
+from workloads.decoder.config import PRESET_TABLES, plan_layout, run_config
+from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh
 
 # Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
 # about DTensor random operators on CPU is noise.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
 
-class LlamaWorkload(DecoderSteps, Workload):
+class DecoderWorkload(DecoderSteps, Workload):
     eval_count_key = C.SAMPLES_COUNT  # closed_llama31_8b.yaml, closed_llama2_70b_lora.yaml: in eval_accuracy's metadata
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
@@ -41,9 +41,14 @@ class LlamaWorkload(DecoderSteps, Workload):
         self.cfg = cfg
         self.clip_norm = cfg.clip_norm
         self.mesh = build_mesh(layout, ctx.device)
+        self.expert_mesh = build_expert_mesh(layout, ctx.device) if cfg.model.moe else None
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
+        self.split = self.split_over_context(whole)
+
+    def split_over_context(self, whole: Split) -> Split:
+        """`whole`'s split of a batch, cut into this rank's chunks under context parallelism."""
         context = self.mesh["context"]
-        self.split = ContextSplit(context.get_local_rank(), context.size(), whole) if layout.context > 1 else whole
+        return ContextSplit(context.get_local_rank(), context.size(), whole) if context.size() > 1 else whole
 
     def open_data(self) -> dict[str, Any]:
         """The loaders (loaders_for_run). Both benchmarks log eval_samples before run_start from the rules'
@@ -70,7 +75,7 @@ class LlamaWorkload(DecoderSteps, Workload):
         dist.barrier()
         return build()
 
-    def shared_hyperparameters(self, preset_table: str) -> dict[str, Any]:
+    def shared_hyperparameters(self) -> dict[str, Any]:
         """The keys both log alike: the batch, sequence and eval set, AdamW and clipping, and the disclosures the 6.1
         rules ask of every run (compliance_checker/training_6.1.0/common.yaml), from the layout the run really
         uses."""
@@ -94,9 +99,9 @@ class LlamaWorkload(DecoderSteps, Workload):
             C.TENSOR_PARALLELISM: layout.tensor,
             C.PIPELINE_PARALLELISM: 1,
             C.CONTEXT_PARALLELISM: layout.context,
-            C.EXPERT_PARALLELISM: 1,
+            C.EXPERT_PARALLELISM: self.layout.expert,
             C.MICRO_BATCH_SIZE: layout.micro_batch,
-            C.CONFIG_FILENAME: f"workloads/decoder/config.py:{preset_table}[{self.opts.preset!r}]",
+            C.CONFIG_FILENAME: f"workloads/decoder/config.py:{PRESET_TABLES[self.opts.benchmark]}[{self.opts.preset!r}]",
         }
 
     def epoch_num(self, step: int) -> int:
