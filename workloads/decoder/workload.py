@@ -34,7 +34,8 @@ class LlamaWorkload(DecoderSteps, Workload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
         super().__init__(opts, ctx, seed)
         try:
-            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch)
+            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
+                             learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples)
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
         except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
             raise ConfigurationError(f"workloads: {exc}") from None
