@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mlperf_logging.mllog import constants as C
 
 from tests.closed_proxy import LLAMA2_MODEL as LORA_PROXY
 from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
@@ -23,7 +24,8 @@ from workloads.common.resilience import Block, _ModelAndOptimizer
 from workloads.decoder.config import GIB, LLAMA2_70B, LORA_PRESETS, LORA_RCP_BATCHES, DecoderConfig, LoraConfig, \
     estimate_memory, lora_preset_config, plan_layout
 from workloads.decoder.convert import convert, load_base, to_rotate_half, write_checkpoint
-from workloads.decoder.govreport import TRAIN, VALIDATION, ensure_tiny_govreport, labelled_split, read_split, \
+from workloads.decoder.govreport import TINY_TRAIN_SEQUENCES, TRAIN, VALIDATION, count_sequences, \
+    ensure_tiny_govreport, labelled_split, read_split, \
     write_split
 from workloads.decoder.lora import LlamaLoraWorkload, cosine_factor, freeze_base
 from workloads.decoder.model import Decoder, apply_rope
@@ -186,6 +188,29 @@ def test_the_tiny_data_scores_only_the_summaries_in_the_eval(tmp_path, monkeypat
     assert set(np.unique(validation[:, 1][scored])) <= {4, 5, 6, 7}
 
 
+def test_train_samples_is_the_training_sets_size_logged_before_run_start(tmp_path, monkeypatch):
+    """As the reference (len(train_dataset) in MLPerfCallback.on_train_begin) and NVIDIA's v5.1 logs (3,901, the
+    GovReport training split's sequences, between init_start and run_start): the sequences of the training file the
+    run reads, whatever it trains on, logged with the hyperparameters before run_start and not again at run_stop."""
+    write_split(tmp_path / TRAIN, _packed(7, 16, np.random.default_rng(0)))
+    full = LORA_PRESETS["full"]
+    given = SimpleNamespace(opts=SimpleNamespace(synthetic=False, data=tmp_path), cfg=full)
+    assert LlamaLoraWorkload.training_set_size(given) == 7
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path / "cache"))
+    tiny = SimpleNamespace(opts=SimpleNamespace(synthetic=False, data=None), cfg=LORA_PRESETS["tiny"],
+                           built_once=lambda build: build())
+    assert LlamaLoraWorkload.training_set_size(tiny) == TINY_TRAIN_SEQUENCES == 256
+    synthetic = SimpleNamespace(opts=SimpleNamespace(synthetic=True, data=None), cfg=full)
+    assert LlamaLoraWorkload.training_set_size(synthetic) == 173
+    assert count_sequences(tmp_path / "absent.parquet") is None  # the run then stops opening its data, with why
+    workload = SimpleNamespace(cfg=full, train_sequences=3901, shared_hyperparameters=lambda table: {})
+    assert LlamaLoraWorkload.hyperparameters(workload)[C.TRAIN_SAMPLES] == 3901  # logged before run_start
+    assert not LlamaLoraWorkload.logs_trained_samples  # the loop logs no samples trained at run_stop
+    if NVIDIA_LORA.is_dir():
+        log = (NVIDIA_LORA / "result_0.txt").read_text()
+        assert log.index('"key": "train_samples", "value": 3901') < log.index('"key": "run_start"')
+
+
 def _hf_layout(model: Decoder, cfg: DecoderConfig, fused: bool) -> dict[str, torch.Tensor]:
     """The model's weights as Hugging Face's conversion writes them (q, k rows permuted for rotate-half RoPE)."""
     state, out = model.state_dict(), {}
@@ -307,6 +332,8 @@ def test_tiny_lora_resumes_from_an_adapters_only_checkpoint_reaches_its_target_a
     log = (out / "result_0.txt").read_text()
     for key in ('"lora_rank", "value": 16', '"lora_alpha", "value": 32', '"opt_gradient_clip_norm", "value": 0.3'):
         assert key in log
+    assert log.count('"key": "train_samples"') == 1  # the tiny set's size, before run_start, once
+    assert log.index('"key": "train_samples", "value": 256') < log.index('"key": "run_start"')
 
 
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_no_base_weight(one_rank_world):
@@ -349,6 +376,7 @@ def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     log = (out / "result_0.txt").read_text()
     assert '"global_batch_size", "value": 8' in log and '"eval_samples", "value": 173' in log
+    assert log.index('"key": "train_samples", "value": 16') < log.index('"key": "run_start"')
     checked = compliance(out / "result_0.txt", "6.1.0", cwd=tmp_path)
     assert "closed_llama2_70b_lora.yaml" in checked.stdout + checked.stderr
     failures = failed_checks(checked)

@@ -48,7 +48,8 @@ class LlamaWorkload(DecoderSteps, Workload):
 
     def open_data(self) -> dict[str, Any]:
         """The loaders (loaders_for_run). Both benchmarks log eval_samples before run_start from the rules'
-        constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do, and train_samples when the run stops."""
+        constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do; llama2_70b_lora logs train_samples there
+        too, its training set's size (LlamaLoraWorkload.training_set_size), and llama31_8b when the run stops."""
         with data_errors():
             self.loaders = self.loaders_for_run()
         return {}
