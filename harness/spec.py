@@ -21,7 +21,7 @@ from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
-from workloads.decoder.config import RCP_GLOBAL_BATCHES  # torch-free
+from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
@@ -67,7 +67,9 @@ class JobSpec:
     max_steps: int | None = None  # stop early (smoke tests, throughput runs)
     batch_size: int | None = None  # per-process batch; None: the preset's
     global_batch: int | None = None  # the Llamas: sequences per optimizer step; None: the preset's
-    force_batch: bool = False  # the Llamas: accept a global batch that has no RCP
+    force_batch: bool = False  # the Llamas: accept a global batch outside the RCP table
+    learning_rate: float | None = None  # the Llamas: the peak LR; None: the RCP row's, interpolated, or the preset's
+    warmup_samples: int | None = None  # llama31_8b: LR warmup in samples; None: as the peak LR
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
     decode: str | None = None  # resnet: where its JPEGs are decoded, "workers" or "device"; None: the preset's
@@ -144,6 +146,10 @@ class JobSpec:
             args += ["--global-batch", str(self.global_batch)]
         if self.force_batch:
             args.append("--force-batch")
+        if self.learning_rate is not None:
+            args += ["--learning-rate", repr(self.learning_rate)]
+        if self.warmup_samples is not None:
+            args += ["--warmup-samples", str(self.warmup_samples)]
         if self.allow_unflushed_cache:
             args.append(ALLOW_FLAG)
         if self.packing_factor != 1:
@@ -175,6 +181,8 @@ class JobSpec:
                             ("--out", self.out_dir), ("--data", self.data),
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--global-batch", self.global_batch),
+                            ("--learning-rate", None if self.learning_rate is None else repr(self.learning_rate)),
+                            ("--warmup-samples", self.warmup_samples),
                             ("--packing-factor", self.packing_factor if self.packing_factor != 1 else None),
                             ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
@@ -253,9 +261,21 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if (spec.global_batch is not None or spec.force_batch) and spec.benchmark not in RCP_GLOBAL_BATCHES:
         raise HarnessError(f"--global-batch and --force-batch apply to {' and '.join(RCP_GLOBAL_BATCHES)} only, not "
                            f"{spec.benchmark} (its global batch follows --batch-size and the process count)")
+    if spec.learning_rate is not None and spec.benchmark not in RCP_GLOBAL_BATCHES:
+        raise HarnessError(f"--learning-rate applies to {' and '.join(RCP_GLOBAL_BATCHES)} only, not "
+                           f"{spec.benchmark} (its LR follows its reference's rule for the batch)")
+    if spec.warmup_samples is not None and spec.benchmark not in RCP_WARMUP_BENCHMARKS:
+        raise HarnessError(f"--warmup-samples applies to {' and '.join(RCP_WARMUP_BENCHMARKS)} only, whose RCP rows "
+                           f"carry a warmup; {spec.benchmark} "
+                           + ("runs none (its RCP rows carry a peak LR only): give --learning-rate alone"
+                              if spec.benchmark in RCP_GLOBAL_BATCHES else "follows its reference's warmup"))
+    if spec.learning_rate is not None and not spec.learning_rate > 0:
+        raise HarnessError(f"--learning-rate must be above 0 (the peak LR), got {spec.learning_rate:g}")
+    if spec.warmup_samples is not None and spec.warmup_samples < 0:
+        raise HarnessError(f"--warmup-samples must be 0 or more, got {spec.warmup_samples}")
     if spec.benchmark in RCP_GLOBAL_BATCHES and spec.batch_size is not None:
-        raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (sequences per step, one of the RCP "
-                           f"batches: {', '.join(map(str, RCP_GLOBAL_BATCHES[spec.benchmark]))}), not --batch-size; "
+        raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (sequences per step: an RCP row or a "
+                           f"batch between two, {rcp_batches_in_words(spec.benchmark)}), not --batch-size; "
                            "the layout decides each process's share")
     if spec.packing_factor != 1 and spec.benchmark != "bert":
         raise HarnessError(f"--packing-factor applies to bert only (packed BERT data), not {spec.benchmark}")
@@ -263,7 +283,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         raise HarnessError(f"--packing-factor counts sequences per packed row: 1 (unpacked) or more, got "
                            f"{spec.packing_factor}")
     if spec.force_batch and spec.global_batch is None:
-        raise HarnessError("--force-batch accepts a --global-batch with no RCP: give --global-batch too")
+        raise HarnessError("--force-batch accepts a --global-batch outside the RCP table: give --global-batch too")
     for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):
         value = getattr(spec, name)
         if value is not None and value < 1:

@@ -27,6 +27,14 @@ from tests.conftest import harness
     (["run", "resnet", "--straggler-window", "1.5steps"], ["--straggler-window '1.5steps'", "90s", "20steps", "0"]),
     (["run", "resnet", "--inject-failure", "0:3:freeze"], ["'freeze'", "stall", "hang"]),
     (["run", "resnet", "--out", "/proc/harness-cannot-write-here"], ["cannot write", "/proc/harness"]),
+    (["run", "llama2_70b_lora", "--warmup-samples", "100"], ["--warmup-samples", "llama31_8b and gpt_oss_20b only",
+                                                             "--learning-rate alone"]),
+    (["run", "resnet", "--learning-rate", "0.1"], ["--learning-rate", "llama31_8b and llama2_70b_lora only"]),
+    (["run", "llama31_8b", "--learning-rate=-1e-4"], ["--learning-rate must be above 0", "-0.0001"]),
+    (["run", "llama31_8b", "--warmup-samples=-5"], ["--warmup-samples must be 0 or more", "-5"]),
+    (["run", "llama31_8b", "--preset", "full", "--synthetic", "--global-batch", "256", "--dry-run"],
+     ["global batch 256", "above every row", "between two (16 to 128)", "128: LR 0.002, warmup 32,768 samples",
+      "--force-batch"]),
     (["report", "/no/such/results"], ["no such file or folder", "/no/such/results"]),
     (["logs", "/"], ["not a run folder", "job.json"]),
     (["frobnicate"], ["invalid choice", "run", "report"]),
@@ -62,5 +70,5 @@ def test_help_explains_every_run_option():
     assert result.returncode == 0
     for option in ("--preset", "--backend", "--nodes", "--procs-per-node", "--runs", "--seed", "--out",
                    "--max-restarts", "--env", "--data", "--synthetic", "--max-steps", "--batch-size",
-                   "--dry-run", "(default: local)", "(default: 1)"):
+                   "--dry-run", "--learning-rate", "--warmup-samples", "(default: local)", "(default: 1)"):
         assert option in result.stdout

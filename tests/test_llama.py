@@ -110,9 +110,26 @@ def test_the_closed_preset_follows_the_rules_and_the_rcp_table():
     for batch, (lr, warmup) in RCP_BATCHES.items():
         cfg = preset_config("full", batch)
         assert (cfg.global_batch, cfg.base_lr, cfg.warmup_samples) == (batch, lr, warmup)
-    with pytest.raises(ValueError, match=r"no reference convergence point .* global batch 48.*16: LR 0.0004"):
-        preset_config("full", 48)
-    assert preset_config("full", 48, force=True).global_batch == 48
+    with pytest.raises(ValueError, match=r"no reference convergence point .* global batch 256.*16: LR 0.0004"):
+        preset_config("full", 256)
+    assert preset_config("full", 256, force=True).global_batch == 256
+
+
+def test_a_batch_between_two_rcp_rows_interpolates_the_peak_lr_and_the_warmup_linearly():
+    """rcps_llama31_8b.json has rows 32 (LR 8e-4, warmup 4,096 samples), 64 (8e-4, 6,144) and 96 (1e-3, 16,348): batch 48
+    lies halfway between the first two, batch 80 halfway between the others; what the user gives wins."""
+    cfg = preset_config("full", 48)
+    assert (cfg.global_batch, cfg.base_lr, cfg.warmup_samples) == (48, 8e-4, 5_120)
+    assert cfg.hyperparameters.rows == (32, 64) and cfg.hyperparameters.lr_from == "interpolated"
+    cfg = preset_config("full", 80)
+    assert (cfg.base_lr, cfg.warmup_samples) == (9e-4, 11_246)
+    cfg = preset_config("full", 80, learning_rate=7e-4, warmup_samples=8_000)
+    assert (cfg.base_lr, cfg.warmup_samples, cfg.warmup_steps) == (7e-4, 8_000, 100)
+    assert (cfg.hyperparameters.lr_from, cfg.hyperparameters.warmup_from) == ("given", "given")
+    cfg = preset_config("full", 80, warmup_samples=8_000)  # one given, the other still interpolated
+    assert (cfg.base_lr, cfg.warmup_samples) == (9e-4, 8_000)
+    with pytest.raises(ValueError, match="below every row.*16 to 128"):
+        preset_config("full", 8)
 
 
 def test_the_tiny_target_is_reachable_under_the_open_rules():
@@ -184,7 +201,12 @@ def test_full_preset_on_64_h100_nodes_shows_its_layout_memory_and_traffic(tmp_pa
             jsonschema.validate(job, pytorchjob_schema())
         replicas = job["spec"]["pytorchReplicaSpecs"]
         assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 64
-    for args, says in ((("--global-batch", "48"), "no reference convergence point"),
+    between = harness(*args, "--global-batch", "80")
+    assert between.returncode == 0, between.stderr
+    assert ("llama31_8b hyperparameters: global batch 80 lies between the RCP rows 64 and 96 (rcps_llama31_8b.json"
+            in between.stderr and "peak LR 0.0009 interpolated" in between.stderr
+            and "warmup 11,246 samples interpolated" in between.stderr)
+    for args, says in ((("--global-batch", "256"), "no reference convergence point"),
                        (("--batch-size", "2"), "takes its batch as --global-batch"),
                        (("--force-batch",), "give --global-batch too")):
         refused = harness("run", "llama31_8b", "--preset", "full", *args, "--dry-run", "--synthetic",

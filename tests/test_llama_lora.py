@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mlperf_logging.mllog import constants as C
 
 from tests.closed_proxy import LLAMA2_MODEL as LORA_PROXY
 from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
@@ -23,7 +24,8 @@ from workloads.common.resilience import Block, _ModelAndOptimizer
 from workloads.decoder.config import GIB, LLAMA2_70B, LORA_PRESETS, LORA_RCP_BATCHES, DecoderConfig, LoraConfig, \
     estimate_memory, lora_preset_config, plan_layout
 from workloads.decoder.convert import convert, load_base, to_rotate_half, write_checkpoint
-from workloads.decoder.govreport import TRAIN, VALIDATION, ensure_tiny_govreport, labelled_split, read_split, \
+from workloads.decoder.govreport import TINY_TRAIN_SEQUENCES, TRAIN, VALIDATION, count_sequences, \
+    ensure_tiny_govreport, labelled_split, read_split, \
     write_split
 from workloads.decoder.lora import LlamaLoraWorkload, cosine_factor, freeze_base
 from workloads.decoder.model import Decoder, apply_rope
@@ -74,11 +76,53 @@ def test_the_closed_preset_is_the_references_and_the_rcps():
     assert (full.weight_decay, full.clip_norm, full.eval_interval, full.eval_sequences) == (1e-4, 0.3, 384, 173)
     assert LORA_RCP_BATCHES == {8: 4e-4, 16: 4e-4, 32: 4e-4, 128: 1e-3}
     assert lora_preset_config("full", 128).base_lr == 1e-3
-    with pytest.raises(ValueError, match=r"llama2_70b_lora has no reference convergence point .* batch 64.*8: LR 0.0004"):
-        lora_preset_config("full", 64)
-    assert lora_preset_config("full", 64, force=True).base_lr == 4e-4
+    assert lora_preset_config("full", 256, force=True).base_lr == 4e-4  # off the table, forced: the preset's LR
     assert cosine_factor(0, 1024) == 1 and cosine_factor(512, 1024) == pytest.approx(0.5)
     assert cosine_factor(1024, 1024) == 0 and cosine_factor(2000, 1024) == 0
+
+
+def test_batch_64_between_rows_32_and_128_takes_the_interpolated_lr_as_nvidias_v5_1_run_does():
+    """No row at 64 in rcps_llama2_70b_lora.json: the RCP checker interpolates between rows 32 (LR 4e-4) and 128
+    (1e-3), and so does the LR: 4e-4 + (64 - 32) / (128 - 32) x 6e-4 = 6e-4, NVIDIA's v5.1 opt_base_learning_rate."""
+    cfg = lora_preset_config("full", 64)
+    assert (cfg.global_batch, cfg.base_lr) == (64, 6e-4)
+    assert (cfg.hyperparameters.rows, cfg.hyperparameters.lr_from) == ((32, 128), "interpolated")
+    assert cfg.hyperparameters.warmup_samples is None  # the rows carry no warmup
+    assert lora_preset_config("full", 80).base_lr == 7e-4
+    if NVIDIA_LORA.is_dir():
+        log = (NVIDIA_LORA / "result_0.txt").read_text()
+        assert '"global_batch_size", "value": 64' in log and '"opt_base_learning_rate", "value": 0.0006' in log
+
+
+def test_a_given_learning_rate_is_used_and_a_warmup_or_a_batch_above_the_table_refused():
+    cfg = lora_preset_config("full", 64, learning_rate=5e-4)
+    assert cfg.base_lr == 5e-4 and cfg.hyperparameters.lr_from == "given"
+    assert lora_preset_config("full", learning_rate=3e-4).base_lr == 3e-4  # at the preset's own batch (row 8) too
+    assert lora_preset_config("tiny", learning_rate=1e-2).base_lr == 1e-2
+    with pytest.raises(ValueError, match="--warmup-samples does not apply"):
+        lora_preset_config("full", 64, warmup_samples=100)
+    with pytest.raises(ValueError, match=r"global batch 256: it is above every row.*between two \(8 to 128\) of "
+                                         r"8: LR 0.0004; 16: LR 0.0004; 32: LR 0.0004; 128: LR 0.001 \(or add "
+                                         r"--force-batch\)"):
+        lora_preset_config("full", 256, learning_rate=5e-4)
+    with pytest.raises(ValueError, match="below every row"):
+        lora_preset_config("full", 4)
+
+
+def test_the_learning_rate_reaches_the_worker_and_its_log_key():
+    """--learning-rate travels harness run -> JobSpec -> the worker's command line -> RunOptions -> the config."""
+    from harness.spec import JobSpec
+    from workloads.common.campaign import RunOptions
+    from workloads.decoder.config import run_config
+
+    spec = JobSpec(benchmark="llama2_70b_lora", preset="full", nodes=1, global_batch=64, learning_rate=5.5e-4,
+                   data=Path("/d"), init_checkpoint=Path("/c"), out_dir=Path("/o"))
+    args = spec.worker_args()
+    assert args[args.index("--learning-rate") + 1] == "0.00055"
+    opts = RunOptions.parse(args)
+    assert (opts.global_batch, opts.learning_rate, opts.warmup_samples) == (64, 5.5e-4, None)
+    assert run_config(opts.benchmark, opts.preset, opts.global_batch, learning_rate=opts.learning_rate).base_lr == 5.5e-4
+    assert "--learning-rate" in spec.command_line("slurm")
 
 
 def _cadence(global_batch: int, total_steps: int = 1024):
@@ -142,6 +186,29 @@ def test_the_tiny_data_scores_only_the_summaries_in_the_eval(tmp_path, monkeypat
     scored = validation[:, 1] != IGNORED
     assert 0.05 < scored.mean() < 0.5  # the prompts and reports masked, the summaries scored
     assert set(np.unique(validation[:, 1][scored])) <= {4, 5, 6, 7}
+
+
+def test_train_samples_is_the_training_sets_size_logged_before_run_start(tmp_path, monkeypatch):
+    """As the reference (len(train_dataset) in MLPerfCallback.on_train_begin) and NVIDIA's v5.1 logs (3,901, the
+    GovReport training split's sequences, between init_start and run_start): the sequences of the training file the
+    run reads, whatever it trains on, logged with the hyperparameters before run_start and not again at run_stop."""
+    write_split(tmp_path / TRAIN, _packed(7, 16, np.random.default_rng(0)))
+    full = LORA_PRESETS["full"]
+    given = SimpleNamespace(opts=SimpleNamespace(synthetic=False, data=tmp_path), cfg=full)
+    assert LlamaLoraWorkload.training_set_size(given) == 7
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path / "cache"))
+    tiny = SimpleNamespace(opts=SimpleNamespace(synthetic=False, data=None), cfg=LORA_PRESETS["tiny"],
+                           built_once=lambda build: build())
+    assert LlamaLoraWorkload.training_set_size(tiny) == TINY_TRAIN_SEQUENCES == 256
+    synthetic = SimpleNamespace(opts=SimpleNamespace(synthetic=True, data=None), cfg=full)
+    assert LlamaLoraWorkload.training_set_size(synthetic) == 173
+    assert count_sequences(tmp_path / "absent.parquet") is None  # the run then stops opening its data, with why
+    workload = SimpleNamespace(cfg=full, train_sequences=3901, shared_hyperparameters=lambda table: {})
+    assert LlamaLoraWorkload.hyperparameters(workload)[C.TRAIN_SAMPLES] == 3901  # logged before run_start
+    assert not LlamaLoraWorkload.logs_trained_samples  # the loop logs no samples trained at run_stop
+    if NVIDIA_LORA.is_dir():
+        log = (NVIDIA_LORA / "result_0.txt").read_text()
+        assert log.index('"key": "train_samples", "value": 3901') < log.index('"key": "run_start"')
 
 
 def _hf_layout(model: Decoder, cfg: DecoderConfig, fused: bool) -> dict[str, torch.Tensor]:
@@ -228,9 +295,26 @@ def test_full_preset_on_8_nodes_of_8_gpus_shows_its_layout_and_memory(tmp_path):
         in result.stderr
     assert "LoRA rank 16, alpha 32 on qkv and o: 44.6M trained" in result.stderr
     assert re.search(r"llama2_70b_lora memory per GPU: [\d.]+ GiB of 80 GiB \(weights 16\.1", result.stderr)
-    refused = harness("run", "llama2_70b_lora", "--preset", "full", "--global-batch", "64", "--dry-run",
+    assert "llama2_70b_lora hyperparameters: global batch 8 is an RCP row (rcps_llama2_70b_lora.json): peak LR " \
+           "0.0004 the row's" in result.stderr
+    refused = harness("run", "llama2_70b_lora", "--preset", "full", "--global-batch", "256", "--dry-run",
                       "--synthetic", "--out", str(tmp_path / "p"))
     assert refused.returncode != 0 and "8: LR 0.0004; 16: LR 0.0004; 32: LR 0.0004; 128: LR 0.001" in refused.stderr
+    assert "Traceback" not in refused.stderr and "between two (8 to 128)" in refused.stderr
+
+
+@pytest.mark.parametrize("given, says", [((), "peak LR 0.0006 interpolated linearly between the rows"),
+                                         (("--learning-rate", "5e-4"), "peak LR 0.0005 given")])
+def test_the_dry_run_at_batch_64_names_the_bounding_rows_and_how_the_lr_was_chosen(tmp_path, given, says):
+    """NVIDIA's v5.1 shape: global batch 64 on 8 nodes of 8 GPUs."""
+    result = harness("run", "llama2_70b_lora", "--preset", "full", "--global-batch", "64", "--nodes", "8",
+                     "--gpus-per-node", "8", "--backend", "slurm", "--profile", "coreweave-h100", "--dry-run",
+                     "--init-checkpoint", "/mnt/data/llama2-70b", "--data", "/mnt/data/gov_report",
+                     "--out", "/mnt/results/lora", *given)
+    assert result.returncode == 0, result.stderr
+    assert "llama2_70b_lora hyperparameters: global batch 64 lies between the RCP rows 32 and 128 " \
+           "(rcps_llama2_70b_lora.json" in result.stderr and says in result.stderr
+    assert "--global-batch 64" in result.stdout and ("--learning-rate 0.0005" in result.stdout) == bool(given)
 
 
 @pytest.mark.slow
@@ -248,6 +332,8 @@ def test_tiny_lora_resumes_from_an_adapters_only_checkpoint_reaches_its_target_a
     log = (out / "result_0.txt").read_text()
     for key in ('"lora_rank", "value": 16', '"lora_alpha", "value": 32', '"opt_gradient_clip_norm", "value": 0.3'):
         assert key in log
+    assert log.count('"key": "train_samples"') == 1  # the tiny set's size, before run_start, once
+    assert log.index('"key": "train_samples", "value": 256') < log.index('"key": "run_start"')
 
 
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_no_base_weight(one_rank_world):
@@ -290,6 +376,7 @@ def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     log = (out / "result_0.txt").read_text()
     assert '"global_batch_size", "value": 8' in log and '"eval_samples", "value": 173' in log
+    assert log.index('"key": "train_samples", "value": 16') < log.index('"key": "run_start"')
     checked = compliance(out / "result_0.txt", "6.1.0", cwd=tmp_path)
     assert "closed_llama2_70b_lora.yaml" in checked.stdout + checked.stderr
     failures = failed_checks(checked)

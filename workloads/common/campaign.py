@@ -75,7 +75,9 @@ class RunOptions:
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: the preset's choice)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
-    force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch with no RCP
+    force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch outside the RCP table
+    learning_rate: float | None = None  # llama31_8b, llama2_70b_lora: the peak LR (default: the RCP table's)
+    warmup_samples: int | None = None  # llama31_8b: the LR warmup in samples (default: the RCP table's)
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
     last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
@@ -108,6 +110,8 @@ class RunOptions:
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
+        p.add_argument("--learning-rate", type=float)
+        p.add_argument("--warmup-samples", type=int)
         p.add_argument(ALLOW_FLAG, action="store_true")
         # Not a prefix of any torchrun option (argparse would call `--run` ambiguous with torchrun's --run-path).
         p.add_argument("--last-run", type=int, help="do the runs up to this one (0-based; the finished ones are "
@@ -121,6 +125,10 @@ class RunOptions:
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
         if args.decode and args.benchmark != "resnet":
             p.error(f"--decode applies to resnet only, not {args.benchmark}")
+        if args.learning_rate is not None and args.benchmark not in ("llama31_8b", "llama2_70b_lora"):
+            p.error(f"--learning-rate applies to llama31_8b and llama2_70b_lora only, not {args.benchmark}")
+        if args.warmup_samples is not None and args.benchmark != "llama31_8b":
+            p.error(f"--warmup-samples applies to llama31_8b only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
         if args.last_run is not None and not 0 <= args.last_run < args.runs:

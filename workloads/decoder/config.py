@@ -1,7 +1,7 @@
 """The Llama benchmarks' presets (llama31_8b's pretraining, llama2_70b_lora's fine-tuning), their RCP batch
 tables, the parallel layout, and memory and traffic per GPU.
 
-No torch here: `harness run --dry-run` imports this to show the layout, refuse a batch with no RCP or a
+No torch here: `harness run --dry-run` imports this to show the layout, refuse a batch outside the RCP table or a
 config that cannot fit, and print the bytes each GPU sends per step, before anything starts.
 
 llama31_8b's full preset is MLCommons' reference (mlcommons/training `small_language_model_pretraining/nemo/`,
@@ -14,6 +14,7 @@ under `closed_llama2_70b_lora.yaml` and `rcps_llama2_70b_lora.json`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from workloads.common import traffic
@@ -171,6 +172,7 @@ class PretrainConfig:
     eod_mask_loss: bool = False  # targets whose input token is the end-of-document token are not scored
     eod_token: int = 128_001  # Llama 3.1's <|end_of_text|>, which ends every C4 document in the Megatron files
     expert_parallel: int = 8  # at most this many ranks split an MoE layer's experts (a node's GPUs: NVLink)
+    hyperparameters: "BatchHyperparameters | None" = None  # how preset_config chose base_lr and warmup_samples
 
     @property
     def warmup_steps(self) -> int:
@@ -208,21 +210,6 @@ PRESETS = {
         global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000, eval_interval=64,
         eval_sequences=32, target=0.9, loader_workers=0, step_limit=400),
 }
-
-
-def preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> PretrainConfig:
-    """The preset, at another global batch when asked: the full preset takes that batch's RCP row (peak LR,
-    warmup), and refuses, with the table, a batch the RCPs were not measured at unless forced (then the
-    preset's LR and warmup stay, and the runs cannot pass the RCP check)."""
-    cfg = PRESETS[preset]
-    if global_batch is None or global_batch == cfg.global_batch:
-        return cfg
-    if preset == "full" and global_batch not in RCP_BATCHES and not force:
-        _refuse("llama31_8b", global_batch, "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples"
-                                                       for batch, (lr, warmup) in RCP_BATCHES.items()))
-    lr, warmup = RCP_BATCHES.get(global_batch, (cfg.base_lr, cfg.warmup_samples)) if preset == "full" \
-        else (cfg.base_lr, cfg.warmup_samples)
-    return replace(cfg, global_batch=global_batch, base_lr=lr, warmup_samples=warmup)
 
 
 # --- gpt_oss_20b: the Mixture-of-Experts pretraining benchmark ------------------------------------------------------
@@ -265,22 +252,146 @@ GPT_OSS_PRESETS = {
 }
 
 
-def gpt_oss_preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> PretrainConfig:
-    """As preset_config, for gpt_oss_20b: the full preset takes a batch's peak LR and warmup from its RCP table."""
-    cfg = GPT_OSS_PRESETS[preset]
-    if global_batch is None or global_batch == cfg.global_batch:
-        return cfg
-    if preset == "full" and global_batch not in GPT_OSS_RCP_BATCHES and not force:
-        _refuse("gpt_oss_20b", global_batch, "; ".join(f"{batch}: LR {lr:g}, warmup {warmup:,} samples"
-                                                        for batch, (lr, warmup) in GPT_OSS_RCP_BATCHES.items()))
-    lr, warmup = GPT_OSS_RCP_BATCHES.get(global_batch, (cfg.base_lr, cfg.warmup_samples)) if preset == "full" \
-        else (cfg.base_lr, cfg.warmup_samples)
-    return replace(cfg, global_batch=global_batch, base_lr=lr, warmup_samples=warmup)
+# The pretraining benchmarks' presets and RCP tables (preset_config).
+PRETRAINING = {"llama31_8b": (PRESETS, RCP_BATCHES), "gpt_oss_20b": (GPT_OSS_PRESETS, GPT_OSS_RCP_BATCHES)}
 
 
-def _refuse(benchmark: str, global_batch: int, table: str) -> None:
-    raise ValueError(f"{benchmark} has no reference convergence point (RCP) at global batch {global_batch}, so "
-                     f"its runs could not pass the RCP check; choose one of {table} (or add --force-batch)")
+@dataclass(frozen=True)
+class BatchHyperparameters:
+    """A run's peak LR (and warmup) at its global batch, and where each came from: `rows` are the RCP table's rows
+    it sits on ((batch,)) or between ((low, high)), () when off the table or with no table (an open preset);
+    `lr_from` and `warmup_from` say "row", "interpolated", "given" (the user's) or "preset" (the preset's own)."""
+
+    benchmark: str
+    global_batch: int
+    base_lr: float
+    warmup_samples: int | None  # None: the benchmark's RCP rows carry no warmup (llama2_70b_lora)
+    rows: tuple[int, ...]
+    lr_from: str
+    warmup_from: str | None = None
+    table: tuple[int, ...] = ()  # every row's batch, for the dry run's words; () for an open preset
+
+    def describe(self) -> str:
+        """One line for the dry run: the rows that bound the batch and how each hyperparameter was chosen."""
+        if not self.table:
+            where = f"global batch {self.global_batch} (an open preset: no RCP table)"
+        elif len(self.rows) == 1:
+            where = f"global batch {self.global_batch} is an RCP row (rcps_{self.benchmark}.json)"
+        elif self.rows:
+            where = (f"global batch {self.global_batch} lies between the RCP rows {self.rows[0]} and {self.rows[1]} "
+                     f"(rcps_{self.benchmark}.json; the RCP checker interpolates its reference convergence between "
+                     "them)")
+        else:
+            where = (f"global batch {self.global_batch} is outside the RCP rows ({self.table[0]} to {self.table[-1]}) "
+                     "and accepted by --force-batch (its runs may fail the RCP check)")
+        words = {"row": "the row's", "interpolated": "interpolated linearly between the rows",
+                 "given": "given", "preset": "the preset's"}
+        chosen = f"peak LR {self.base_lr:g} {words[self.lr_from]}"
+        if self.warmup_samples is not None:
+            chosen += f", warmup {self.warmup_samples:,} samples {words[self.warmup_from]}"
+        return f"{where}: {chosen}"
+
+
+def rcp_hyperparameters(benchmark: str, table: Mapping[int, float | tuple[float, int]], global_batch: int, *,
+                        preset: tuple[float, int | None], learning_rate: float | None = None,
+                        warmup_samples: int | None = None, force: bool = False) -> BatchHyperparameters:
+    """The peak LR (and warmup samples) for `global_batch` from an RCP table, batch -> peak LR or batch -> (peak LR,
+    warmup samples), as mlperf-logging's `rcp_checker/training_6.1.0/rcps_<benchmark>.json` rows carry them.
+
+    - At a row: the row's values.
+    - Strictly between two rows: what the user gives (`learning_rate`, `warmup_samples`), else each interpolated
+      linearly in batch between the two bounding rows (the LR to 6 significant digits, warmup to whole samples).
+      Why: the RCP checker accepts such a batch (mlperf-logging `rcp_checker/rcp_checker.py`, `check_directory`:
+      no row at the batch, a row below (`_find_top_min_rcp`) and one above (`_find_bottom_max_rcp`) -> "RCP
+      Interpolation") and builds its reference by `_create_interp_rcp`, which interpolates only the two rows'
+      mean and standard deviation of samples to converge (np.interp over batch size) and gives the record
+      "Hyperparams": {}, so it compares the run's convergence and never its hyperparameters. The rules say the
+      same: MLCommons training_policies `training_rules.adoc`, "Reference Convergence Points (RCPs)": "If there is
+      no RCP for that batch size but there are RCPs for smaller and larger batch sizes an interpolated RCP is
+      created, and the mean epochs to converge is compared against the interpolated RCP"; they prescribe no
+      hyperparameters for such a batch (the closed hyperparameter table and the 6.1.0 compliance checker,
+      `closed_llama2_70b_lora.yaml` and `closed_llama31_8b.yaml`, constrain neither the base LR nor the warmup;
+      the verifier is the rules' source of truth). Linear interpolation is this harness's choice, made to match
+      the convergence the checker expects (interpolated linearly between the same rows); NVIDIA's v5.1
+      llama2_70b_lora at batch 64 logs opt_base_learning_rate 0.0006, the linear value between rows 32 (4e-4)
+      and 128 (1e-3).
+    - Below the smallest row or above the largest: refused (ValueError listing the table), unless `force`: then
+      the given values, else the preset's, and the runs cannot pass the RCP check (above the table the checker
+      asks for a new RCP; below it, the smallest row's convergence must still be met).
+
+    User-given values are taken at a row too (the rules leave the LR unconstrained). A table of LRs alone has no
+    warmup: `warmup_samples` is refused for it."""
+    rows = {batch: value if isinstance(value, tuple) else (value, None) for batch, value in sorted(table.items())}
+    has_warmup = all(warmup is not None for _, warmup in rows.values())
+    if warmup_samples is not None and not has_warmup:
+        raise ValueError(f"{benchmark} has no learning-rate warmup (its RCP rows carry a peak LR only), so "
+                         "--warmup-samples does not apply; give --learning-rate alone")
+    if learning_rate is not None and not learning_rate > 0:
+        raise ValueError(f"--learning-rate must be above 0, got {learning_rate:g}")
+    if warmup_samples is not None and warmup_samples < 0:
+        raise ValueError(f"--warmup-samples must be 0 or more, got {warmup_samples}")
+    batches = tuple(rows)
+    below = [batch for batch in batches if batch < global_batch]
+    above = [batch for batch in batches if batch > global_batch]
+    if global_batch in rows:
+        bounds, (lr, warmup), source = (global_batch,), rows[global_batch], "row"
+    elif below and above:
+        low, high = below[-1], above[0]
+        share = (global_batch - low) / (high - low)
+        (low_lr, low_warmup), (high_lr, high_warmup) = rows[low], rows[high]
+        lr = float(f"{low_lr + share * (high_lr - low_lr):.6g}")
+        warmup = round(low_warmup + share * (high_warmup - low_warmup)) if has_warmup else None
+        bounds, source = (low, high), "interpolated"
+    elif force:
+        bounds, (lr, warmup), source = (), preset, "preset"
+    else:
+        listed = "; ".join(f"{batch}: LR {lr:g}" + (f", warmup {warmup:,} samples" if warmup is not None else "")
+                           for batch, (lr, warmup) in rows.items())
+        raise ValueError(f"{benchmark} has no reference convergence point (RCP) at or around global batch "
+                         f"{global_batch}: it is {'below' if above else 'above'} every row, so the RCP checker has "
+                         f"none to interpolate for it and asks for a new RCP; choose a row or a batch between two "
+                         f"({batches[0]} to {batches[-1]}) of {listed} (or add --force-batch)")
+    return BatchHyperparameters(
+        benchmark=benchmark, global_batch=global_batch, rows=bounds, table=batches,
+        base_lr=learning_rate if learning_rate is not None else lr,
+        lr_from="given" if learning_rate is not None else source,
+        warmup_samples=(warmup_samples if warmup_samples is not None else warmup) if has_warmup else None,
+        warmup_from=("given" if warmup_samples is not None else source) if has_warmup else None)
+
+
+def open_hyperparameters(benchmark: str, global_batch: int, preset: tuple[float, int | None],
+                         learning_rate: float | None = None, warmup_samples: int | None = None) -> BatchHyperparameters:
+    """An open preset's (tiny): any batch, the given LR and warmup, else the preset's; no RCP table applies."""
+    lr, warmup = preset
+    if warmup_samples is not None and warmup is None:
+        raise ValueError(f"{benchmark} has no learning-rate warmup, so --warmup-samples does not apply")
+    if learning_rate is not None and not learning_rate > 0:
+        raise ValueError(f"--learning-rate must be above 0, got {learning_rate:g}")
+    if warmup_samples is not None and warmup_samples < 0:
+        raise ValueError(f"--warmup-samples must be 0 or more, got {warmup_samples}")
+    return BatchHyperparameters(
+        benchmark=benchmark, global_batch=global_batch, rows=(),
+        base_lr=learning_rate if learning_rate is not None else lr,
+        lr_from="given" if learning_rate is not None else "preset",
+        warmup_samples=(warmup_samples if warmup_samples is not None else warmup) if warmup is not None else None,
+        warmup_from=("given" if warmup_samples is not None else "preset") if warmup is not None else None)
+
+
+def preset_config(preset: str, global_batch: int | None = None, force: bool = False,
+                  learning_rate: float | None = None, warmup_samples: int | None = None,
+                  benchmark: str = "llama31_8b") -> PretrainConfig:
+    """A pretraining benchmark's preset (llama31_8b's, or gpt_oss_20b's) at `global_batch` (default: its own), its
+    peak LR and warmup from rcp_hyperparameters over the benchmark's RCP table for the full preset (a row's,
+    interpolated between two rows, or given), given or the preset's for the tiny one."""
+    presets, table = PRETRAINING[benchmark]
+    cfg = presets[preset]
+    batch = global_batch or cfg.global_batch
+    choose = rcp_hyperparameters if preset == "full" else open_hyperparameters
+    extra = {"table": table, "force": force} if preset == "full" else {}
+    chosen = choose(benchmark, global_batch=batch, preset=(cfg.base_lr, cfg.warmup_samples),
+                    learning_rate=learning_rate, warmup_samples=warmup_samples, **extra)
+    return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, warmup_samples=chosen.warmup_samples,
+                   hyperparameters=chosen)
 
 
 # --- llama2_70b_lora: LoRA fine-tuning of Llama 2 70B on SCROLLS GovReport -----------------------------------
@@ -333,6 +444,7 @@ class LoraFinetuneConfig:
     activation_checkpointing: bool = False
     loader_workers: int = 2
     step_limit: int | None = None  # stop after this many steps whatever the schedule
+    hyperparameters: "BatchHyperparameters | None" = None  # how lora_preset_config chose base_lr
 
     @property
     def eval_every(self) -> int:
@@ -364,33 +476,47 @@ LORA_PRESETS = {
 }
 
 
-def lora_preset_config(preset: str, global_batch: int | None = None, force: bool = False) -> LoraFinetuneConfig:
-    """As preset_config, for llama2_70b_lora: the full preset takes a batch's peak LR from the RCP table."""
+def lora_preset_config(preset: str, global_batch: int | None = None, force: bool = False,
+                       learning_rate: float | None = None, warmup_samples: int | None = None) -> LoraFinetuneConfig:
+    """As preset_config, for llama2_70b_lora: the full preset's peak LR from rcp_hyperparameters over the
+    llama2_70b_lora RCP table (rows carry no warmup: the reference runs none, so `warmup_samples` is refused)."""
     cfg = LORA_PRESETS[preset]
-    if global_batch is None or global_batch == cfg.global_batch:
-        return cfg
-    if preset == "full" and global_batch not in LORA_RCP_BATCHES and not force:
-        _refuse("llama2_70b_lora", global_batch, "; ".join(f"{batch}: LR {lr:g}" for batch, lr
-                                                            in LORA_RCP_BATCHES.items()))
-    lr = LORA_RCP_BATCHES.get(global_batch, cfg.base_lr) if preset == "full" else cfg.base_lr
-    return replace(cfg, global_batch=global_batch, base_lr=lr)
+    batch = global_batch or cfg.global_batch
+    choose = rcp_hyperparameters if preset == "full" else open_hyperparameters
+    extra = {"table": LORA_RCP_BATCHES, "force": force} if preset == "full" else {}
+    chosen = choose("llama2_70b_lora", global_batch=batch, preset=(cfg.base_lr, None), learning_rate=learning_rate,
+                    warmup_samples=warmup_samples, **extra)
+    return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, hyperparameters=chosen)
 
 
-# The batches each Llama benchmark's RCPs were measured at: what --global-batch may be without --force-batch.
+# The batches each Llama benchmark's RCPs were measured at: --global-batch may be one of them or any batch between
+# the smallest and the largest (rcp_hyperparameters) without --force-batch.
 RCP_GLOBAL_BATCHES: dict[str, tuple[int, ...]] = {"llama31_8b": tuple(RCP_BATCHES),
                                                   "gpt_oss_20b": tuple(GPT_OSS_RCP_BATCHES),
                                                   "llama2_70b_lora": tuple(LORA_RCP_BATCHES)}
+# The benchmarks whose RCP rows carry a warmup (--warmup-samples applies to them only).
+RCP_WARMUP_BENCHMARKS: tuple[str, ...] = ("llama31_8b", "gpt_oss_20b")
+
+
+def rcp_batches_in_words(benchmark: str) -> str:
+    """The batches --global-batch takes without --force-batch, e.g. "8 to 128 (rows 8, 16, 32, 128)"."""
+    batches = RCP_GLOBAL_BATCHES[benchmark]
+    return f"{batches[0]} to {batches[-1]} (rows {', '.join(map(str, batches))})"
 
 
 # Where each benchmark's presets live: the config_filename the 6.1 rules ask each run to log.
 PRESET_TABLES = {"llama31_8b": "PRESETS", "gpt_oss_20b": "GPT_OSS_PRESETS", "llama2_70b_lora": "LORA_PRESETS"}
 
 
-def run_config(benchmark: str, preset: str, global_batch: int | None = None, force: bool = False
+def run_config(benchmark: str, preset: str, global_batch: int | None = None, force: bool = False,
+               learning_rate: float | None = None, warmup_samples: int | None = None
                ) -> PretrainConfig | LoraFinetuneConfig:
     """A decoder benchmark's preset, by name."""
-    configs = {"llama31_8b": preset_config, "gpt_oss_20b": gpt_oss_preset_config, "llama2_70b_lora": lora_preset_config}
-    return configs[benchmark](preset, global_batch, force)
+    if benchmark == "llama2_70b_lora":
+        return lora_preset_config(preset, global_batch, force, learning_rate=learning_rate,
+                                  warmup_samples=warmup_samples)
+    return preset_config(preset, global_batch, force, learning_rate=learning_rate, warmup_samples=warmup_samples,
+                         benchmark=benchmark)
 
 
 @dataclass(frozen=True)
@@ -537,7 +663,9 @@ def estimate_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -
 
 def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
              gpu_memory_gib: float | None) -> list[str]:
-    """The lines `--dry-run` shows: the model, the layout, memory per GPU and traffic per GPU per step."""
+    """The lines `--dry-run` shows: the model, the layout, memory per GPU, traffic per GPU per step, and how the
+    batch's peak LR (and warmup) were chosen: the RCP rows that bound it, interpolated or given
+    (BatchHyperparameters.describe)."""
     m = cfg.model
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
     parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
@@ -559,6 +687,7 @@ def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: L
         f"{benchmark} memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",
         f"{benchmark} traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
+        *([f"{benchmark} hyperparameters: {cfg.hyperparameters.describe()}"] if cfg.hyperparameters else []),
     ]
 
 

@@ -33,6 +33,15 @@ VALIDATION = "validation-00000-of-00001.parquet"
 COLUMNS = ("input_ids", "labels")
 
 
+def count_sequences(path: Path) -> int | None:
+    """The sequences (rows) a split holds, from its parquet footer alone: no sequence is read. None when the file
+    is missing or no parquet file (read_split then says why, when the run opens its data)."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException):
+        return None
+
+
 def read_split(path: Path, seq_len: int) -> np.ndarray:
     """(sequences, 2, seq_len) int32: each row's input ids and labels (vocabulary 32,000 and -100 fit)."""
     if not path.is_file():

@@ -32,8 +32,8 @@ from workloads.common.loop import Target
 from workloads.common.megatron_data import token_loaders
 from workloads.common.resilience import Block
 from workloads.decoder.convert import load_base
-from workloads.decoder.govreport import PackedSamples, Sequences, ensure_tiny_govreport, govreport_loaders, \
-    labelled_split
+from workloads.decoder.govreport import TRAIN, PackedSamples, Sequences, count_sequences, ensure_tiny_govreport, \
+    govreport_loaders, labelled_split
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import parallelize
 from workloads.decoder.workload import DecoderWorkload
@@ -54,6 +54,7 @@ def freeze_base(model: torch.nn.Module) -> None:
 class LlamaLoraWorkload(DecoderWorkload):
     rate_shown = ("seq/s", "throughput")
     checkpoint_frozen = False  # checkpoints keep the adapters and their optimizer state, not the frozen base
+    logs_trained_samples = False  # train_samples is the training set's size, logged before run_start (hyperparameters)
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed, whole=labelled_split)
@@ -62,6 +63,7 @@ class LlamaLoraWorkload(DecoderWorkload):
         self.first_eval = (cfg.skipped_evals + 1) * cfg.eval_every  # steps
         self.target = Target("eval loss", "loss", cfg.target, higher_is_better=False)
         base = self._base_checkpoint()
+        self.train_sequences = self.training_set_size()
 
         with torch.device("meta"):
             model = Decoder(cfg.model, activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora)
@@ -97,6 +99,20 @@ class LlamaLoraWorkload(DecoderWorkload):
         return govreport_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed,
                                  data_rank, layout.data, **reading)
 
+    def training_set_size(self) -> int | None:
+        """The sequences in the training set this run reads, logged as train_samples before run_start, as the
+        reference logs len(train_dataset) (mlcommons/training `llama2_70b_lora/scripts/mlperf_logging_utils.py`,
+        MLPerfCallback.on_train_begin, with the init and run_start events) and NVIDIA's v5.1 logs 3,901 (the
+        GovReport training split) between init_start and run_start, whatever the samples a run trains on. With
+        --data: the training file's row count from its parquet footer (no sequence is read before the clock);
+        None if the file cannot be read, so the run logs none and stops when it opens its data, with the
+        reason. The tiny preset's generated set (built here, in the untimed init, once per node) logs its own
+        size; --synthetic's generated sequences theirs."""
+        if self.opts.synthetic:
+            return self.cfg.eval_sequences  # loaders_for_run's generated sequences: as many as the eval set's
+        root = self.opts.data or self.built_once(lambda: ensure_tiny_govreport(self.cfg.model.seq_len))
+        return count_sequences(Path(root, TRAIN))
+
     def _base_checkpoint(self) -> Path:
         if self.opts.init_checkpoint:
             return self.opts.init_checkpoint
@@ -109,6 +125,7 @@ class LlamaLoraWorkload(DecoderWorkload):
         cfg = self.cfg
         return {
             **self.shared_hyperparameters(),
+            **({C.TRAIN_SAMPLES: self.train_sequences} if self.train_sequences is not None else {}),
             C.OPT_LR_WARMUP_FACTOR: 0.0,
             C.OPT_LR_TRAINING_STEPS: cfg.max_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine",

@@ -34,7 +34,8 @@ class DecoderWorkload(DecoderSteps, Workload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
         super().__init__(opts, ctx, seed)
         try:
-            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch)
+            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
+                             learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples)
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
         except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
             raise ConfigurationError(f"workloads: {exc}") from None
@@ -52,7 +53,8 @@ class DecoderWorkload(DecoderSteps, Workload):
 
     def open_data(self) -> dict[str, Any]:
         """The loaders (loaders_for_run). Both benchmarks log eval_samples before run_start from the rules'
-        constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do, and train_samples when the run stops."""
+        constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do; llama2_70b_lora logs train_samples there
+        too, its training set's size (LlamaLoraWorkload.training_set_size), and llama31_8b when the run stops."""
         with data_errors():
             self.loaders = self.loaders_for_run()
         return {}
