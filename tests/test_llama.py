@@ -17,10 +17,11 @@ from tests.closed_proxy import LLAMA_MODEL as LLAMA_PROXY
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
-from workloads.common.megatron_data import IndexedDataset, write_indexed_dataset
+from workloads.common.megatron_data import IndexedDataset, gpt_dataset_indices, write_indexed_dataset
 from workloads.decoder.config import LLAMA31_8B, PRESETS, RCP_BATCHES, DecoderConfig, RopeScaling, \
     estimate_traffic, plan_layout, preset_config
-from workloads.decoder.data import TINY_VOCAB, TRAIN, VALIDATION, c4_loaders, tiny_entropy
+from workloads.decoder.data import TINY_VOCAB, TRAIN, VALIDATION, c4_loaders, reference_validation_samples, \
+    tiny_entropy
 from workloads.decoder.model import CausalAttention, Decoder, apply_rope, rope_frequencies
 from workloads.decoder.parallelize import ContextParallelAttention, context_chunks
 from workloads.decoder.pretrain import lr_factor
@@ -182,6 +183,71 @@ def test_the_reader_names_missing_files_and_reads_int32_tokens(tmp_path):
     assert int(next(iter(loaders.train)).max()) == 128_255 and loaders.eval_sequences == 2
     with pytest.raises(ValueError, match="holds 9 sequences of 9 tokens; the eval scores 1024"):
         c4_loaders(tmp_path, 8, 1, 4, 1024, seed=0, data_rank=0, data_world=1)
+
+
+def _megatron_core_validation_split(prefix, seq_len, num_samples, seed, cache):
+    """The validation split as the reference builds it: NeMo's PreTrainingDataModule gives Megatron-Core's
+    BlendedMegatronDatasetBuilder the file as its own split (blend_per_split) and asks it for num_samples."""
+    gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset",
+                              reason="megatron-core (the test extra) is not installed: no reference to compare with")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    class Tokenizer:  # what GPTDataset reads of one
+        eod, pad, vocab_size = 0, -1, None
+        special_tokens_dict: dict = {}
+        unique_identifiers = {"class": "Tokenizer"}
+
+    config = gpt.GPTDatasetConfig(random_seed=seed, sequence_length=seq_len, tokenizer=Tokenizer(),
+                                  blend_per_split=[None, ([str(prefix)], None), None], path_to_cache=str(cache),
+                                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                                  create_attention_mask=False)
+    return BlendedMegatronDatasetBuilder(gpt.GPTDataset, [None, num_samples, None], lambda: True, config).build()[1]
+
+
+# (requested validation samples, what GPTDataset makes of them): the small file below holds 701 tokens, 43
+# windows of 17 an epoch.
+@pytest.mark.parametrize("num_samples, epochs, separate", [(None, 1, False), (40, 1, False), (80, 2, False),
+                                                           (47, 2, True), (500, 12, True), (516, 12, False)])
+def test_the_eval_scores_megatron_cores_validation_items_for_the_seed(tmp_path, num_samples, epochs, separate):
+    """The reference's eval scores items 0..count-1 of Megatron-Core's GPTDataset over the validation file, whose
+    documents and samples are shuffled by the seed over as many epochs as the requested samples need: the
+    harness's eval set is those windows, in that order, and its indices are Megatron-Core's."""
+    rng = np.random.default_rng(3)
+    lengths = [1, 5, 16, 17, 18, 40, 3, 100, 2, 60, 33, 7, 250, 9, 34, 106]  # shorter, as long as, longer than a window
+    docs = [np.append(rng.integers(1, 1000, n - 1), 0).astype(np.int32) for n in lengths]
+    write_indexed_dataset(tmp_path / VALIDATION, docs, dtype=np.int32)
+    write_indexed_dataset(tmp_path / TRAIN, docs, dtype=np.int32)
+    seq_len, seed, count = 16, 1234, 12
+    reference = _megatron_core_validation_split(tmp_path / VALIDATION, seq_len, num_samples, seed, tmp_path / "npy")
+    ours = gpt_dataset_indices(IndexedDataset(tmp_path / VALIDATION).sizes, seq_len, num_samples, seed)
+    assert (ours.epochs, ours.separate_final_epoch) == (epochs, separate)
+    assert np.array_equal(ours.document, reference.document_index)
+    assert np.array_equal(ours.shuffle, reference.shuffle_index)
+    assert np.array_equal(ours.starts, reference.sample_index[reference.shuffle_index])
+    assert np.array_equal(ours.ends, reference.sample_index[reference.shuffle_index.astype(np.int64) + 1])
+
+    loaders = c4_loaders(tmp_path, seq_len, 1, 4, count, seed=seed, data_rank=0, data_world=1,
+                         validation_samples=num_samples)
+    scored = loaders.eval.dataset.data
+    assert len(scored) == loaders.eval_sequences == count
+    for i in range(count):
+        item = reference[i]
+        want = torch.cat([item["tokens"], item["labels"][-1:]])
+        assert torch.equal(scored[i], want), i
+    in_order = [torch.from_numpy(np.concatenate(docs)[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64))
+                for i in range(count)]
+    assert not all(torch.equal(scored[i], in_order[i]) for i in range(count))  # not the README's first, in order
+    other = c4_loaders(tmp_path, seq_len, 1, 4, count, seed=seed + 1, data_rank=0, data_world=1,
+                       validation_samples=num_samples).eval.dataset.data
+    assert not all(torch.equal(scored[i], other[i]) for i in range(count))  # another seed, other sequences
+
+
+def test_the_validation_split_is_asked_for_what_nemo_asks_at_each_rcp_batch():
+    """pretrain_llama31.py's val_check_interval (ceil(12,288 / GBS) / GBS) and limit_val_batches (ceil(1,024 /
+    GBS)) through PreTrainingDataModule.build: (max_steps // val_check_interval + 1) x limit_val_batches x GBS."""
+    assert reference_validation_samples(32, 1_200_000, 12_288, 1024) == (1_200_000 // 12 + 1) * 32 * 32
+    assert reference_validation_samples(64, 1_200_000, 12_288, 1024) == 409_601_024
+    assert reference_validation_samples(128, 1_200_000, 12_288, 1024) == int((1_200_000 // 0.75 + 1) * 8 * 128)
 
 
 @pytest.mark.parametrize("backend", ["slurm", "k8s"])

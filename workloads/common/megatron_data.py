@@ -11,6 +11,9 @@ train), and shuffled by a seed, as Megatron's GPTDataset does (its `_build_doc_i
 order: "Disabled document shuffling", mlcommons/training large_language_model/megatron-lm/megatron/data/
 gpt_dataset.py; its `shuffle_idx` shuffles the samples). Llama 3.1's reference cuts windows of seq_len + 1
 tokens (Megatron's default); GPT-3's passes `--no-seq-len-plus-one-tokens`: disjoint samples of seq_len.
+Megatron-Core's GPTDataset, which NeMo (llama31_8b's reference) and today's Megatron-LM (gpt_oss_20b's) read
+through, shuffles the documents as well, over as many epochs as the samples asked of it need:
+gpt_dataset_indices follows it, and megatron_eval_samples gives the sequences an eval built on it scores.
 The tiny presets write their generated text in the same format, so they run through this very reader.
 """
 
@@ -127,6 +130,204 @@ class SequenceSamples(Dataset):
         start = int(self.order[i]) * self.seq_len
         sample = self.data.tokens[start:start + self.seq_len + self.extra].astype(np.int64)
         return torch.from_numpy(np.pad(sample, (0, self.seq_len + self.extra - len(sample)), constant_values=PAD))
+
+
+# Megatron-Core's GPTDataset (megatron/core/datasets/gpt_dataset.py, with helpers.cpp's build_sample_idx): the
+# order NeMo's PreTrainingDataModule and Megatron-LM's pretrain_gpt.py read a split in. Its three indices: the
+# document index (every document once per epoch, all epochs shuffled together by numpy's legacy RandomState(seed)),
+# the sample index (where each seq_len (+1) window starts in the documents laid end to end in that order), and the
+# shuffle index (a permutation of the samples, from the same RandomState, drawn after the document shuffle).
+# Dataset item i is sample shuffle_index[i]. The epochs depend on how many samples the caller asks the split for,
+# so the same file gives other windows for another requested count, and another seed.
+
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # gpt_dataset.py, GPTDataset._build_document_sample_shuffle_indices
+
+
+def gpt_num_epochs(tokens_per_epoch: int, num_samples: int | None, seq_len: int, extra_token: bool = True) -> int:
+    """GPTDataset._get_num_epochs (megatron/core/datasets/gpt_dataset.py): the fewest epochs whose tokens hold
+    `num_samples` windows of seq_len + extra_token tokens (1 when no count is asked for)."""
+    if num_samples is None:
+        return 1
+    requested = num_samples * seq_len + int(extra_token)
+    return max(1, -(-requested // tokens_per_epoch))
+
+
+def gpt_separate_final_epoch(tokens_per_epoch: int, num_epochs: int, num_samples: int, seq_len: int,
+                             extra_token: bool = True) -> tuple[bool, int]:
+    """GPTDataset._build_document_sample_shuffle_indices: with several epochs, the last one is shuffled on its own
+    (documents and samples) when the samples taken from it are fewer than 80% of an epoch's. Returns (separate,
+    the samples before the final epoch)."""
+    if num_epochs == 1:
+        return False, 0
+    extra = int(extra_token)
+    before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_len
+    from_final = num_samples - before_final
+    per_epoch = (tokens_per_epoch - extra) // seq_len
+    assert 0 <= from_final <= per_epoch + 1
+    return from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch), before_final
+
+
+def gpt_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                       separate_final_epoch: bool) -> np.ndarray:
+    """gpt_dataset.py, _build_document_index: the documents repeated num_epochs times (epoch-major) as int32, shuffled
+    in place by `rng`; with separate_final_epoch, the first num_epochs - 1 epochs shuffled together, then the last."""
+    if not separate_final_epoch or num_epochs == 1:
+        index = np.tile(np.asarray(documents), num_epochs).astype(np.int32)
+        rng.shuffle(index)
+        return index
+    first = gpt_document_index(documents, num_epochs - 1, rng, False)
+    return np.concatenate((first, gpt_document_index(documents, 1, rng, False)))
+
+
+def gpt_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """gpt_dataset.py, _build_shuffle_index: [0, num_samples) shuffled, then [num_samples, total_size) shuffled
+    after it (uint32 unless the size needs int64)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def gpt_sample_count(tokens_per_epoch: int, num_epochs: int, seq_len: int, extra_token: bool = True,
+                     drop_last_partial: bool = True) -> int:
+    """helpers.cpp, build_sample_idx: the samples the document index holds (the sample index has one row more).
+    Without drop_last_partial, the last, shorter one counts too (computed in single precision, as there)."""
+    usable = num_epochs * tokens_per_epoch - int(extra_token)
+    if drop_last_partial:
+        return usable // seq_len
+    return int(np.ceil(np.float32(usable) / np.float32(seq_len)))
+
+
+# Documents per step when the document index is laid end to end: bounds the memory of the running token count
+# (the real validation index runs to billions of entries).
+_CHUNK = 1 << 24
+
+
+def gpt_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_len: int, num_epochs: int,
+                     tokens_per_epoch: int, extra_token: bool = True, drop_last_partial: bool = True,
+                     rows: np.ndarray | None = None) -> np.ndarray:
+    """helpers.cpp, build_sample_idx (megatron/core/datasets): row k = (position in the document index, token
+    offset in that document) where sample k starts, i.e. token k x seq_len of the documents laid end to end in the
+    document index's order. A sample is seq_len + extra_token tokens, so with the extra token consecutive samples
+    share one token and a row never points at a document's end (the loop there stops in the document that holds
+    the sample's last token). Without drop_last_partial the final row is (last position, its size - extra_token).
+
+    The loop there walks every document; this finds the same rows from a running token count, only for `rows`
+    (sample index rows, default all of them), a chunk of the document index at a time."""
+    extra = int(extra_token)
+    count = gpt_sample_count(tokens_per_epoch, num_epochs, seq_len, extra_token, drop_last_partial)
+    rows = np.arange(count + 1, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    out = np.zeros((len(rows), 2), dtype=np.int64)
+    total = num_epochs * tokens_per_epoch
+    partial = rows * seq_len + extra > total  # only the final row of a set that keeps its last partial sample
+    if partial.any():
+        out[partial] = (len(document_index) - 1, int(sizes[document_index[-1]]) - extra)
+    # Row k's document holds token k x seq_len + extra - 1 (the one before the sample's end); row 0 is (0, 0).
+    order = np.argsort(rows, kind="stable")
+    wanted = order[(rows[order] > 0) & ~partial[order]]
+    targets = rows[wanted] * seq_len + extra - 1
+    base, done = 0, 0
+    for start in range(0, len(document_index), _CHUNK):
+        if done == len(wanted):
+            break
+        lengths = sizes[document_index[start:start + _CHUNK]].astype(np.int64)
+        ends = base + np.cumsum(lengths)
+        stop = done + int(np.searchsorted(targets[done:], ends[-1] if len(ends) else base, side="left"))
+        if stop > done:
+            at = np.searchsorted(ends, targets[done:stop], side="right")
+            begins = ends[at] - lengths[at]
+            out[wanted[done:stop], 0] = start + at
+            out[wanted[done:stop], 1] = rows[wanted[done:stop]] * seq_len - begins
+            done = stop
+        base = int(ends[-1]) if len(ends) else base
+    if done != len(wanted):
+        raise ValueError(f"the document index holds {base} tokens, too few for sample {rows[wanted[done]]}")
+    return out
+
+
+@dataclass
+class GPTIndices:
+    """What GPTDataset builds for one split: the document index, the sample index rows of the samples it serves
+    (`starts[i]`, `ends[i]`: sample `shuffle[i]`'s first and next rows), and the figures behind them."""
+    document: np.ndarray
+    shuffle: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    epochs: int
+    tokens_per_epoch: int
+    separate_final_epoch: bool
+
+
+def gpt_dataset_indices(sizes: np.ndarray, seq_len: int, num_samples: int | None, seed: int,
+                        documents: np.ndarray | None = None, extra_token: bool = True, drop_last_partial: bool = True,
+                        first: int | None = None) -> GPTIndices:
+    """GPTDataset._build_document_sample_shuffle_indices (megatron/core/datasets/gpt_dataset.py) for a split of
+    `documents` (default all of them, as a split given its own file gets: blended_megatron_dataset_builder.py,
+    `blend_per_split`), asked for `num_samples` samples (None: one epoch). One numpy RandomState(seed) shuffles
+    the document index, then the samples. `first`: keep only the sample rows of dataset items 0..first-1 (the
+    document and shuffle indices are built whole: each depends on every draw before it)."""
+    sizes = np.asarray(sizes)
+    documents = np.arange(len(sizes), dtype=np.int32) if documents is None else np.asarray(documents)
+    tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
+    epochs = gpt_num_epochs(tokens_per_epoch, num_samples, seq_len, extra_token)
+    separate, before_final = gpt_separate_final_epoch(tokens_per_epoch, epochs, num_samples, seq_len, extra_token) \
+        if epochs > 1 else (False, 0)
+    rng = np.random.RandomState(seed)
+    document = gpt_document_index(documents, epochs, rng, separate)
+    count = gpt_sample_count(tokens_per_epoch, epochs, seq_len, extra_token, drop_last_partial)
+    shuffle = gpt_shuffle_index(before_final if separate else count, count, rng)
+    served = shuffle if first is None else shuffle[:first]
+    rows = gpt_sample_index(sizes, document, seq_len, epochs, tokens_per_epoch, extra_token, drop_last_partial,
+                            rows=np.concatenate((served, served + 1)).astype(np.int64))
+    return GPTIndices(document, shuffle, rows[:len(served)], rows[len(served):], epochs, tokens_per_epoch, separate)
+
+
+class GPTSamples(Dataset):
+    """Dataset items 0..count-1 of Megatron-Core's GPTDataset over `data`, each a window of seq_len + 1 tokens
+    (seq_len without extra_token), as GPTDataset._query_document_sample_shuffle_indices cuts them: from the
+    first row's document and offset to the next row's, across the documents between them. A window the last
+    partial sample leaves short is padded with PAD. Keeps only each window's document ids and ends, not the
+    (possibly billions long) document index."""
+
+    def __init__(self, data: IndexedDataset, indices: GPTIndices, seq_len: int, count: int | None = None,
+                 extra_token: bool = True):
+        self.data, self.length = data, seq_len + int(extra_token)
+        count = len(indices.starts) if count is None else count
+        if count > len(indices.starts):
+            raise ValueError(f"{count} samples asked of a split that serves {len(indices.starts)}")
+        self.samples = [(np.array(indices.document[b:e + 1], dtype=np.int64), int(offset), int(end) + int(extra_token))
+                        for (b, offset), (e, end) in zip(indices.starts[:count], indices.ends[:count])]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        documents, offset, end = self.samples[i]
+        if len(documents) == 1:
+            parts = [self.data.document(int(documents[0]))[offset:end]]
+        else:
+            parts = [self.data.document(int(documents[0]))[offset:]]
+            parts += [self.data.document(int(d)) for d in documents[1:-1]]
+            parts.append(self.data.document(int(documents[-1]))[:end])
+        sample = np.concatenate(parts).astype(np.int64)
+        return torch.from_numpy(np.pad(sample, (0, self.length - len(sample)), constant_values=PAD))
+
+
+def megatron_eval_samples(data: IndexedDataset, seq_len: int, num_samples: int | None, seed: int, count: int,
+                          extra_token: bool = True) -> GPTSamples:
+    """The sequences an eval over a validation file scores when its reference reads it through Megatron-Core's
+    GPTDataset, built for `num_samples` samples (what the reference's data module asks the validation split for;
+    None: one epoch) with the run's seed, and evaluates dataset items 0..count-1 (its validation sampler starts
+    at 0 every time: NeMo's MegatronDataSampler, Megatron-LM's MegatronPretrainingSampler)."""
+    indices = gpt_dataset_indices(data.sizes, seq_len, num_samples, seed, extra_token=extra_token, first=count)
+    if len(indices.shuffle) < count:
+        raise ValueError(f"holds {len(indices.shuffle)} sequences of {seq_len + int(extra_token)} tokens; the eval "
+                         f"scores {count}")
+    return GPTSamples(data, indices, seq_len, count, extra_token)
 
 
 class BlendedSamples(Dataset):

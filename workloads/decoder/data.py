@@ -3,14 +3,23 @@ distributes it (mlcommons/training `small_llm_pretraining/nemo/pretrain_llama31.
 file and the validation subset. Token ids reach 128,255, so the files hold int32 (the index says so).
 
 Training samples are 8,193-token windows over the training file's stream, in a seeded shuffled order, with
-plain causal attention across document boundaries (the reference's reset_attention_mask=False). The eval is
-the first 1,024 validation windows, in order, each scored once across the data ranks. (The reference's README
-says the validation set is not shuffled; its data module shuffles it by the seed. We take the README's word:
-the same 1,024 sequences for every seed, so runs are comparable.)
+plain causal attention across document boundaries (the reference's reset_attention_mask=False).
+
+The eval scores the 1,024 validation sequences the reference scores, each once across the data ranks. Its README
+says "the first 1,024, not shuffled"; its code does otherwise, and that code produced the RCPs. `get_data` gives
+NeMo's PreTrainingDataModule the validation file as its own split (`paths["validation"]`) with the run's seed;
+the module (nemo/collections/llm/gpt/data/pre_training.py, `build`) asks Megatron-Core's GPTDataset
+(megatron/core/datasets/gpt_dataset.py, through blended_megatron_dataset_builder.py) for
+(max_steps // val_check_interval + 1) x limit_val_batches x global batch samples, which it draws from as many
+epochs of the file as that takes, documents and samples shuffled by numpy's RandomState(seed); each eval reads
+dataset items 0..1,023 (limit_val_batches = ceil(1,024 / global batch) batches; the validation sampler starts at
+0 every time). So the set depends on the seed and on that requested count:
+workloads.common.megatron_data.megatron_eval_samples builds it, and reference_validation_samples gives the count.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,25 +28,42 @@ import torch
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
 from workloads.common.megatron_data import BlendedSamples, IndexedDataset, SequenceSamples, TokenLoaders, \
-    require_datasets, token_loaders, write_markov_corpus
+    megatron_eval_samples, require_datasets, token_loaders, write_markov_corpus
 
 TRAIN = "c4-train.en_6_text_document"
 VALIDATION = "c4-validation-91205-samples.en_text_document"
 
 
+def reference_validation_samples(global_batch: int, max_steps: int, eval_interval: int, eval_sequences: int) -> int:
+    """The samples the reference asks its validation split for, on which the scored sequences depend.
+
+    pretrain_llama31.py (mlcommons/training small_llm_pretraining/nemo, as of 08d765e) sets the trainer's
+    val_check_interval to ceil(eval_every / GBS) / GBS (a float: 12.0 at GBS 32, 0.75 at 128) and
+    limit_val_batches to ceil(eval_tokens / GBS); NeMo's PreTrainingDataModule.build
+    (nemo/collections/llm/gpt/data/pre_training.py) turns them into
+    int((max_steps // val_check_interval + 1) x limit_val_batches x GBS): 102,401,024 at GBS 32 and
+    409,601,024 at GBS 64 for max_steps 1,200,000."""
+    check_interval = math.ceil(eval_interval / global_batch) / global_batch
+    eval_batches = math.ceil(eval_sequences / global_batch)
+    return int((max_steps // check_interval + 1) * eval_batches * global_batch)
+
+
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int, seed: int,
                data_rank: int, data_world: int, workers: int = 0, pin_memory: bool = False,
-               eval_batch: int | None = None) -> TokenLoaders:
-    """Loaders over the folder MLCommons distributes; a missing file is named with what the folder holds."""
+               eval_batch: int | None = None, validation_samples: int | None = None) -> TokenLoaders:
+    """Loaders over the folder MLCommons distributes; a missing file is named with what the folder holds.
+
+    The eval scores GPTDataset's items 0..eval_sequences-1 of the validation file, built with `seed` for
+    `validation_samples` samples (reference_validation_samples; None: one epoch of the file)."""
     require_datasets(root, (TRAIN, VALIDATION), "llama31_8b: MLCommons' C4 for Llama 3.1")
     train = SequenceSamples(IndexedDataset(Path(root, TRAIN)), seq_len, seed)
-    validation = SequenceSamples(IndexedDataset(Path(root, VALIDATION)), seq_len, seed=None)
-    if len(validation) < eval_sequences:
-        raise ValueError(f"{root}/{VALIDATION} holds {len(validation)} sequences of {seq_len + 1} tokens; the eval "
-                         f"scores {eval_sequences}")
+    try:
+        validation = megatron_eval_samples(IndexedDataset(Path(root, VALIDATION)), seq_len, validation_samples, seed,
+                                           eval_sequences)
+    except ValueError as e:
+        raise ValueError(f"{root}/{VALIDATION} {e}") from None
     # One source, repeated as often as the run needs (BlendedSamples over one dataset cycles it).
-    return token_loaders(BlendedSamples([train], [1.0], train_samples),
-                         torch.utils.data.Subset(validation, range(eval_sequences)), micro_batch, data_rank,
+    return token_loaders(BlendedSamples([train], [1.0], train_samples), validation, micro_batch, data_rank,
                          data_world, workers, pin_memory, eval_batch)
 
 

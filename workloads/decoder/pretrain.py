@@ -29,7 +29,7 @@ from workloads.common.language_model import eod_masked_split, optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
-from workloads.decoder.data import c4_loaders, ensure_tiny_corpus
+from workloads.decoder.data import c4_loaders, ensure_tiny_corpus, reference_validation_samples
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import parallelize
 from workloads.decoder.workload import DecoderWorkload
@@ -90,8 +90,10 @@ class PretrainWorkload(DecoderWorkload):
                                  RandomTokens(m.vocab_size, m.seq_len, cfg.eval_sequences, seed + 1),
                                  cfg.micro_batch, data_rank, layout.data, **reading)
         root = self.opts.data or self.built_once(ensure_tiny_corpus)
+        validation = reference_validation_samples(cfg.global_batch, cfg.max_steps, cfg.eval_interval,
+                                                  cfg.eval_sequences)
         return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
-                          layout.data, **reading)
+                          layout.data, **reading, validation_samples=validation)
 
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg
