@@ -259,13 +259,13 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         if getattr(spec, name) < 1:
             raise HarnessError(f"--{name} must be at least 1, got {getattr(spec, name)}")
     if (spec.global_batch is not None or spec.force_batch) and spec.benchmark not in RCP_GLOBAL_BATCHES:
-        raise HarnessError(f"--global-batch and --force-batch apply to {' and '.join(RCP_GLOBAL_BATCHES)} only, not "
+        raise HarnessError(f"--global-batch and --force-batch apply to {', '.join(RCP_GLOBAL_BATCHES)} only, not "
                            f"{spec.benchmark} (its global batch follows --batch-size and the process count)")
     if spec.learning_rate is not None and spec.benchmark not in RCP_GLOBAL_BATCHES:
-        raise HarnessError(f"--learning-rate applies to {' and '.join(RCP_GLOBAL_BATCHES)} only, not "
+        raise HarnessError(f"--learning-rate applies to {', '.join(RCP_GLOBAL_BATCHES)} only, not "
                            f"{spec.benchmark} (its LR follows its reference's rule for the batch)")
     if spec.warmup_samples is not None and spec.benchmark not in RCP_WARMUP_BENCHMARKS:
-        raise HarnessError(f"--warmup-samples applies to {' and '.join(RCP_WARMUP_BENCHMARKS)} only, whose RCP rows "
+        raise HarnessError(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, whose RCP rows "
                            f"carry a warmup; {spec.benchmark} "
                            + ("runs none (its RCP rows carry a peak LR only): give --learning-rate alone"
                               if spec.benchmark in RCP_GLOBAL_BATCHES else "follows its reference's warmup"))

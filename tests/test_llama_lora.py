@@ -203,7 +203,7 @@ def test_train_samples_is_the_training_sets_size_logged_before_run_start(tmp_pat
     synthetic = SimpleNamespace(opts=SimpleNamespace(synthetic=True, data=None), cfg=full)
     assert LlamaLoraWorkload.training_set_size(synthetic) == 173
     assert count_sequences(tmp_path / "absent.parquet") is None  # the run then stops opening its data, with why
-    workload = SimpleNamespace(cfg=full, train_sequences=3901, shared_hyperparameters=lambda table: {})
+    workload = SimpleNamespace(cfg=full, train_sequences=3901, shared_hyperparameters=lambda: {})
     assert LlamaLoraWorkload.hyperparameters(workload)[C.TRAIN_SAMPLES] == 3901  # logged before run_start
     assert not LlamaLoraWorkload.logs_trained_samples  # the loop logs no samples trained at run_stop
     if NVIDIA_LORA.is_dir():
