@@ -1,5 +1,5 @@
-"""The bytes one GPU sends per optimizer step, by collective and by link, for the decoders' layouts (GPT-3's and
-llama31_8b's). No torch: `harness run --dry-run` prints it before anything starts.
+"""The bytes one GPU sends per optimizer step, by collective and by link, for the decoders' layouts (GPT-3's, the
+Llamas' and gpt_oss_20b's). No torch: `harness run --dry-run` prints it before anything starts.
 
 Ring algorithms: each rank of a group of n sends (n - 1)/n of the buffer per all-gather or reduce-scatter,
 twice that per all-reduce. A group stays on NVLink when it fits inside a node, else it crosses InfiniBand.
@@ -21,11 +21,13 @@ class Traffic:
     context: float  # keys and values all-gathered (their gradients reduce-scattered), per block and pass
     nvlink: float
     infiniband: float
+    all_to_all: float = 0.0  # MoE: token copies sent to their experts' ranks and back, per MoE block and pass
 
     def describe(self) -> str:
         return (f"{self.nvlink / GB:.1f} GB over NVLink, {self.infiniband / GB:.1f} GB over InfiniBand (FSDP gathers "
                 f"{self.fsdp_gather / GB:.1f}, reduce-scatters {self.fsdp_reduce / GB:.1f}; replica all-reduce "
-                f"{self.replicate_reduce / GB:.1f}; tensor {self.tensor / GB:.1f}; context {self.context / GB:.1f} GB)")
+                f"{self.replicate_reduce / GB:.1f}; tensor {self.tensor / GB:.1f}; context {self.context / GB:.1f}"
+                + (f"; expert all-to-all {self.all_to_all / GB:.1f}" if self.all_to_all else "") + " GB)")
 
 
 def _ring(n: int) -> float:
@@ -34,25 +36,33 @@ def _ring(n: int) -> float:
 
 def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int, kv_dim: int, tensor: int,
                      context: int, shard: int, replicate: int, micro_batch: int, grad_accum: int, procs_per_node: int,
-                     recompute: bool, compute_bytes: int = 2, reduced_params: float | None = None) -> Traffic:
+                     recompute: bool, compute_bytes: int = 2, reduced_params: float | None = None,
+                     expert_params: float = 0, expert: int = 1, top_k: int = 0) -> Traffic:
     """FSDP shards over shard x context; `recompute` (activation checkpointing) runs each block's forward twice.
-    `reduced_params`: the parameters that have gradients, when fewer than all (LoRA's adapters)."""
+    `reduced_params`: the parameters that have gradients, when fewer than all (LoRA's adapters). With experts
+    (`expert_params` of them in all, split over `expert` ranks, tensor parallel 1), a rank gathers and
+    reduce-scatters only its own experts, over the expert_shard = FSDP group / expert ranks that hold them, and
+    sends each of its positions' top_k copies to their experts' ranks and back (all-to-all, (expert - 1)/expert of
+    them leave the rank) in each pass of every block."""
     fsdp = shard * context
-    per_tensor_rank = params / tensor
-    reduced = (params if reduced_params is None else reduced_params) / tensor
-    fsdp_gather = grad_accum * 2 * compute_bytes * per_tensor_rank * _ring(fsdp)
-    fsdp_reduce = grad_accum * 4 * reduced * _ring(fsdp)
-    replicate_reduce = grad_accum * 2 * 4 * reduced / fsdp * _ring(replicate)
+    dense = (params - expert_params) / tensor
+    reduced = (params - expert_params if reduced_params is None else reduced_params) / tensor
+    experts_here = expert_params / expert
+    fsdp_gather = grad_accum * 2 * compute_bytes * (dense * _ring(fsdp) + experts_here * _ring(fsdp // expert))
+    fsdp_reduce = grad_accum * 4 * (reduced * _ring(fsdp) + experts_here * _ring(fsdp // expert))
+    replicate_reduce = grad_accum * 2 * 4 * (reduced + experts_here) / fsdp * _ring(replicate)
     passes = 3 if recompute else 2
     positions = micro_batch * seq_len / context
     tensor_bytes = grad_accum * n_layer * passes * 4 * positions * d_model * compute_bytes * _ring(tensor)
     context_bytes = grad_accum * n_layer * passes * 2 * micro_batch * seq_len * kv_dim / tensor * compute_bytes \
         * _ring(context)
+    # Dispatch and combine, forward and backward (and the recomputed forward): two all-to-alls per pass.
+    all_to_all = grad_accum * n_layer * passes * 2 * positions * top_k * d_model * compute_bytes * _ring(expert)
     inside = {"tensor": tensor <= procs_per_node, "context": tensor * context <= procs_per_node,
-              "fsdp": tensor * fsdp <= procs_per_node, "replicate": replicate == 1}
+              "fsdp": tensor * fsdp <= procs_per_node, "replicate": replicate == 1, "expert": expert <= procs_per_node}
     amounts = {"tensor": tensor_bytes, "context": context_bytes, "fsdp": fsdp_gather + fsdp_reduce,
-               "replicate": replicate_reduce}
+               "replicate": replicate_reduce, "expert": all_to_all}
     return Traffic(fsdp_gather=fsdp_gather, fsdp_reduce=fsdp_reduce, replicate_reduce=replicate_reduce,
-                   tensor=tensor_bytes, context=context_bytes,
+                   tensor=tensor_bytes, context=context_bytes, all_to_all=all_to_all,
                    nvlink=sum(v for k, v in amounts.items() if inside[k]),
                    infiniband=sum(v for k, v in amounts.items() if not inside[k]))

@@ -168,7 +168,9 @@ class PretrainConfig:
     loader_workers: int = 2
     step_limit: int | None = None  # stop after this many steps whatever the schedule (tiny: a bound on CPU time)
     end_lr: float | None = None  # the schedule's floor, where it is a constant rather than end_lr_ratio x peak
-    megatron_schedule: bool = False  # Megatron's warmup (peak x step / warmup), not NeMo's ((step + 1) / (warmup + 1))
+    # The reference's trainer, whose LR schedule and validation sample count the run follows: "nemo" (llama31_8b's
+    # pretrain_llama31.py) or "megatron" (gpt_oss_20b's, Megatron-LM's pretrain_gpt.py through Primus).
+    framework: str = "nemo"
     eod_mask_loss: bool = False  # targets whose input token is the end-of-document token are not scored
     eod_token: int = 128_001  # Llama 3.1's <|end_of_text|>, which ends every C4 document in the Megatron files
     expert_parallel: int = 8  # at most this many ranks split an MoE layer's experts (a node's GPUs: NVLink)
@@ -238,17 +240,18 @@ GPT_OSS_PRESETS = {
         warmup_samples=GPT_OSS_RCP_BATCHES[64][1], end_lr_ratio=GPT_OSS_END_LR / GPT_OSS_RCP_BATCHES[64][0],
         end_lr=GPT_OSS_END_LR, max_steps=GPT_OSS_MAX_STEPS, eval_interval=EVAL_INTERVAL_SAMPLES,
         eval_sequences=EVAL_SEQUENCES, target=3.34, adam_eps=1e-5, activation_checkpointing=True,
-        megatron_schedule=True, eod_mask_loss=True),
+        framework="megatron", eod_mask_loss=True),
     # A 2-layer gpt-oss (8 experts, top 2, a 32-key sliding window in the first layer and full attention in the
-    # second, RoPE unscaled, the EOD loss mask) on the llama31_8b tiny preset's generated text, whose documents end
-    # in token 0, from scratch to a log perplexity its text allows.
+    # second, QK norm, RoPE unscaled, the EOD loss mask) on the llama31_8b tiny preset's generated text, whose
+    # documents end in token 0, from scratch to a log perplexity its text allows. Sequences of 8,192 tokens, as the
+    # rules fix them for the open division too (open_gpt_oss_20b.yaml), two a step.
     "tiny": PretrainConfig(
-        model=DecoderConfig(vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=64,
+        model=DecoderConfig(vocab_size=128, seq_len=8192, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=64,
                             kv_channels=16, qk_norm=True, rope_theta=150_000.0, rope_scaling=None, init_std=0.02,
                             sliding_window=32, full_attention_every=2, moe=MoeConfig(experts=8, top_k=2, hidden=64)),
-        global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000, eval_interval=64,
-        eval_sequences=32, target=0.9, loader_workers=0, step_limit=400, megatron_schedule=True, eod_mask_loss=True,
-        eod_token=0),
+        global_batch=2, base_lr=3e-3, warmup_samples=4, end_lr_ratio=0.1, max_steps=2_000, eval_interval=16,
+        eval_sequences=4, target=0.9, eval_batch=1, loader_workers=0, step_limit=200, framework="megatron",
+        eod_mask_loss=True, eod_token=0),
 }
 
 
@@ -619,13 +622,16 @@ def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on
     Activations per block follow Korthikanti et al. (2022) with sequence parallelism and flash attention
     (no s^2 term), for SwiGLU's wider MLP: this rank holds s / context positions, split again by tensor
     between the blocks. LoRA's backward needs the same ones: gradients flow through every frozen block to the
-    adapters beneath it."""
+    adapters beneath it. With experts (tensor parallel 1), every parameter still shards over the FSDP group (the
+    experts over expert x expert_shard, which is the group), a block gathers its dense part whole and only this
+    rank's experts, and a position keeps top_k copies of its token, each with an expert's three intermediates
+    and output, and its router's logits (fp32)."""
     m, tp, cp = cfg.model, layout.tensor, layout.context
     s, b, h = m.seq_len // cp, layout.micro_batch, m.d_model
     compute = 2 if on_gpu else 4
     norms = m.n_layer * 2 * h + h  # RMSNorm weights: whole on every tensor rank (sequence parallel)
     shard = (m.params - norms) / (tp * layout.fsdp) + norms / layout.fsdp
-    block = (m.block_params() - 2 * h) / tp + 2 * h
+    block = (m.block_params() - m.expert_params() - 2 * h) / tp + 2 * h + m.expert_params() / layout.expert
     root = 2 * m.vocab_size * h / tp + h
     unsharded_grad = compute + (4 if compute != 4 else 0)
     if isinstance(cfg, LoraFinetuneConfig):
@@ -636,8 +642,10 @@ def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on
         weights, trained = 4 * shard, shard
         gathered = compute * (2 * block + root) + unsharded_grad * max(block, root)
     # Per block, per position: the norms' inputs and outputs, q, k, v, attention output, SwiGLU's three
-    # intermediates (in bytes at 16 bits: 2 x (4h + 2 kv + 3 ffn)), with everything between norms split by tp.
-    per_position = 2 * (2 * h + (2 * h + 2 * m.kv_dim + 3 * m.ffn_hidden) / tp)
+    # intermediates (in bytes at 16 bits: 2 x (4h + 2 kv + 3 ffn)), with everything between norms split by tp;
+    # for experts, each of top_k copies' input, three intermediates and output, and the router's fp32 logits.
+    ffn = m.moe.top_k * (2 * h + 3 * m.moe.hidden) + 2 * m.moe.experts if m.moe else 3 * m.ffn_hidden
+    per_position = 2 * (2 * h + (2 * m.q_dim + 2 * m.kv_dim + ffn) / tp)
     block_activations = s * b * per_position * compute / 2
     if cfg.activation_checkpointing:
         activations = m.n_layer * compute * s * b * h / tp + block_activations
@@ -658,7 +666,9 @@ def estimate_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -
                                     replicate=layout.replicate, micro_batch=layout.micro_batch,
                                     grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
                                     recompute=cfg.activation_checkpointing,
-                                    reduced_params=cfg.lora.params(m) if lora else None)
+                                    reduced_params=cfg.lora.params(m) if lora else None,
+                                    expert_params=m.n_layer * m.expert_params(), expert=layout.expert,
+                                    top_k=m.moe.top_k if m.moe else 0)
 
 
 def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
@@ -677,12 +687,19 @@ def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: L
                     f"after the first {cfg.skipped_evals} skipped")
     else:
         trains, schedule = "every weight trained", f"peak LR {cfg.base_lr:g}, warmup {cfg.warmup_steps} steps"
+    windowed = sum(m.windowed(layer) for layer in range(m.n_layer))
+    attention = f"{m.n_head} heads of {m.head_dim} ({m.n_kv_head} key/value)" + (
+        f", a {m.sliding_window}-key sliding window in {windowed} of {m.n_layer} layers" if windowed else "")
+    ffn = (f"{m.moe.experts} experts of SwiGLU {m.moe.hidden}, top {m.moe.top_k} ({_count(m.active_params)} active)"
+           if m.moe else f"SwiGLU {m.ffn_hidden}")
+    experts = (f" x expert {layout.expert} (each rank holds {m.moe.experts // layout.expert} experts of each layer, "
+               f"FSDP shards them over expert_shard {layout.expert_shard})") if m.moe else ""
     return [
-        f"{benchmark} model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} key/value), "
-        f"SwiGLU {m.ffn_hidden}, sequence {m.seq_len}, {_count(m.params)} parameters; {trains}",
+        f"{benchmark} model: {m.n_layer} layers, d_model {m.d_model}, {attention}, {ffn}, sequence {m.seq_len}, "
+        f"{_count(m.params)} parameters; {trains}",
         f"{benchmark} layout: {layout.world} processes = replicate {layout.replicate} x shard {layout.shard} "
-        f"(HSDP: FSDP over shard x context = {layout.fsdp}) x context {layout.context} x tensor {layout.tensor}; "
-        f"global batch {layout.global_batch} = {layout.data} data ranks x micro batch {layout.micro_batch} "
+        f"(HSDP: FSDP over shard x context = {layout.fsdp}) x context {layout.context} x tensor {layout.tensor}"
+        f"{experts}; global batch {layout.global_batch} = {layout.data} data ranks x micro batch {layout.micro_batch} "
         f"x {layout.grad_accum} accumulation steps; {schedule}",
         f"{benchmark} memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'})",

@@ -34,15 +34,24 @@ TRAIN = "c4-train.en_6_text_document"
 VALIDATION = "c4-validation-91205-samples.en_text_document"
 
 
-def reference_validation_samples(global_batch: int, max_steps: int, eval_interval: int, eval_sequences: int) -> int:
+def reference_validation_samples(global_batch: int, max_steps: int, eval_interval: int, eval_sequences: int,
+                                 framework: str = "nemo") -> int:
     """The samples the reference asks its validation split for, on which the scored sequences depend.
 
-    pretrain_llama31.py (mlcommons/training small_llm_pretraining/nemo, as of 08d765e) sets the trainer's
+    gpt_oss_20b's (framework "megatron"): Megatron-LM's get_train_valid_test_num_samples (megatron/training/
+    training.py) asks for (train_iters // eval_interval + 1) x eval_iters x GBS, with eval_interval = 12,288 / GBS
+    and eval_iters = 1,024 / GBS steps (mlcommons/training small_llm_moe_pretraining/primus/config_*_1x8x1.sh):
+    6,401,024 at GBS 64 for 1,200,000 steps.
+
+    llama31_8b's: pretrain_llama31.py (mlcommons/training small_llm_pretraining/nemo, as of 08d765e) sets the trainer's
     val_check_interval to ceil(eval_every / GBS) / GBS (a float: 12.0 at GBS 32, 0.75 at 128) and
     limit_val_batches to ceil(eval_tokens / GBS); NeMo's PreTrainingDataModule.build
     (nemo/collections/llm/gpt/data/pre_training.py) turns them into
     int((max_steps // val_check_interval + 1) x limit_val_batches x GBS): 102,401,024 at GBS 32 and
     409,601,024 at GBS 64 for max_steps 1,200,000."""
+    if framework == "megatron":
+        every, iters = math.ceil(eval_interval / global_batch), math.ceil(eval_sequences / global_batch)
+        return (max_steps // every + 1) * iters * global_batch
     check_interval = math.ceil(eval_interval / global_batch) / global_batch
     eval_batches = math.ceil(eval_sequences / global_batch)
     return int((max_steps // check_interval + 1) * eval_batches * global_batch)

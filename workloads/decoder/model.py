@@ -68,9 +68,29 @@ def visible(query_positions: torch.Tensor, key_positions: torch.Tensor, window: 
     return (behind >= 0) & (behind <= window) if window is not None else behind >= 0
 
 
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Sliding-window causal attention over (batch, heads, seq, dim), a block of `window` queries at a time against
+    that block's keys and the previous block's: each query sees itself and the `window` keys before it, in
+    O(seq x window) rather than the seq^2 of a masked full attention (what `visible` says, computed by blocks)."""
+    batch, heads, seq, dim = q.shape
+    pad = -seq % window
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # whole blocks; the padding is after every real key
+    blocks = (seq + pad) // window
+    # The keys and values of block b are positions b w - w .. b w + w - 1 (w zeros before the first block).
+    k, v = (F.pad(t, (0, 0, window, 0)).unfold(2, 2 * window, window).transpose(-1, -2) for t in (k, v))
+    q = q.unflatten(2, (blocks, window))
+    # (batch, blocks, heads, ...): heads third from last, as scaled_dot_product_attention's enable_gqa wants them.
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    query, key = torch.arange(window, device=q.device), torch.arange(2 * window, device=q.device)
+    mask = visible(query + window, key, window).expand(blocks, window, 2 * window).clone()
+    mask[0, :, :window] = False  # the first block's keys before position 0 are padding
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, :, None], enable_gqa=True)
+    return out.transpose(1, 2).flatten(2, 3)[:, :, :seq]
+
+
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over (batch, heads, seq, dim), each position seeing itself and earlier ones, or
-    with `window` only the last `window` positions before it.
+    with `window` only the last `window` positions before it (windowed_attention).
 
     Grouped-query: k and v have fewer heads, each shared by n_head / n_kv_head query heads (scaled dot-product
     attention's enable_gqa repeats them without copying). Positions are given but unused here: the sequence is
@@ -83,8 +103,7 @@ class CausalAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        order = torch.arange(q.size(2), device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(order, order, self.window), enable_gqa=True)
+        return windowed_attention(q, k, v, self.window)
 
 
 class LoRA(nn.Module):

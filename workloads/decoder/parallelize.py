@@ -64,8 +64,10 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
 def build_expert_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     """The same ranks as (replicate, FSDP group / expert, expert): expert ranks are consecutive inside an FSDP group
     (tensor parallel is 1 with experts, so an FSDP group's ranks are consecutive)."""
-    return init_device_mesh(device.type, (layout.replicate, layout.fsdp // layout.expert, layout.expert),
+    mesh = init_device_mesh(device.type, (layout.replicate, layout.fsdp // layout.expert, layout.expert),
                             mesh_dim_names=EXPERT_MESH_DIMS)
+    mesh["expert_shard", "expert"]._flatten("expert_fsdp")  # one group for the experts' norm in clipping
+    return mesh
 
 
 def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled: bool = False,
@@ -193,9 +195,10 @@ class ContextParallelAttention(nn.Module):
         for local, index in enumerate((rank, 2 * size - 1 - rank)):
             queries = q[:, :, local * chunk:(local + 1) * chunk]
             end = (index + 1) * chunk  # keys of every chunk up to this one
+            start = max(0, index * chunk - self.window) if self.window is not None else 0  # a window's first key
             query_at = positions[local * chunk:(local + 1) * chunk]
-            mask = visible(query_at, torch.arange(end, device=q.device), self.window)
-            outputs.append(F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end],
+            mask = visible(query_at, torch.arange(start, end, device=q.device), self.window)
+            outputs.append(F.scaled_dot_product_attention(queries, keys[:, :, start:end], values[:, :, start:end],
                                                           attn_mask=mask, enable_gqa=True))
         return torch.cat(outputs, dim=2)
 

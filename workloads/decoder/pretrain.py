@@ -78,7 +78,7 @@ class PretrainWorkload(DecoderWorkload):
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
         end_ratio = cfg.floor_lr / cfg.base_lr
         schedule = (lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.decay_steps, end_ratio)) \
-            if cfg.megatron_schedule else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
+            if cfg.framework == "megatron" else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def loaders_for_run(self):
@@ -91,7 +91,7 @@ class PretrainWorkload(DecoderWorkload):
                                  cfg.micro_batch, data_rank, layout.data, **reading)
         root = self.opts.data or self.built_once(ensure_tiny_corpus)
         validation = reference_validation_samples(cfg.global_batch, cfg.max_steps, cfg.eval_interval,
-                                                  cfg.eval_sequences)
+                                                  cfg.eval_sequences, cfg.framework)
         return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
                           layout.data, **reading, validation_samples=validation)
 
