@@ -42,10 +42,10 @@ from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_image_folde
     write_megatron_corpus
 from gpu_timing import Job, Steps, config_module, run_rank, spread
 from summary import machine  # bench/summary.py, beside this script
-from workloads.decoder.config import LLAMA31_8B  # torch-free
+from workloads.decoder.config import GPT_OSS_20B, LLAMA31_8B  # torch-free
 
-WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b")
-DECODERS = ("gpt3", "llama31_8b")  # rated in tokens/s and MFU too
+WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b", "gpt_oss_20b")
+DECODERS = ("gpt3", "llama31_8b", "gpt_oss_20b")  # rated in tokens/s and MFU too (MFU over active parameters)
 DEFAULT_STEPS = {"cuda": Steps(warmup=20, timed=50, spread=20), "cpu": Steps(warmup=2, timed=4, spread=3)}
 CPU_NOTE = "CPU tiny mode: not a GPU figure"
 GIB = 2**30
@@ -64,6 +64,9 @@ class Goal:
 
 # NVIDIA's v5.1 llama31_8b tokens per second per GPU (tests/test_gpu_throughput_bench.py derives it again).
 NVIDIA_V51_LLAMA_TOKENS_PER_GPU = 11_980.0
+# Cisco's v6.0 gpt_oss_20b on 16 x 8 H100: 294,912 sequences of 8,192 tokens to the target in 34.03 minutes (its
+# run_start to run_stop, evaluations included), per GPU.
+CISCO_V60_GPT_OSS_TOKENS_PER_GPU = 294_912 * 8192 / (34.03 * 60) / 128
 GOALS = {
     "resnet": Goal("samples_per_s", 4200.0, "img/s", "60% of NVIDIA's MLPerf v3.0 7,010 img/s per H100 (MXNet + DALI)"),
     "bert": Goal("samples_per_s", 580.0, "seq/s", "60% of NVIDIA's MLPerf v3.0 970 seq/s per H100 (PyTorch)"),
@@ -79,8 +82,15 @@ GOALS = {
                        "A GB200 figure (its log's submission_platform: 128xNVIDIA GB200; the system description "
                        "systems/theia_ngpu512_ngc25.09_nemo.json names GB300, 4 per node on 128 nodes), not an H100 "
                        "one: no H100 llama31_8b result is in the shared results"),
+    "gpt_oss_20b": Goal("model_tflops_per_s", CISCO_V60_GPT_OSS_TOKENS_PER_GPU * GPT_OSS_20B.flops_per_token() / 1e12,
+                        "model TFLOP/s",
+                        "Cisco's MLPerf Training v6.0 closed gpt_oss_20b on 16 x 8 H100 SXM: "
+                        "training_v6.0/Cisco/results/Zeus_16xH100_SXM_80GB/gpt_oss_20b/result_1.txt, 294,912 "
+                        "sequences of 8,192 tokens from run_start to run_stop in 34.03 minutes (evaluations "
+                        "included, so a lower bound on its training rate) / 128 GPUs, times gpt-oss 20B's "
+                        "training FLOPs per token over its 3.77B active parameters"),
 }
-UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s", "llama31_8b": "seq/s"}
+UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s", "llama31_8b": "seq/s", "gpt_oss_20b": "seq/s"}
 # An H100 SXM's 80 GB: the bench's llama31_8b model turns activation checkpointing on only when the harness's
 # estimate of its memory per GPU without it exceeds this.
 H100_MEMORY_GIB = 80e9 / GIB
@@ -119,7 +129,23 @@ def llama_bench_preset(on_gpu: bool, world: int):
     return cfg if needs <= H100_MEMORY_GIB else replace(cfg, activation_checkpointing=True)
 
 
-BENCH_PRESETS = {"gpt3": lambda on_gpu, world: gpt3_bench_preset(on_gpu), "llama31_8b": llama_bench_preset}
+def gpt_oss_bench_preset(on_gpu: bool, world: int):
+    """gpt_oss_20b as one GPU holds it with AdamW: its blocks (32 experts, top 4, the sliding window, QK norm, RoPE
+    150,000) at half its width (d_model 1,440, experts of 1,440, 32 heads of 64, 4 key/value) and 8 layers (2.0B
+    parameters with the 128,256-token vocabulary, 0.6B active), at sequence 8192, micro batch 1, the full preset's
+    optimizer. On CPU the tiny preset. Global batch = world, as for llama31_8b."""
+    from workloads.decoder.config import GPT_OSS_PRESETS, MoeConfig
+
+    if not on_gpu:
+        return replace(GPT_OSS_PRESETS["tiny"], global_batch=world)
+    model = replace(GPT_OSS_20B, n_layer=8, d_model=1440, n_head=32, n_kv_head=4,
+                    moe=MoeConfig(experts=32, top_k=4, hidden=1440))
+    return replace(GPT_OSS_PRESETS["full"], model=model, global_batch=world, micro_batch=1,
+                   activation_checkpointing=False, eval_sequences=8)
+
+
+BENCH_PRESETS = {"gpt3": lambda on_gpu, world: gpt3_bench_preset(on_gpu), "llama31_8b": llama_bench_preset,
+                 "gpt_oss_20b": gpt_oss_bench_preset}
 
 
 @dataclass(frozen=True)
@@ -158,9 +184,15 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
     cfg = BENCH_PRESETS[workload](on_gpu, world)
     m = cfg.model
     estimate = config.estimate_memory(cfg, config.plan_layout(cfg, world, world)).total / GIB
-    shape = (f"GPT-3-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads" if workload == "gpt3"
-             else f"Llama-3.1-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} "
-                  f"key/value), SwiGLU {m.ffn_hidden}, vocabulary {m.vocab_size:,}")
+    if workload == "gpt3":
+        shape = f"GPT-3-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads"
+    elif m.moe:
+        shape = (f"gpt-oss-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} "
+                 f"key/value), {m.moe.experts} experts of {m.moe.hidden}, top {m.moe.top_k}, "
+                 f"{m.active_params / 1e6:,.1f}M active")
+    else:
+        shape = (f"Llama-3.1-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} "
+                 f"key/value), SwiGLU {m.ffn_hidden}, vocabulary {m.vocab_size:,}")
     return Plan("bench-gpu" if on_gpu else "bench-cpu",
                 f"{shape}, {m.params / 1e6:,.1f}M parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} "
                 f"per process, no accumulation, activation checkpointing "
@@ -184,7 +216,7 @@ def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int
         rows = plan_batch(cfg, world).global_batch * steps_needed
         return write_bert_shards(root, cfg, rows, cfg.eval_samples or 64, shards=world, seed=1)
     cfg = plan_.extra_preset
-    if workload == "llama31_8b":  # global batch = world: the global batch's windows per step
+    if workload in ("llama31_8b", "gpt_oss_20b"):  # global batch = world: the global batch's windows per step
         return write_llama_corpus(root, cfg.model.vocab_size, cfg.model.seq_len, cfg.global_batch * steps_needed,
                                   cfg.eval_sequences, seed=1)
     return write_megatron_corpus(root, cfg.model.vocab_size, cfg.model.seq_len, cfg.global_batch * world * steps_needed,

@@ -81,7 +81,7 @@ def run_rank(local_rank: int, world: int, port: int, job: Job) -> None:
 
     ctx = init_distributed()
     if job.extra_preset is not None:
-        config_module(job.workload).PRESETS[job.preset] = job.extra_preset
+        BENCHMARKS[job.workload].preset_configs()[job.preset] = job.extra_preset
     workload_cls = BENCHMARKS[job.workload].workload_class()
     figures = {}
     start_weights = None

@@ -147,6 +147,47 @@ def test_llama_goal_is_nvidias_v51_tokens_per_gpu():
     assert LLAMA_RESULT.name in goal.yardstick and "GB200" in goal.yardstick and "11,980" in goal.yardstick
 
 
+CISCO_GPT_OSS = REPO.parent / "shared" / "mlperf-results" / "training_v6.0" / "Cisco" / "results" / \
+    "Zeus_16xH100_SXM_80GB" / "gpt_oss_20b" / "result_1.txt"
+
+
+@pytest.mark.skipif(not CISCO_GPT_OSS.is_file(), reason=f"Cisco's v6.0 gpt_oss_20b log is absent ({CISCO_GPT_OSS}): "
+                                                       "the hard-coded gpt_oss_20b goal cannot be re-derived here")
+def test_gpt_oss_goal_is_ciscos_v60_tokens_per_gpu():
+    """GOALS' gpt_oss_20b figure: the samples of the converged eval x sequence length / run_start to run_stop /
+    the platform's GPUs (16 x 8 H100), times gpt-oss 20B's training FLOPs per token over its active parameters."""
+    from workloads.decoder.config import GPT_OSS_20B
+
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in CISCO_GPT_OSS.read_text().splitlines()
+              if ":::MLLOG " in line]
+    first = {e["key"]: e for e in reversed(events)}
+    seconds = (first["run_stop"]["time_ms"] - first["run_start"]["time_ms"]) / 1000
+    samples = first["run_stop"]["metadata"]["samples_count"]
+    assert first["max_sequence_length"]["value"] == 8192 and samples == 294_912
+    assert first["submission_platform"]["value"] == "16xH100_SXM_80GB"
+    per_gpu = samples * 8192 / seconds / 128
+    assert gpu_throughput.CISCO_V60_GPT_OSS_TOKENS_PER_GPU == pytest.approx(per_gpu, rel=0.001)
+    goal = gpu_throughput.GOALS["gpt_oss_20b"]
+    assert goal.value == pytest.approx(per_gpu * GPT_OSS_20B.flops_per_token() / 1e12, rel=0.001)
+
+
+@pytest.mark.slow
+def test_cpu_tiny_mode_runs_gpt_oss(tmp_path):
+    """The bench's gpt_oss_20b on CPU (the tiny preset, expert parallel over the bench's one process): one row per
+    data kind, in tokens/s."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "gpt_oss_20b",
+                           "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",
+                           "--spread-steps", "2"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "gpu-cpu.json").read_text())["results"]
+    assert [(r["workload"], r["data"]) for r in rows] == [("gpt_oss_20b", "synthetic"), ("gpt_oss_20b", "files")]
+    for r in rows:
+        assert r["samples_in_window"] == 2 and r["last_loss"] > 0
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["samples_per_s_per_device"] * 8192, rel=0.01)
+        assert r["measured"].startswith("gpt-oss-shaped decoder (2 layers")
+
+
 def test_unknown_workload_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "bert,vit",
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,

@@ -28,8 +28,12 @@ class Benchmark:
         memory estimates' weights and optimizer terms; 2.1 TB for GPT-3 175B). None where no config counts them."""
         if self.presets_table is None:
             return None
+        return CHECKPOINT_BYTES_PER_PARAM * self.preset_configs()[preset].model.params
+
+    def preset_configs(self) -> dict:
+        """The presets_table itself (a dict: preset name -> config)."""
         module, table = self.presets_table.split(":")
-        return CHECKPOINT_BYTES_PER_PARAM * getattr(importlib.import_module(module), table)[preset].model.params
+        return getattr(importlib.import_module(module), table)
 
     def workload_class(self):
         module, name = self.workload.split(":")

@@ -181,6 +181,15 @@ class PretrainConfig:
         return math.ceil(self.warmup_samples / self.global_batch)
 
     @property
+    def eval_every(self) -> int:
+        """Steps between evaluations: ceil(eval_interval / GBS) in NeMo's pretrain_llama31.py; in Primus'
+        config_*_1x8x1.sh the shell's integer division, PRIMUS_EVAL_INTERVAL = 12,288 / GBS (NVIDIA's v6.0
+        gpt_oss_20b run at batch 36 evaluated every 341 steps)."""
+        if self.framework == "megatron":
+            return max(1, self.eval_interval // self.global_batch)
+        return max(1, math.ceil(self.eval_interval / self.global_batch))
+
+    @property
     def decay_steps(self) -> int:
         """Megatron's lr_decay_iters as the reference sets it: max_steps - warmup (config_*_1x8x1.sh)."""
         return self.max_steps - self.warmup_steps

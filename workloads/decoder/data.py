@@ -50,7 +50,7 @@ def reference_validation_samples(global_batch: int, max_steps: int, eval_interva
     int((max_steps // val_check_interval + 1) x limit_val_batches x GBS): 102,401,024 at GBS 32 and
     409,601,024 at GBS 64 for max_steps 1,200,000."""
     if framework == "megatron":
-        every, iters = math.ceil(eval_interval / global_batch), math.ceil(eval_sequences / global_batch)
+        every, iters = max(1, eval_interval // global_batch), math.ceil(eval_sequences / global_batch)
         return (max_steps // every + 1) * iters * global_batch
     check_interval = math.ceil(eval_interval / global_batch) / global_batch
     eval_batches = math.ceil(eval_sequences / global_batch)

@@ -213,7 +213,7 @@ class Decoder(nn.Module):
         rank, and split after (workloads.common.whole_draws), so the initial model does not depend on the layout.
         Called again after a model built on the meta device gets real storage."""
         residual = {id(p) for layer in self.layers for p in (layer.attention.wo.weight, self._down(layer))}
-        scaled_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
+        scaled_std = self.cfg.init_std / math.sqrt(2 * max(self.cfg.n_layer, 1))  # (a proxy may have no block)
         for name, param in self.named_parameters():
             if ".lora_" in name:
                 continue

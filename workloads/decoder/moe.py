@@ -43,19 +43,40 @@ class Router(nn.Module):
         return top_logits.softmax(dim=-1), experts
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class Experts(nn.Module):
     """`experts` SwiGLU MLPs, stacked: w1 (gate) and w3 (up) are (experts, hidden, d), w2 (down) (experts, d, hidden).
-    Under expert parallelism each is a DTensor split along the experts; a rank computes with its own part."""
+    Under expert parallelism each is a DTensor split along the experts; a rank computes with its own part.
+
+    An expert's gradient sums what every rank of the expert group sent it, where a dense weight's gradient is this
+    rank's alone, and FSDP then averages both over the same data ranks: `gradient_scale` (1 / the expert group's
+    size, set by parallelize.py) brings the experts' to the same mean over every data rank (a scale in autograd,
+    not FSDP's divide factor, which gloo cannot apply)."""
 
     def __init__(self, d_model: int, moe: MoeConfig):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(moe.experts, moe.hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(moe.experts, moe.hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(moe.experts, d_model, moe.hidden))
+        self.gradient_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: list[int], grouped: bool | None = None) -> torch.Tensor:
         """x: (tokens, d), sorted by expert, counts[e] of them for this rank's expert e."""
         w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
+        if self.gradient_scale != 1.0:
+            w1, w3, w2 = (_ScaledGradient.apply(w, self.gradient_scale) for w in (w1, w3, w2))
         if grouped if grouped is not None else x.is_cuda:
             ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             up = lambda t, w: torch._grouped_mm(t, w.transpose(-2, -1), offs=ends)  # noqa: E731

@@ -95,9 +95,6 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
     fsdp_mesh = mesh["replicate", "fsdp"]  # 2-D: HSDP (replicate across, shard within)
     for moe in moe_layers:
         fully_shard(moe.experts, mesh=expert_mesh["replicate", "expert_shard"], mp_policy=policy)
-        # An expert's gradient already sums what every rank of the expert group sent it; FSDP averages over the
-        # rest, so divide by every data rank (all of the mesh), as the dense parameters' gradients are.
-        moe.experts.set_gradient_divide_factor(float(expert_mesh.size()))
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
@@ -114,6 +111,7 @@ def _expert_parallel(moe: MoE, expert_mesh: DeviceMesh) -> None:
         split = distribute_tensor(param.data, group, [Shard(0)], src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
     moe.expert_group = group if group.size() > 1 else None
+    moe.experts.gradient_scale = 1 / group.size()  # see Experts: their gradients sum over the group's ranks
 
 
 def _tensor_parallel(model: Decoder, tp: DeviceMesh) -> None:

@@ -61,7 +61,7 @@ class PretrainWorkload(DecoderWorkload):
         cfg, layout = self.cfg, self.layout
         if cfg.eod_mask_loss:
             self.split = self.split_over_context(eod_masked_split(cfg.eod_token))
-        self.eval_every = max(1, math.ceil(cfg.eval_interval / layout.global_batch))  # steps
+        self.eval_every = cfg.eval_every  # steps
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
         # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
