@@ -197,18 +197,28 @@ def test_the_full_preset_dry_run_prints_layout_memory_and_bytes(tmp_path, backen
 @pytest.mark.slow
 def test_tiny_gpt_oss_survives_a_killed_rank_reaches_its_target_and_passes_the_6_1_checker(tmp_path):
     """`harness run gpt_oss_20b` on the local default (2 processes, expert parallel 2), from scratch, with rank 1
-    killed at step 6: one restart from step 4's checkpoint (the experts sharded in it), and a log the 6.1.0 checker
-    passes."""
+    killed at step 6: one restart from step 4's checkpoint (the experts sharded in it), the same eval loss at step 8
+    as a run never killed (to the last bit), and a log the 6.1.0 checker passes."""
     out = tmp_path / "run"
-    result = harness("run", "gpt_oss_20b", "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(out))
+    result = harness("run", "gpt_oss_20b", "--seed", "5", "--inject-failure", "1:6", "--checkpoint-every", "4",
+                     "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "success" in result.stdout
     assert _restored_step(out) == 4
+    unbroken = tmp_path / "unbroken"
+    harness("run", "gpt_oss_20b", "--seed", "5", "--max-steps", "8", "--out", str(unbroken))  # stops short: exit 1
+    first_eval = [_eval_values(folder / "result_0.txt")[0] for folder in (out, unbroken)]
+    assert first_eval[0] == first_eval[1], first_eval
     checked = compliance(out / "result_0.txt", "6.1.0", cwd=tmp_path)
     assert checked.returncode == 0 and not failed_checks(checked), checked.stdout + checked.stderr
     log = (out / "result_0.txt").read_text()
     assert '"key": "expert_parallelism", "value": 2' in log
     assert '"key": "max_sequence_length", "value": 8192' in log
+
+
+def _eval_values(log: Path) -> list[float]:
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines() if ":::MLLOG " in line]
+    return [e["value"] for e in events if e["key"] == "eval_accuracy"]
 
 
 @pytest.mark.slow

@@ -7,9 +7,9 @@ to the rank holding its expert, run the experts, send the results back, weight a
   then a softmax over those k, all in fp32 (`moe_router_dtype: fp32`). No load-balancing loss, no expert bias,
   no capacity: every token reaches its k experts.
 - Experts: `experts` SwiGLU MLPs as three stacked tensors, so that expert parallelism splits them along their
-  first dimension and FSDP shards what each rank keeps. On CUDA a rank runs its experts as one grouped GEMM
-  (torch._grouped_mm, over the tokens sorted by expert); elsewhere one matmul per expert, the reference the tests
-  hold the grouped GEMM to.
+  first dimension and FSDP shards what each rank keeps. On CUDA in bf16 a rank runs its experts as one grouped
+  GEMM (torch._grouped_mm, over the tokens sorted by expert); elsewhere one matmul per expert, the reference the
+  tests hold the grouped GEMM to.
 - Expert parallelism: with a group set (parallelize.py), the rank p of P holds experts [p E/P, (p+1) E/P). Each
   rank sends every token copy to its expert's rank with one all_to_all_single of uneven splits, and gets the
   results back with another; both are autograd functions, so backward sends the gradients the other way. An
@@ -77,7 +77,7 @@ class Experts(nn.Module):
         w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
         if self.gradient_scale != 1.0:
             w1, w3, w2 = (_ScaledGradient.apply(w, self.gradient_scale) for w in (w1, w3, w2))
-        if grouped if grouped is not None else x.is_cuda:
+        if grouped if grouped is not None else (x.is_cuda and x.dtype == torch.bfloat16):
             ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             up = lambda t, w: torch._grouped_mm(t, w.transpose(-2, -1), offs=ends)  # noqa: E731
             return up(F.silu(up(x, w1)) * up(x, w3), w2)
