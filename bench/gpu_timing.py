@@ -34,8 +34,8 @@ from workloads.registry import BENCHMARKS
 
 
 def config_module(workload: str):
-    """The workload's config module (workloads/<package>/config.py, beside its registered class), whose
-    PRESETS the workload reads its preset from."""
+    """The workload's config module (workloads/<package>/config.py, beside its registered class): its memory
+    estimate and layout (the presets themselves: the registry's preset_configs)."""
     package = BENCHMARKS[workload].workload.split(":")[0].rsplit(".", 1)[0]
     return importlib.import_module(f"{package}.config")
 

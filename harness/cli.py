@@ -21,7 +21,7 @@ from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
 from workloads.common.compiling import COMPILE_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
-from workloads.decoder.config import RCP_GLOBAL_BATCHES, rcp_batches_in_words
+from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words
 from workloads.registry import BENCHMARKS
 
 
@@ -129,20 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bert on packed data: the sequences a row holds on average (NVIDIA's packed data: 2); the "
                           "global batch, its RCP and the eval interval count rows x N sequences (default: 1, unpacked)")
     run.add_argument("--global-batch", type=int,
-                     help="llama31_8b and llama2_70b_lora: sequences per optimizer step, a batch MLPerf's RCPs were "
+                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: sequences per optimizer step, a batch MLPerf's RCPs were "
                           "measured at or one between two of them ("
                           + "; ".join(f"{name}: {rcp_batches_in_words(name)}" for name in RCP_GLOBAL_BATCHES)
-                          + "); the full preset takes a row's peak LR (and llama31_8b's warmup), or between two rows "
+                          + "); the full preset takes a row's peak LR (and warmup, where the rows have one), or between two rows "
                             "each interpolated linearly in batch, unless given (default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
-                     help="llama31_8b, llama2_70b_lora: accept a --global-batch outside the RCP table (the preset's "
+                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: accept a --global-batch outside the RCP table (the preset's "
                           "LR and warmup unless given; its runs may fail the RCP check)")
     run.add_argument("--learning-rate", type=float, metavar="LR",
-                     help="llama31_8b, llama2_70b_lora: the peak learning rate (logged as opt_base_learning_rate) "
+                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: the peak learning rate (logged as opt_base_learning_rate) "
                           "instead of the RCP row's or the interpolated one (default: those)")
     run.add_argument("--warmup-samples", type=int, metavar="N",
-                     help="llama31_8b: the learning-rate warmup in samples instead of the RCP row's or the "
-                          "interpolated one (llama2_70b_lora runs no warmup)")
+                     help=f"{', '.join(RCP_WARMUP_BENCHMARKS)}: the learning-rate warmup in samples instead of the RCP "
+                          "row's or the interpolated one (llama2_70b_lora runs no warmup)")
     run.add_argument("--allow-unflushed-cache", action="store_true",
                      help="let a closed run go ahead when its page cache could not be flushed before it (the log "
                           "keeps cache_clear false); without it such a run stops with the reason")

@@ -10,7 +10,8 @@ eval's scored loss sum must match the whole model's. With `lora:`, the model car
 (made non-zero, so every adapter has a gradient) on a frozen base, whose parameters must get no gradient. With
 `moe:`, it is a gpt-oss-like model (8 experts, top 2, a sliding window in its first layer) whose experts are split
 over E ranks; `moe-idle:` routes no token to the experts past the third, so some experts, and under expert parallel
-2 a whole rank's experts, receive nothing. Prints "parity ok SPEC" per layout and rank.
+2 a whole rank's experts, receive nothing; `moe-recompute:` checkpoints each block's activations, so backward
+recomputes its forward, all-to-alls included. Prints "parity ok SPEC" per layout and rank.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ def draws_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
 def parity(layout: Layout, kind: str = "") -> None:
     lora = LORA if kind == "lora" else None
     config = MOE_CONFIG if kind.startswith("moe") else CONFIG
+    recompute = kind == "moe-recompute"  # activation checkpointing: backward runs each block's all-to-alls again
     torch.manual_seed(0)
     reference = Decoder(config, lora=lora)
     with torch.device("meta"):
-        model = Decoder(config, lora=lora)
+        model = Decoder(config, activation_checkpointing=recompute, lora=lora)
     mesh = build_mesh(layout, CPU)
     parallelize(model, mesh, CPU, expert_mesh=build_expert_mesh(layout, CPU) if config.moe else None)
     if lora:

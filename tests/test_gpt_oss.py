@@ -158,11 +158,29 @@ def test_the_closed_preset_takes_the_rcp_rows_and_interpolates_between_them():
         preset_config("full", 128, benchmark="gpt_oss_20b")
 
 
+def test_a_given_learning_rate_reaches_the_workers_and_one_below_the_floor_is_refused(tmp_path):
+    """NVIDIA's v6.0 run: batch 36 at LR 4e-4, accepted by the harness and by every rank's own command line; a
+    peak under min_lr (4e-5) would make the cosine climb: refused in one line."""
+    from workloads.common.campaign import RunOptions
+
+    opts = RunOptions.parse(["gpt_oss_20b", "--preset", "full", "--synthetic", "--out", str(tmp_path), "--global-batch", "36",
+                             "--learning-rate", "4e-4", "--warmup-samples", "9216"])
+    assert (opts.learning_rate, opts.warmup_samples) == (4e-4, 9216)
+    cfg = preset_config("full", 36, learning_rate=4e-4, warmup_samples=9216, benchmark="gpt_oss_20b")
+    assert (cfg.base_lr, cfg.warmup_steps) == (4e-4, 256)
+    refused = harness("run", "gpt_oss_20b", "--preset", "full", "--synthetic", "--learning-rate", "1e-5",
+                      "--dry-run", "--out", str(tmp_path / "o"))
+    assert refused.returncode == 2 and "below the schedule's floor 4e-05" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+
+
 def test_the_validation_split_is_asked_for_what_megatron_lm_asks():
     """(train_iters // eval_interval + 1) x eval_iters x GBS, eval_interval 12,288 / GBS and eval_iters 1,024 / GBS
     steps (config_*_1x8x1.sh)."""
     assert reference_validation_samples(64, 1_200_000, 12_288, 1024, "megatron") == (1_200_000 // 192 + 1) * 16 * 64
     assert reference_validation_samples(16, 1_200_000, 12_288, 1024, "megatron") == (1_200_000 // 768 + 1) * 64 * 16
+    # batch 36: the shell's integer division, 341 steps between evals and 28 eval iterations
+    assert reference_validation_samples(36, 1_200_000, 12_288, 1024, "megatron") == (1_200_000 // 341 + 1) * 28 * 36
 
 
 def test_the_planner_splits_experts_inside_a_node_and_context_where_a_rank_has_less_than_a_sequence():

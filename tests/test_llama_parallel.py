@@ -20,9 +20,10 @@ pytestmark = pytest.mark.slow  # real multi-process training steps
 LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2", "2,1,2,1", "lora:1,2,1,2", "lora:1,1,2,2")
 # gpt-oss-like (experts, a sliding window), its experts split over E ranks (the fifth number): expert parallel 2
 # with FSDP sharding each rank's experts over 2 more (1,4,1,1,2), under HSDP, beside context parallel, over all 4
-# ranks; and routed to the first 3 experts only, so that an expert, and under expert parallel 4 three ranks, get none.
+# ranks; routed to the first 3 experts only, so that an expert, and under expert parallel 4 three ranks, get none;
+# and with activation checkpointing, which runs each block's all-to-alls again in backward.
 MOE_LAYOUTS = ("moe:1,4,1,1,2", "moe:2,2,1,1,2", "moe:1,2,2,1,2", "moe:1,4,1,1,4", "moe-idle:1,4,1,1,4",
-               "moe-idle:1,4,1,1,2")
+               "moe-idle:1,4,1,1,2", "moe-recompute:1,2,2,1,2")
 
 
 @pytest.mark.parametrize("layouts", [LAYOUTS, MOE_LAYOUTS], ids=["dense", "experts"])

@@ -125,10 +125,11 @@ class RunOptions:
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
         if args.decode and args.benchmark != "resnet":
             p.error(f"--decode applies to resnet only, not {args.benchmark}")
-        if args.learning_rate is not None and args.benchmark not in ("llama31_8b", "llama2_70b_lora"):
-            p.error(f"--learning-rate applies to llama31_8b and llama2_70b_lora only, not {args.benchmark}")
-        if args.warmup_samples is not None and args.benchmark != "llama31_8b":
-            p.error(f"--warmup-samples applies to llama31_8b only, not {args.benchmark}")
+        from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS  # torch-free: the decoders' tables
+        if args.learning_rate is not None and args.benchmark not in RCP_GLOBAL_BATCHES:
+            p.error(f"--learning-rate applies to {', '.join(RCP_GLOBAL_BATCHES)} only, not {args.benchmark}")
+        if args.warmup_samples is not None and args.benchmark not in RCP_WARMUP_BENCHMARKS:
+            p.error(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
         if args.last_run is not None and not 0 <= args.last_run < args.runs:

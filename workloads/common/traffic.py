@@ -50,7 +50,9 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
     experts_here = expert_params / expert
     fsdp_gather = grad_accum * 2 * compute_bytes * (dense * _ring(fsdp) + experts_here * _ring(fsdp // expert))
     fsdp_reduce = grad_accum * 4 * (reduced * _ring(fsdp) + experts_here * _ring(fsdp // expert))
-    replicate_reduce = grad_accum * 2 * 4 * (reduced + experts_here) / fsdp * _ring(replicate)
+    # A rank's shard: its part of the dense gradients (over fsdp) and of the experts (over expert x expert_shard,
+    # which is fsdp too).
+    replicate_reduce = grad_accum * 2 * 4 * (reduced + expert_params) / fsdp * _ring(replicate)
     passes = 3 if recompute else 2
     positions = micro_batch * seq_len / context
     tensor_bytes = grad_accum * n_layer * passes * 4 * positions * d_model * compute_bytes * _ring(tensor)

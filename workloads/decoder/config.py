@@ -1,5 +1,5 @@
-"""The Llama benchmarks' presets (llama31_8b's pretraining, llama2_70b_lora's fine-tuning), their RCP batch
-tables, the parallel layout, and memory and traffic per GPU.
+"""The decoder benchmarks' presets (llama31_8b's and gpt_oss_20b's pretraining, llama2_70b_lora's fine-tuning),
+their RCP batch tables, the parallel layout, and memory and traffic per GPU.
 
 No torch here: `harness run --dry-run` imports this to show the layout, refuse a batch outside the RCP table or a
 config that cannot fit, and print the bytes each GPU sends per step, before anything starts.
@@ -145,6 +145,16 @@ class DecoderConfig:
         return 6 * matmul_params + 12 * self.n_layer * 2 * self.attended_keys() * self.q_dim
 
 
+def steps_per(samples: int, global_batch: int, framework: str) -> int:
+    """Whole steps for `samples` sequences, as the reference rounds them: up in NeMo's pretrain_llama31.py
+    (ceil(12,288 / GBS)); down in Primus' config_*_1x8x1.sh, whose shell divides integers (PRIMUS_EVAL_INTERVAL =
+    12,288 / GBS, PRIMUS_EVAL_ITERS = 1,024 / GBS: NVIDIA's v6.0 gpt_oss_20b run at batch 36 evaluated every 341
+    steps). At least one."""
+    if framework == "megatron":
+        return max(1, samples // global_batch)
+    return max(1, math.ceil(samples / global_batch))
+
+
 @dataclass(frozen=True)
 class PretrainConfig:
     model: DecoderConfig
@@ -182,12 +192,8 @@ class PretrainConfig:
 
     @property
     def eval_every(self) -> int:
-        """Steps between evaluations: ceil(eval_interval / GBS) in NeMo's pretrain_llama31.py; in Primus'
-        config_*_1x8x1.sh the shell's integer division, PRIMUS_EVAL_INTERVAL = 12,288 / GBS (NVIDIA's v6.0
-        gpt_oss_20b run at batch 36 evaluated every 341 steps)."""
-        if self.framework == "megatron":
-            return max(1, self.eval_interval // self.global_batch)
-        return max(1, math.ceil(self.eval_interval / self.global_batch))
+        """Steps between evaluations (steps_per, the reference's rounding)."""
+        return steps_per(self.eval_interval, self.global_batch, self.framework)
 
     @property
     def decay_steps(self) -> int:
@@ -248,7 +254,7 @@ GPT_OSS_PRESETS = {
         model=GPT_OSS_20B, global_batch=64, base_lr=GPT_OSS_RCP_BATCHES[64][0],
         warmup_samples=GPT_OSS_RCP_BATCHES[64][1], end_lr_ratio=GPT_OSS_END_LR / GPT_OSS_RCP_BATCHES[64][0],
         end_lr=GPT_OSS_END_LR, max_steps=GPT_OSS_MAX_STEPS, eval_interval=EVAL_INTERVAL_SAMPLES,
-        eval_sequences=EVAL_SEQUENCES, target=3.34, adam_eps=1e-5, activation_checkpointing=True,
+        eval_sequences=EVAL_SEQUENCES, target=3.34, adam_eps=1e-5, activation_checkpointing=True, eval_batch=1,
         framework="megatron", eod_mask_loss=True),
     # A 2-layer gpt-oss (8 experts, top 2, a 32-key sliding window in the first layer and full attention in the
     # second, QK norm, RoPE unscaled, the EOD loss mask) on the llama31_8b tiny preset's generated text, whose
@@ -402,6 +408,10 @@ def preset_config(preset: str, global_batch: int | None = None, force: bool = Fa
     extra = {"table": table, "force": force} if preset == "full" else {}
     chosen = choose(benchmark, global_batch=batch, preset=(cfg.base_lr, cfg.warmup_samples),
                     learning_rate=learning_rate, warmup_samples=warmup_samples, **extra)
+    if cfg.end_lr is not None and chosen.base_lr < cfg.end_lr:
+        raise ValueError(f"{benchmark}'s peak learning rate {chosen.base_lr:g} is below the schedule's floor "
+                         f"{cfg.end_lr:g} (min_lr): the cosine would raise it; give --learning-rate of at least "
+                         f"{cfg.end_lr:g}")
     return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, warmup_samples=chosen.warmup_samples,
                    hyperparameters=chosen)
 

@@ -19,7 +19,6 @@ workloads.common.megatron_data.megatron_eval_samples builds it, and reference_va
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
+from workloads.decoder.config import steps_per
 from workloads.common.megatron_data import BlendedSamples, IndexedDataset, SequenceSamples, TokenLoaders, \
     megatron_eval_samples, require_datasets, token_loaders, write_markov_corpus
 
@@ -49,12 +49,10 @@ def reference_validation_samples(global_batch: int, max_steps: int, eval_interva
     (nemo/collections/llm/gpt/data/pre_training.py) turns them into
     int((max_steps // val_check_interval + 1) x limit_val_batches x GBS): 102,401,024 at GBS 32 and
     409,601,024 at GBS 64 for max_steps 1,200,000."""
+    every, iters = (steps_per(samples, global_batch, framework) for samples in (eval_interval, eval_sequences))
     if framework == "megatron":
-        every, iters = max(1, eval_interval // global_batch), math.ceil(eval_sequences / global_batch)
         return (max_steps // every + 1) * iters * global_batch
-    check_interval = math.ceil(eval_interval / global_batch) / global_batch
-    eval_batches = math.ceil(eval_sequences / global_batch)
-    return int((max_steps // check_interval + 1) * eval_batches * global_batch)
+    return int((max_steps // (every / global_batch) + 1) * iters * global_batch)
 
 
 def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, eval_sequences: int, seed: int,
@@ -64,7 +62,7 @@ def c4_loaders(root: Path, seq_len: int, micro_batch: int, train_samples: int, e
 
     The eval scores GPTDataset's items 0..eval_sequences-1 of the validation file, built with `seed` for
     `validation_samples` samples (reference_validation_samples; None: one epoch of the file)."""
-    require_datasets(root, (TRAIN, VALIDATION), "llama31_8b: MLCommons' C4 for Llama 3.1")
+    require_datasets(root, (TRAIN, VALIDATION), "MLCommons' C4 for Llama 3.1, llama31_8b's and gpt_oss_20b's")
     train = SequenceSamples(IndexedDataset(Path(root, TRAIN)), seq_len, seed)
     try:
         validation = megatron_eval_samples(IndexedDataset(Path(root, VALIDATION)), seq_len, validation_samples, seed,

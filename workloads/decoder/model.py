@@ -71,7 +71,8 @@ def visible(query_positions: torch.Tensor, key_positions: torch.Tensor, window: 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Sliding-window causal attention over (batch, heads, seq, dim), a block of `window` queries at a time against
     that block's keys and the previous block's: each query sees itself and the `window` keys before it, in
-    O(seq x window) rather than the seq^2 of a masked full attention (what `visible` says, computed by blocks)."""
+    O(seq x window) rather than the seq^2 of a masked full attention (what `visible` says, computed by blocks).
+    The blocks go into the batch dimension, so attention stays 4-D (the shape CUDA's fused kernels take)."""
     batch, heads, seq, dim = q.shape
     pad = -seq % window
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # whole blocks; the padding is after every real key
@@ -79,13 +80,14 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     # The keys and values of block b are positions b w - w .. b w + w - 1 (w zeros before the first block).
     k, v = (F.pad(t, (0, 0, window, 0)).unfold(2, 2 * window, window).transpose(-1, -2) for t in (k, v))
     q = q.unflatten(2, (blocks, window))
-    # (batch, blocks, heads, ...): heads third from last, as scaled_dot_product_attention's enable_gqa wants them.
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    # (batch x blocks, heads, positions, dim)
+    q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
     query, key = torch.arange(window, device=q.device), torch.arange(2 * window, device=q.device)
     mask = visible(query + window, key, window).expand(blocks, window, 2 * window).clone()
     mask[0, :, :window] = False  # the first block's keys before position 0 are padding
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, :, None], enable_gqa=True)
-    return out.transpose(1, 2).flatten(2, 3)[:, :, :seq]
+    mask = mask[None, :, None].expand(batch, -1, -1, -1, -1).flatten(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return out.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :seq]
 
 
 class CausalAttention(nn.Module):

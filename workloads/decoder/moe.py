@@ -81,9 +81,8 @@ class Experts(nn.Module):
             ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             up = lambda t, w: torch._grouped_mm(t, w.transpose(-2, -1), offs=ends)  # noqa: E731
             return up(F.silu(up(x, w1)) * up(x, w3), w2)
-        outputs = [F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e])
-                   for e, part in enumerate(x.split(counts))]
-        return torch.cat(outputs) if outputs else x[:0]
+        return torch.cat([F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e])
+                          for e, part in enumerate(x.split(counts))])
 
 
 class MoE(nn.Module):
@@ -104,9 +103,11 @@ class MoE(nn.Module):
         routed = tokens[order // self.top_k]
         outputs = self._run_experts(routed, counts) if self.expert_group is not None \
             else self.experts(routed, counts.tolist())
-        weighted = outputs * weights.flatten()[order, None].to(outputs.dtype)
-        combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted.to(tokens.dtype))
-        return combined.view(shape)
+        # Weighted by the fp32 router weights and summed in fp32, then back to the stream's dtype, as Megatron's
+        # unpermute does with fp32 probabilities.
+        weighted = outputs.float() * weights.flatten()[order, None]
+        combined = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return combined.index_add(0, order // self.top_k, weighted).to(tokens.dtype).view(shape)
 
     def _run_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallel: send each copy to its expert's rank, run this rank's experts on what arrives, send the

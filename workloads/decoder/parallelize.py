@@ -66,7 +66,9 @@ def build_expert_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     (tensor parallel is 1 with experts, so an FSDP group's ranks are consecutive)."""
     mesh = init_device_mesh(device.type, (layout.replicate, layout.fsdp // layout.expert, layout.expert),
                             mesh_dim_names=EXPERT_MESH_DIMS)
-    mesh["expert_shard", "expert"]._flatten("expert_fsdp")  # one group for the experts' norm in clipping
+    # Named by nothing here: DTensor finds a flattened group by its layout, and reduces the experts' gradient norm
+    # over it in one all-reduce rather than one per dimension (clipping).
+    mesh["expert_shard", "expert"]._flatten("expert_fsdp")
     return mesh
 
 

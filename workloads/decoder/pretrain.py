@@ -11,8 +11,8 @@ through Primus): the same AdamW and clipping; Megatron's OptimizerParamScheduler
 step / warmup), then cosine decay to min_lr 4e-5 over lr_decay_iters = max_steps - warmup; the EOD loss mask; the
 experts split over the expert mesh. Target 3.34.
 
-Both evaluate every 12,288 sequences (rounded up to whole steps) on 1,024 validation sequences and stop at the
-first evaluation at or below the target. `samples_count` counts sequences.
+Both evaluate every 12,288 sequences (in whole steps, rounded as each reference rounds: config.steps_per) on 1,024
+validation sequences and stop at the first evaluation at or below the target. `samples_count` counts sequences.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def megatron_lr_factor(step: int, warmup: int, decay_steps: int, end_ratio: floa
 class PretrainWorkload(DecoderWorkload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         super().__init__(opts, ctx, seed)
-        cfg, layout = self.cfg, self.layout
+        cfg = self.cfg
         if cfg.eod_mask_loss:
             self.split = self.split_over_context(eod_masked_split(cfg.eod_token))
         self.eval_every = cfg.eval_every  # steps
@@ -102,7 +102,7 @@ class PretrainWorkload(DecoderWorkload):
             C.INIT_CHECKPOINT_STEP: 0,  # from scratch
             C.OPT_END_LR: cfg.floor_lr,
             C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
-            C.OPT_LR_DECAY_STEPS: cfg.max_steps - cfg.warmup_steps,
+            C.OPT_LR_DECAY_STEPS: cfg.decay_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
             C.MAX_STEPS: cfg.max_steps,
         }
