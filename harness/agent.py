@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
-                           PEER_LOSS, WORKLOAD, unquoted)
+                           PEER_LOSS, STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, run_records, write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
@@ -95,6 +95,7 @@ class Failure:
     rank: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    stopped_by: str | None = None  # STOPPED_BY_NEWER_ATTEMPT: this node's agent ended it (NewerAttemptWatch)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,21 @@ def _append(out: Path, node: str, record: dict) -> None:
         started_marker(out, record["attempt"]).touch()
 
 
+def end_record(attempt: int, identity: dict, failure: Failure | None, run: int | None, step: int | None,
+               now: float | None = None) -> dict:
+    """A node's end of `attempt` as its agent records it: `identity` is the start record's (node, and host under a
+    pod); a failure adds its kind, cause, failed rank, exit code, signal, the run and step reached, and, where this
+    node's agent ended the attempt itself because another node began a newer one, `stopped_by` (harness.blame)."""
+    end = {"event": "end", "attempt": attempt, **identity, "time": time.time() if now is None else now,
+           "ok": failure is None}
+    if failure:
+        end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
+                   signal=failure.signal, run=run, step=step)
+        if failure.stopped_by:
+            end["stopped_by"] = failure.stopped_by
+    return end
+
+
 def started_marker(out: Path, attempt: int) -> Path:
     return Path(out) / ATTEMPTS_DIR / f"started-{attempt}"
 
@@ -239,7 +255,8 @@ class NewerAttemptWatch:
 
     def failure(self) -> Failure:
         return Failure(INFRASTRUCTURE, f"{self.newer.get('node')} began attempt {self.newer['attempt']} (it was "
-                                       "restarted after a failure), so this node's attempt ended to join it")
+                                       "restarted after a failure), so this node's attempt ended to join it",
+                       stopped_by=STOPPED_BY_NEWER_ATTEMPT)
 
 
 def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str | None:
@@ -524,11 +541,7 @@ def _attempts(args, node: str) -> int:
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
-        end = {"event": "end", "attempt": attempt, **identity, "time": time.time(), "ok": failure is None}
-        if failure:
-            end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
-                       signal=failure.signal, run=run, step=step)
-        _append(args.out, node, end)
+        _append(args.out, node, end_record(attempt, identity, failure, run, step))
         if cancelled:
             return 143
         records = read_records(args.out)

@@ -11,7 +11,10 @@ node agent's start and end, harness.agent):
   node wherever it came in the order;
 - otherwise the failure with a cause of its own (a SIGKILL from the OOM killer, a segfault) that ended first
   is the culprit, and only when no node was lost;
-- a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), is a victim, never blamed; when
+- a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), and a node whose agent ended the
+  attempt because another node began a newer one (an end record's `stopped_by`: STOPPED_BY_NEWER_ATTEMPT; on
+  Kubernetes the failed node's pod is recreated at once, and its healthy peers, still blocked in NCCL, stop to join
+  it) are victims, never blamed; when
   only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
 - a workload error is the program's, and a configuration error (a command torchrun or the workload refuses,
   the same on every node) the job's: neither blames a node, and an attempt that ended with either blames only a
@@ -53,6 +56,11 @@ PASSING_IO = _errno_pattern(PASSING_ERRNOS)
 # The node's machine failing the program (ENOMEM: its memory exhausted): retried, and its node is the culprit.
 MACHINE_ERRNO = _errno_pattern(MACHINE_ERRNOS)
 VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
+# An end record's `stopped_by` when the node agent ended its attempt itself because another node began a newer one
+# (harness.agent.NewerAttemptWatch: that node was restarted after a failure): the node went down with it, a victim.
+STOPPED_BY_NEWER_ATTEMPT = "newer_attempt"
+# The same end in a record from before `stopped_by`, by the words the agent wrote then (and still writes).
+_NEWER_ATTEMPT_CAUSE = re.compile(r"began attempt \d+ \(it was restarted after a failure\)")
 _QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")  # a path or value Python quotes in an exception's text
 # harness.agent's kinds of failure. The program's own errors and a job whose command is wrong fail the same way on
 # any node, at every attempt: never retried, never blamed on a node.
@@ -83,7 +91,7 @@ def culprits(records: list[dict]) -> dict[str, str]:
     failed = sorted((r for r in ends if not r.get("ok") and r.get("kind") not in NOT_RETRIED),
                     key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else float("inf"))
     for record in failed:
-        if GPU_HARDWARE.search(unquoted(record.get("cause") or "")):
+        if not _stopped_by_newer_attempt(record) and GPU_HARDWARE.search(unquoted(record.get("cause") or "")):
             blamed[host.get(record["node"], record["node"])] = record["cause"]
     own = [r for r in failed if not _victim(r)]
     if own and not blamed and not program_failed:
@@ -95,6 +103,15 @@ def culprits(records: list[dict]) -> dict[str, str]:
 def _victim(record: dict) -> bool:
     """Whether a failed node's end reads as going down with a peer rather than failing by itself."""
     cause = unquoted(record.get("cause") or "")
+    if _stopped_by_newer_attempt(record):
+        return True
     return record.get("signal") in VICTIM_SIGNALS or (bool(PEER_LOSS.search(cause) or PASSING_IO.search(cause))
                                                       and not GPU_HARDWARE.search(cause)
                                                       and not MACHINE_ERRNO.search(cause))
+
+
+def _stopped_by_newer_attempt(record: dict) -> bool:
+    """Whether the node's agent ended the attempt because another node began a newer one: by `stopped_by`, or, in a
+    record written before that field, by the agent's words for it."""
+    return record.get("stopped_by") == STOPPED_BY_NEWER_ATTEMPT or (
+        "stopped_by" not in record and bool(_NEWER_ATTEMPT_CAUSE.search(record.get("cause") or "")))

@@ -114,3 +114,49 @@ def test_a_node_torn_down_after_the_programs_error_is_not_blamed(tmp_path, kind)
     gpu = {"kind": INFRASTRUCTURE, "signal": None, "cause": "rank 12: RuntimeError: CUDA error: unknown error"}
     _attempt(tmp_path, {"node-b": refused, "node-a": None, "node-c": ABORTED, "node-d": gpu})
     assert list(preflight.blamed_nodes(tmp_path)) == ["node-d"]
+
+
+# --- issue 36: defects 1, 6 and 7 -----------------------------------------------------------------------------------
+
+def test_pods_stopped_because_a_peer_began_a_newer_attempt_are_victims(tmp_path):
+    """Kubernetes: node-b's rank died (NCCL's watchdog SIGABRT after a NIC flap), its pod was recreated and began
+    attempt 1; the healthy pods, still blocked in NCCL, were stopped by NewerAttemptWatch. They went down with node-b
+    and are never blamed, whether their end is read by its structural mark (the agent's end record now) or, in a
+    record from before it, by the words the agent wrote ("X began attempt N+1 ...")."""
+    from harness.agent import NewerAttemptWatch, end_record
+
+    watch = NewerAttemptWatch(tmp_path, 0, stop=lambda: None)
+    watch.newer = {"node": "pod-node-b", "attempt": 1}
+    stopped = end_record(0, {"node": "pod-node-x"}, watch.failure(), None, None)
+    assert stopped["stopped_by"] == "newer_attempt" and stopped["signal"] is None
+    new = {k: v for k, v in stopped.items() if k not in ("event", "attempt", "node", "time", "ok")}
+    old = {k: v for k, v in new.items() if k != "stopped_by"}
+    for end in (new, old, {**new, "cause": "stopped"}):
+        _attempt(tmp_path, {"node-b": ABORTED, "node-a": end, "node-c": end, "node-d": end}, pods=True)
+        assert preflight.blamed_nodes(tmp_path) == {}, end
+
+
+
+def test_a_stopped_pods_end_in_the_agents_older_record_is_a_victims_too(tmp_path):
+    """Records written before the structural mark: the end holds only the failure's kind, cause and signal."""
+    from harness.agent import NewerAttemptWatch
+
+    watch = NewerAttemptWatch(tmp_path, 0, stop=lambda: None)
+    watch.newer = {"node": "pod-node-b", "attempt": 1}
+    failure = watch.failure()
+    end = {"kind": failure.kind, "cause": failure.cause, "signal": failure.signal, "rank": None, "exit_code": None}
+    _attempt(tmp_path, {"node-b": ABORTED, "node-a": end, "node-c": end, "node-d": end}, pods=True)
+    assert preflight.blamed_nodes(tmp_path) == {}
+
+def test_a_stopped_pod_does_not_hide_its_peers_own_failure(tmp_path):
+    """The stopped pods' ends are victims', so the failure with a cause of its own (a segfault) is still blamed."""
+    from harness.agent import NewerAttemptWatch, end_record
+
+    watch = NewerAttemptWatch(tmp_path, 0, stop=lambda: None)
+    watch.newer = {"node": "pod-node-c", "attempt": 1}
+    stopped = {k: v for k, v in end_record(0, {"node": "x"}, watch.failure(), None, None).items()
+               if k in ("kind", "cause", "signal", "stopped_by")}
+    segfault = {"kind": INFRASTRUCTURE, "signal": "SIGSEGV", "cause": "rank 9 killed by SIGSEGV"}
+    _attempt(tmp_path, {"node-a": stopped, "node-c": segfault, "node-b": stopped, "node-d": stopped}, pods=True)
+    assert list(preflight.blamed_nodes(tmp_path)) == ["node-c"]
+
