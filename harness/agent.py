@@ -9,8 +9,9 @@ no restarts of its own, and this wrapper:
    exit code or signal, the failed rank, the cause, and the run and step it reached (the
    decider merges every node's file into <out>/attempts.jsonl);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
-   error or timeout, a rendezvous that timed out or could not reach its store, out of memory),
-   `workload` (an exception in the training code, a diverged loss, an exit with an error code)
+   error or timeout, a rendezvous that timed out or could not reach its store, the host out of memory),
+   `workload` (an exception in the training code, a diverged loss, an exit with an error code, a GPU out of
+   memory: the job's batch or layout, with what to lower in its cause)
    or `configuration` (a command torchrun or the workload refuses: an argument it does not take,
    a preset without its dataset; the same on every node and at every attempt: torchrun's refusal and
    the worker's ConfigurationError only, workloads.common.refusals). A passing file-system errno
@@ -49,8 +50,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
-                           PEER_LOSS, STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
+from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
+                           OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
+                           STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
 from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
                                          read_attempts, read_json_lines, run_records, write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
@@ -83,7 +85,8 @@ REPEATS_TO_STOP = 3
 CONFIGURATION_REFUSAL = f"{ConfigurationError.__module__}.{ConfigurationError.__qualname__}: "
 REFUSAL = "SystemExit: "
 # Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
-_INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
+# (A GPU out of memory is read before these: OUT_OF_GPU_MEMORY, the job's own; a bare "out of memory" is the host's.)
+_INFRASTRUCTURE_ERRORS = re.compile(rf"out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
                                     rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
 _ERRNO_ERRORS = re.compile(rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
 
@@ -121,7 +124,13 @@ def classify(rank: int, exit_code: int, signal_name: str | None, message: str, h
     reason = _configuration_refusal(first_line, traceback)
     if reason is not None:
         return Failure(CONFIGURATION, f"rank {rank}: {reason[:300]}", rank, exit_code)
-    machine = _machine_error(message, refusal=first_line.startswith(REFUSAL))
+    refusal = first_line.startswith(REFUSAL)
+    gpu_memory = None if refusal else _exception_line(message, OUT_OF_GPU_MEMORY)
+    if gpu_memory:  # the job's batch or layout, not the machine: stopped, with what to lower (harness.blame)
+        said = gpu_memory if len(gpu_memory) <= 200 else gpu_memory[:gpu_memory.rfind(". ", 0, 200) + 1] or \
+            gpu_memory[:200]  # torch's own words up to a sentence's end: how much it tried to allocate, of what
+        return Failure(WORKLOAD, f"rank {rank}: {said.rstrip('.')}. {OUT_OF_GPU_MEMORY_ADVICE}", rank, exit_code)
+    machine = _machine_error(message, refusal)
     if machine:  # named in the cause where it is not the first line (a DataLoader worker's wrapped OSError)
         cause = first_line if machine in first_line else f"{first_line} ({machine})"
         return Failure(INFRASTRUCTURE, f"rank {rank}: {cause[:300]}", rank, exit_code)
@@ -145,7 +154,12 @@ def _machine_error(message: str, refusal: bool) -> str | None:
     """The line of a worker's error that says the machine, the network or a peer failed, if one does. Only the
     exception lines are read (a traceback's source lines are indented) without what they quote, and of a plain
     refusal's text only an errno: a path or value named "timeout" or "nccl" is not the machine's word."""
-    pattern = _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS
+    return _exception_line(message, _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS)
+
+
+def _exception_line(message: str, pattern: re.Pattern) -> str | None:
+    """The first exception line of a worker's error (not a traceback's indented source line) whose own words, without
+    what they quote, match `pattern`."""
     for line in message.strip().splitlines():
         if line[:1].strip() and pattern.search(unquoted(line)):
             return line.strip()

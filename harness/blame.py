@@ -16,7 +16,7 @@ node agent's start and end, harness.agent):
   Kubernetes the failed node's pod is recreated at once, and its healthy peers, still blocked in NCCL, stop to join
   it) are victims, never blamed; when
   only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
-- a workload error is the program's, and a configuration error (a command torchrun or the workload refuses,
+- a workload error is the program's (out of GPU memory included: OUT_OF_GPU_MEMORY, the job's batch or layout), and a configuration error (a command torchrun or the workload refuses,
   the same on every node) the job's: neither blames a node, and an attempt that ended with either blames only a
   GPU hardware error: a node without an end record was torn down with the failed job (Slurm's step kill, a
   deleted pod), and the job stops anyway, so draining it would only take a healthy node away;
@@ -55,6 +55,16 @@ GPU_HARDWARE = re.compile(r"ECC error|unspecified launch failure|CUDA error: unk
 PASSING_IO = _errno_pattern(PASSING_ERRNOS)
 # The node's machine failing the program (ENOMEM: its memory exhausted): retried, and its node is the culprit.
 MACHINE_ERRNO = _errno_pattern(MACHINE_ERRNOS)
+# A GPU's memory too small for what the job asks of it (torch.OutOfMemoryError, "CUDA out of memory", "CUDA error:
+# out of memory"): the job's own setting, the same on every node and at every attempt, so harness.agent classifies it
+# as a WORKLOAD error: never retried, no node blamed. The machine's own memory (ENOMEM: MACHINE_ERRNO; a rank the
+# kernel's OOM killer SIGKILLed) stays that node's.
+OUT_OF_GPU_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory")
+# What the agent adds to such a failure's cause, so that the job's stop says what to change.
+OUT_OF_GPU_MEMORY_ADVICE = ("Out of GPU memory is the job's own setting, not the node's: lower what one GPU holds "
+                            "(the micro batch: --batch-size where the workload takes it; the global batch per rank: "
+                            "a smaller --global-batch or more --nodes), turn activation checkpointing on, or shard "
+                            "the model over more GPUs (a larger FSDP group); --dry-run shows the plan's memory")
 VICTIM_SIGNALS = ("SIGTERM", "SIGABRT")
 # An end record's `stopped_by` when the node agent ended its attempt itself because another node began a newer one
 # (harness.agent.NewerAttemptWatch: that node was restarted after a failure): the node went down with it, a victim.

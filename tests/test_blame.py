@@ -160,3 +160,34 @@ def test_a_stopped_pod_does_not_hide_its_peers_own_failure(tmp_path):
     _attempt(tmp_path, {"node-a": stopped, "node-c": segfault, "node-b": stopped, "node-d": stopped}, pods=True)
     assert list(preflight.blamed_nodes(tmp_path)) == ["node-c"]
 
+
+CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity of "
+            "79.10 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has 78.07 GiB memory in "
+            "use. Of the allocated memory 75.20 GiB is allocated by PyTorch, and 1.35 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+@pytest.mark.parametrize("message", [
+    CUDA_OOM,
+    "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
+    "RuntimeError: CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+    "RuntimeError: Caught an error in rank 3\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8 GiB",
+], ids=["oom", "cuda-oom", "cuda-error", "second-line"])
+def test_cuda_out_of_memory_is_the_jobs_own_not_retried_and_blames_no_node(tmp_path, message):
+    """Out of GPU memory is the job's setting (a batch, a layout), the same on every node and at every attempt: a
+    workload error, stopped with exit 3 and a message that says what to lower, and no node is blamed."""
+    from harness.agent import EXIT_WORKLOAD_ERROR, decide
+
+    failure = classify(3, 1, None, message, has_error_file=True)
+    assert failure.kind == WORKLOAD
+    assert "micro batch" in failure.cause and "activation checkpointing" in failure.cause
+    oom = {"kind": failure.kind, "signal": None, "cause": failure.cause}
+    _attempt(tmp_path, {"node-c": oom, "node-a": ABORTED, "node-b": NCCL_TIMEOUT, "node-d": ABORTED})
+    assert preflight.blamed_nodes(tmp_path) == {}
+    records = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    decision = decide(records, 0, budget=3)
+    assert decision.exit_code == EXIT_WORKLOAD_ERROR and "out of memory" in decision.message
+    # The machine's memory (ENOMEM, or a plain "out of memory") stays the machine's: retried, its node blamed.
+    assert classify(3, 1, None, "OSError: [Errno 12] Cannot allocate memory", True).kind == INFRASTRUCTURE
+
