@@ -7,7 +7,9 @@ no restarts of its own, and this wrapper:
 
 1. records the attempt in its node's own file, <out>/attempts/<node>.jsonl: start, end, node,
    exit code or signal, the failed rank, the cause, and the run and step it reached (the
-   decider merges every node's file into <out>/attempts.jsonl);
+   decider merges every node's file into <out>/attempts.jsonl); on Slurm, where every run of a campaign is
+   a step of its own in the same attempt, also the run the step was launched for (`launch`, from --launch:
+   an attempt's records are those of one (attempt, launch), workloads.common.run_record.attempt_key);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
    error or timeout, a rendezvous that timed out or could not reach its store, the host out of memory),
    `workload` (an exception in the training code, a diverged loss, an exit with an error code, a GPU out of
@@ -53,8 +55,9 @@ from pathlib import Path
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
                            OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
                            STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
-from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
-                                         read_attempts, read_json_lines, run_records, write_merged_attempts)
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_of, node_attempts_path,
+                                         read_attempts, read_json_lines, records_of, run_records,
+                                         write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
 from workloads.common.requirements_check import exit_if_unfit
 
@@ -312,10 +315,20 @@ def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
 
 # --- the decision --------------------------------------------------------------------------------
 
-def summarize(records: list[dict], attempt: int) -> dict | None:
-    """The outcome of one attempt over all its nodes' records; None if it has not started."""
-    ends = [r for r in records if r["attempt"] == attempt and r.get("event") == "end"]
-    starts = [r for r in records if r["attempt"] == attempt and r.get("event") == "start"]
+def _launch(records: list[dict], attempt: int, launch: int | None) -> int:
+    """`launch`, or by default the newest launch of `attempt` in the records (0 where none is recorded)."""
+    if launch is not None:
+        return launch
+    key = attempt_of(records, attempt)
+    return key[1] if key else 0
+
+
+def summarize(records: list[dict], attempt: int, launch: int | None = None) -> dict | None:
+    """The outcome of one attempt over all its nodes' records; None if it has not started. `launch`: the run whose
+    Slurm step it was (workloads.common.run_record.attempt_key); by default the attempt's newest."""
+    mine = records_of(records, (attempt, _launch(records, attempt, launch)))
+    ends = [r for r in mine if r.get("event") == "end"]
+    starts = [r for r in mine if r.get("event") == "start"]
     if not ends:
         if not starts:
             return None
@@ -329,9 +342,12 @@ def summarize(records: list[dict], attempt: int) -> dict | None:
             "step": worst.get("step")}
 
 
-def decide(records: list[dict], attempt: int, budget: int) -> Decision:
-    """What to do after `attempt`, with `budget` restarts allowed in all."""
-    outcome = summarize(records, attempt)
+def decide(records: list[dict], attempt: int, budget: int, launch: int | None = None) -> Decision:
+    """What to do after `attempt`, with `budget` restarts allowed in all. `launch`: the run whose Slurm step ended
+    (by default the attempt's newest: an earlier step's success is not this one's); earlier attempts are read at the
+    same launch, where a requeued job goes on."""
+    launch = _launch(records, attempt, launch)
+    outcome = summarize(records, attempt, launch)
     if outcome is None or outcome["ok"]:
         return Decision(0, f"attempt {attempt} succeeded")
     where = "" if outcome.get("run") is None else f" (run {outcome['run'] + 1}" + \
@@ -347,7 +363,7 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
     if attempt >= budget:
         return Decision(EXIT_BUDGET_SPENT, f"{what}. The restart budget ({budget}) is spent, so the job stops; "
                                            "raise --max-restarts to allow more")
-    recent = [summarize(records, a) for a in range(max(0, attempt - REPEATS_TO_STOP + 1), attempt + 1)]
+    recent = [summarize(records, a, launch) for a in range(max(0, attempt - REPEATS_TO_STOP + 1), attempt + 1)]
     signature = lambda o: (o.get("kind"), o.get("cause"), o.get("run"), o.get("step"))  # noqa: E731
     if len(recent) == REPEATS_TO_STOP and all(o and signature(o) == signature(outcome) for o in recent) \
             and outcome.get("step") is not None:
@@ -454,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-token", help="claim the run folder for this job (see claim_run_folder)")
     parser.add_argument("--decide", action="store_true",
                         help="only decide, from the record, what follows the newest attempt (Slurm's script)")
+    parser.add_argument("--launch", type=int,
+                        help="the run of the campaign this launch is for, recorded with each attempt (Slurm starts "
+                             "one srun step per run, all in the same attempt: workloads.common.run_record.attempt_key)")
     parser.add_argument("--job", default="harness", help="the job's name, a label on every metric")
     parser.add_argument("--benchmark", default="", help="the benchmark, a label on every metric")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -536,7 +555,9 @@ def _attempts(args, node: str) -> int:
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
-    identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {})}
+    launch = getattr(args, "launch", None)  # the run whose Slurm step this is (--launch); absent elsewhere
+    identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {}),
+                **({"launch": launch} if launch is not None else {})}
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left
         _say(f"attempt {attempt} refused: the restart budget ({args.max_restarts}) is spent")
         return EXIT_BUDGET_SPENT
@@ -560,7 +581,7 @@ def _attempts(args, node: str) -> int:
             return 143
         records = read_records(args.out)
         write_merged_attempts(args.out, records)
-        decision = decide(records, attempt, args.max_restarts)
+        decision = decide(records, attempt, args.max_restarts, launch)
         if decision.exit_code:
             _say(decision.message)
         if not (decision.retry and args.restart_here):

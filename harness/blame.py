@@ -4,7 +4,7 @@ At 448 nodes one part fails and the rest follow. NCCL's watchdog aborts every ra
 (SIGABRT, or an NCCL or gloo error: a timeout, a closed connection), and each node agent SIGTERMs its own
 ranks once one of them fails. Blaming every node that ended badly would keep the healthy peers out of the
 next attempt (which then has too few nodes) and drain or taint them. So, for one attempt's records (each
-node agent's start and end, harness.agent):
+node agent's start and end, harness.agent; on Slurm those of one run's step: workloads.common.run_record.attempt_key):
 
 - a node that started the attempt and never recorded its end was lost: a culprit;
 - a GPU that failed under the program (GPU_HARDWARE: an Xid, a device off the bus, a dead launch) blames its
@@ -14,12 +14,13 @@ node agent's start and end, harness.agent):
 - a rank stopped by SIGTERM or SIGABRT, or by a peer-loss error (PEER_LOSS), and a node whose agent ended the
   attempt because another node began a newer one (an end record's `stopped_by`: STOPPED_BY_NEWER_ATTEMPT; on
   Kubernetes the failed node's pod is recreated at once, and its healthy peers, still blocked in NCCL, stop to join
-  it) are victims, never blamed; when
-  only victims ended, no node can be named, and none is (the next attempt's preflight tests the links);
-- a workload error is the program's (out of GPU memory included: OUT_OF_GPU_MEMORY, the job's batch or layout), and a configuration error (a command torchrun or the workload refuses,
-  the same on every node) the job's: neither blames a node, and an attempt that ended with either blames only a
-  GPU hardware error: a node without an end record was torn down with the failed job (Slurm's step kill, a
-  deleted pod), and the job stops anyway, so draining it would only take a healthy node away;
+  it) are victims, never blamed; when only victims ended, no node can be named, and none is (the next attempt's
+  preflight tests the links);
+- a workload error is the program's (out of GPU memory included: OUT_OF_GPU_MEMORY, the job's batch or layout),
+  and a configuration error (a command torchrun or the workload refuses, the same on every node) the job's:
+  neither blames a node, and an attempt that ended with either blames only a GPU hardware error: a node without
+  an end record was torn down with the failed job (Slurm's step kill, a deleted pod), and the job stops anyway,
+  so draining it would only take a healthy node away;
 - a passing file-system or network errno (PASSING_IO: a stale handle, an I/O error) is retried like a lost peer
   and, like it, blames no node: a server failing over fails every node's reads, and the first to read is not
   its cause; a node whose own mount is bad fails the next attempt's preflight storage check. A machine's errno
@@ -35,6 +36,7 @@ import os
 import re
 
 from workloads.common.refusals import MACHINE_ERRNOS, PASSING_ERRNOS
+from workloads.common.run_record import attempt_key
 
 
 def _errno_pattern(errnos: frozenset[int]) -> re.Pattern:
@@ -87,7 +89,12 @@ def unquoted(text: str) -> str:
 
 def culprits(records: list[dict]) -> dict[str, str]:
     """{node: why} for the nodes one attempt's failure is pinned on (see the module docstring). `records` are
-    that attempt's start and end records; a record's `host` (the Kubernetes node under a pod) is what is named."""
+    that attempt's start and end records; a record's `host` (the Kubernetes node under a pod) is what is named.
+    Records of several (attempt, launch) (workloads.common.run_record.attempt_key: on Slurm every run's step of one
+    allocation shares the attempt) are never judged together: the newest is."""
+    keys = {attempt_key(r) for r in records if isinstance(r.get("attempt"), int)}
+    if len(keys) > 1:
+        records = [r for r in records if isinstance(r.get("attempt"), int) and attempt_key(r) == max(keys)]
     host = {r["node"]: r.get("host", r["node"]) for r in records if r.get("event") == "start"}
     ends = [r for r in records if r.get("event") == "end"]
     if not ends or all(r.get("ok") for r in ends):

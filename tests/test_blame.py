@@ -191,3 +191,74 @@ def test_cuda_out_of_memory_is_the_jobs_own_not_retried_and_blames_no_node(tmp_p
     # The machine's memory (ENOMEM, or a plain "out of memory") stays the machine's: retried, its node blamed.
     assert classify(3, 1, None, "OSError: [Errno 12] Cannot allocate memory", True).kind == INFRASTRUCTURE
 
+
+def _slurm_campaign(out: Path, runs: list[dict[str, dict | None]], attempt: int = 0) -> list[dict]:
+    """A Slurm campaign of one allocation (attempt `attempt`): run i is srun step i, whose agents record
+    `"launch": i`; runs[i] maps a node to its end in that step (None: never ended; absent: ended well)."""
+    records = []
+    for launch, ends in enumerate(runs):
+        t = 100.0 * (launch + 1)
+        for node in NODES:
+            records.append({"event": "start", "attempt": attempt, "launch": launch, "node": node, "time": t})
+        for seconds, node in enumerate(NODES):
+            end = ends.get(node, {"ok": True})
+            if end is not None:
+                records.append({"event": "end", "attempt": attempt, "launch": launch, "node": node,
+                                "time": t + 50 + seconds, "ok": False, **end})
+    (out / "attempts").mkdir(exist_ok=True)
+    for node in NODES:  # each agent's own file, as the agent writes it
+        (out / "attempts" / f"{node}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records if r["node"] == node))
+    return records
+
+
+def test_slurm_a_node_lost_in_a_later_run_of_a_campaign_is_blamed(tmp_path):
+    """Each run of a Slurm campaign is its own srun step, all in attempt 0: node-a's agent died in run 2 (a
+    later step), and its end from run 0 must not count as this step's end. It is lost, blamed, and retried."""
+    from harness.agent import EXIT_RETRY, decide
+
+    records = _slurm_campaign(tmp_path, [{}, {}, {"node-a": None, "node-b": ABORTED, "node-c": NCCL_TIMEOUT,
+                                                  "node-d": ABORTED}])
+    blamed = preflight.blamed_nodes(tmp_path)
+    assert list(blamed) == ["node-a"] and "lost" in blamed["node-a"]
+    assert decide(records, 0, budget=3).exit_code == EXIT_RETRY
+
+
+def test_slurm_a_step_killed_whole_in_a_later_run_is_retried_not_read_as_success(tmp_path):
+    """Run 1's step was killed with every agent (no end at all): the attempt did not succeed because run 0 did."""
+    from harness.agent import EXIT_RETRY, decide
+
+    records = _slurm_campaign(tmp_path, [{}, dict.fromkeys(NODES)])
+    assert decide(records, 0, budget=3).exit_code == EXIT_RETRY
+    assert preflight.blamed_nodes(tmp_path) == {}  # the whole step killed at once: no node in particular
+
+
+
+def test_slurm_agents_record_the_run_their_step_was_launched_for(tmp_path, monkeypatch):
+    """Each run's step passes --launch (tests/test_slurm.py); the agent records it on the start and the end, and its
+    decision reads that step's records: run 1's step, which failed, is not read as run 0's success."""
+    import argparse
+
+    from harness import agent
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr(agent, "_stop_on_sigterm", lambda: None)
+    outcomes = iter([(False, None), (False, agent.Failure(INFRASTRUCTURE, "rank 3 killed by SIGKILL", 3, -9,
+                                                           "SIGKILL"))])
+    monkeypatch.setattr(agent, "run_attempt", lambda argv: next(outcomes))
+    for launch in (0, 1):
+        args = argparse.Namespace(out=tmp_path, torchrun=[], max_restarts=3, restart_here=False, launch=launch)
+        code = agent._attempts(args, "node-a")
+    assert code == agent.EXIT_RETRY
+    assert [(r["event"], r["attempt"], r["launch"]) for r in agent.read_records(tmp_path)] == [
+        ("start", 0, 0), ("end", 0, 0), ("start", 0, 1), ("end", 0, 1)]
+
+
+def test_culprits_never_judges_two_steps_of_a_campaign_together(tmp_path):
+    """Given a whole Slurm attempt's records (run 0's step and run 2's), the policy judges the newest step alone."""
+    from harness.blame import culprits
+
+    records = _slurm_campaign(tmp_path, [{}, {}, {"node-c": None, "node-a": ABORTED, "node-b": ABORTED,
+                                                  "node-d": NCCL_TIMEOUT}])
+    assert list(culprits(records)) == ["node-c"]
