@@ -7,10 +7,13 @@ no restarts of its own, and this wrapper:
 
 1. records the attempt in its node's own file, <out>/attempts/<node>.jsonl: start, end, node,
    exit code or signal, the failed rank, the cause, and the run and step it reached (the
-   decider merges every node's file into <out>/attempts.jsonl);
+   decider merges every node's file into <out>/attempts.jsonl); on Slurm, where every run of a campaign is
+   a step of its own in the same attempt, also the run the step was launched for (`launch`, from --launch:
+   an attempt's records are those of one (attempt, launch), workloads.common.run_record.attempt_key);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
-   error or timeout, a rendezvous that timed out or could not reach its store, out of memory),
-   `workload` (an exception in the training code, a diverged loss, an exit with an error code)
+   error or timeout, a rendezvous that timed out or could not reach its store, the host out of memory),
+   `workload` (an exception in the training code, a diverged loss, an exit with an error code, a GPU out of
+   memory: the job's batch or layout, with what to lower in its cause)
    or `configuration` (a command torchrun or the workload refuses: an argument it does not take,
    a preset without its dataset; the same on every node and at every attempt: torchrun's refusal and
    the worker's ConfigurationError only, workloads.common.refusals). A passing file-system errno
@@ -49,10 +52,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED, PASSING_IO,
-                           PEER_LOSS, WORKLOAD, unquoted)
-from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, node_attempts_path,
-                                         read_attempts, read_json_lines, run_records, write_merged_attempts)
+from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
+                           OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
+                           STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_of, node_attempts_path,
+                                         read_attempts, read_json_lines, records_of, run_records,
+                                         write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
 from workloads.common.requirements_check import exit_if_unfit
 
@@ -83,7 +88,8 @@ REPEATS_TO_STOP = 3
 CONFIGURATION_REFUSAL = f"{ConfigurationError.__module__}.{ConfigurationError.__qualname__}: "
 REFUSAL = "SystemExit: "
 # Failures of the machine rather than the program: retried within the budget (harness.blame says whose).
-_INFRASTRUCTURE_ERRORS = re.compile(rf"OutOfMemoryError|out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
+# (A GPU out of memory is read before these: OUT_OF_GPU_MEMORY, the job's own; a bare "out of memory" is the host's.)
+_INFRASTRUCTURE_ERRORS = re.compile(rf"out of memory|{PEER_LOSS.pattern}|{GPU_HARDWARE.pattern}|"
                                     rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
 _ERRNO_ERRORS = re.compile(rf"{PASSING_IO.pattern}|{MACHINE_ERRNO.pattern}")
 
@@ -95,6 +101,7 @@ class Failure:
     rank: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    stopped_by: str | None = None  # STOPPED_BY_NEWER_ATTEMPT: this node's agent ended it (NewerAttemptWatch)
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,13 @@ def classify(rank: int, exit_code: int, signal_name: str | None, message: str, h
     reason = _configuration_refusal(first_line, traceback)
     if reason is not None:
         return Failure(CONFIGURATION, f"rank {rank}: {reason[:300]}", rank, exit_code)
-    machine = _machine_error(message, refusal=first_line.startswith(REFUSAL))
+    refusal = first_line.startswith(REFUSAL)
+    gpu_memory = None if refusal else _exception_line(message, OUT_OF_GPU_MEMORY)
+    if gpu_memory:  # the job's batch or layout, not the machine: stopped, with what to lower (harness.blame)
+        said = gpu_memory if len(gpu_memory) <= 200 else gpu_memory[:gpu_memory.rfind(". ", 0, 200) + 1] or \
+            gpu_memory[:200]  # torch's own words up to a sentence's end: how much it tried to allocate, of what
+        return Failure(WORKLOAD, f"rank {rank}: {said.rstrip('.')}. {OUT_OF_GPU_MEMORY_ADVICE}", rank, exit_code)
+    machine = _machine_error(message, refusal)
     if machine:  # named in the cause where it is not the first line (a DataLoader worker's wrapped OSError)
         cause = first_line if machine in first_line else f"{first_line} ({machine})"
         return Failure(INFRASTRUCTURE, f"rank {rank}: {cause[:300]}", rank, exit_code)
@@ -144,7 +157,12 @@ def _machine_error(message: str, refusal: bool) -> str | None:
     """The line of a worker's error that says the machine, the network or a peer failed, if one does. Only the
     exception lines are read (a traceback's source lines are indented) without what they quote, and of a plain
     refusal's text only an errno: a path or value named "timeout" or "nccl" is not the machine's word."""
-    pattern = _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS
+    return _exception_line(message, _ERRNO_ERRORS if refusal else _INFRASTRUCTURE_ERRORS)
+
+
+def _exception_line(message: str, pattern: re.Pattern) -> str | None:
+    """The first exception line of a worker's error (not a traceback's indented source line) whose own words, without
+    what they quote, match `pattern`."""
     for line in message.strip().splitlines():
         if line[:1].strip() and pattern.search(unquoted(line)):
             return line.strip()
@@ -172,6 +190,21 @@ def _append(out: Path, node: str, record: dict) -> None:
         os.fsync(f.fileno())
     if record.get("event") == "start":  # what NewerAttemptWatch looks for: one path, not every node's file
         started_marker(out, record["attempt"]).touch()
+
+
+def end_record(attempt: int, identity: dict, failure: Failure | None, run: int | None, step: int | None,
+               now: float | None = None) -> dict:
+    """A node's end of `attempt` as its agent records it: `identity` is the start record's (node, and host under a
+    pod); a failure adds its kind, cause, failed rank, exit code, signal, the run and step reached, and, where this
+    node's agent ended the attempt itself because another node began a newer one, `stopped_by` (harness.blame)."""
+    end = {"event": "end", "attempt": attempt, **identity, "time": time.time() if now is None else now,
+           "ok": failure is None}
+    if failure:
+        end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
+                   signal=failure.signal, run=run, step=step)
+        if failure.stopped_by:
+            end["stopped_by"] = failure.stopped_by
+    return end
 
 
 def started_marker(out: Path, attempt: int) -> Path:
@@ -239,7 +272,8 @@ class NewerAttemptWatch:
 
     def failure(self) -> Failure:
         return Failure(INFRASTRUCTURE, f"{self.newer.get('node')} began attempt {self.newer['attempt']} (it was "
-                                       "restarted after a failure), so this node's attempt ended to join it")
+                                       "restarted after a failure), so this node's attempt ended to join it",
+                       stopped_by=STOPPED_BY_NEWER_ATTEMPT)
 
 
 def claim_run_folder(out: Path, token: str, wait_s: float = CLAIM_WAIT_S) -> str | None:
@@ -281,10 +315,20 @@ def progress_at_failure(out: Path) -> tuple[int | None, int | None]:
 
 # --- the decision --------------------------------------------------------------------------------
 
-def summarize(records: list[dict], attempt: int) -> dict | None:
-    """The outcome of one attempt over all its nodes' records; None if it has not started."""
-    ends = [r for r in records if r["attempt"] == attempt and r.get("event") == "end"]
-    starts = [r for r in records if r["attempt"] == attempt and r.get("event") == "start"]
+def _launch(records: list[dict], attempt: int, launch: int | None) -> int:
+    """`launch`, or by default the newest launch of `attempt` in the records (0 where none is recorded)."""
+    if launch is not None:
+        return launch
+    key = attempt_of(records, attempt)
+    return key[1] if key else 0
+
+
+def summarize(records: list[dict], attempt: int, launch: int | None = None) -> dict | None:
+    """The outcome of one attempt over all its nodes' records; None if it has not started. `launch`: the run whose
+    Slurm step it was (workloads.common.run_record.attempt_key); by default the attempt's newest."""
+    mine = records_of(records, (attempt, _launch(records, attempt, launch)))
+    ends = [r for r in mine if r.get("event") == "end"]
+    starts = [r for r in mine if r.get("event") == "start"]
     if not ends:
         if not starts:
             return None
@@ -298,9 +342,12 @@ def summarize(records: list[dict], attempt: int) -> dict | None:
             "step": worst.get("step")}
 
 
-def decide(records: list[dict], attempt: int, budget: int) -> Decision:
-    """What to do after `attempt`, with `budget` restarts allowed in all."""
-    outcome = summarize(records, attempt)
+def decide(records: list[dict], attempt: int, budget: int, launch: int | None = None) -> Decision:
+    """What to do after `attempt`, with `budget` restarts allowed in all. `launch`: the run whose Slurm step ended
+    (by default the attempt's newest: an earlier step's success is not this one's); earlier attempts are read at the
+    same launch, where a requeued job goes on."""
+    launch = _launch(records, attempt, launch)
+    outcome = summarize(records, attempt, launch)
     if outcome is None or outcome["ok"]:
         return Decision(0, f"attempt {attempt} succeeded")
     where = "" if outcome.get("run") is None else f" (run {outcome['run'] + 1}" + \
@@ -316,7 +363,7 @@ def decide(records: list[dict], attempt: int, budget: int) -> Decision:
     if attempt >= budget:
         return Decision(EXIT_BUDGET_SPENT, f"{what}. The restart budget ({budget}) is spent, so the job stops; "
                                            "raise --max-restarts to allow more")
-    recent = [summarize(records, a) for a in range(max(0, attempt - REPEATS_TO_STOP + 1), attempt + 1)]
+    recent = [summarize(records, a, launch) for a in range(max(0, attempt - REPEATS_TO_STOP + 1), attempt + 1)]
     signature = lambda o: (o.get("kind"), o.get("cause"), o.get("run"), o.get("step"))  # noqa: E731
     if len(recent) == REPEATS_TO_STOP and all(o and signature(o) == signature(outcome) for o in recent) \
             and outcome.get("step") is not None:
@@ -423,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-token", help="claim the run folder for this job (see claim_run_folder)")
     parser.add_argument("--decide", action="store_true",
                         help="only decide, from the record, what follows the newest attempt (Slurm's script)")
+    parser.add_argument("--launch", type=int,
+                        help="the run of the campaign this launch is for, recorded with each attempt (Slurm starts "
+                             "one srun step per run, all in the same attempt: workloads.common.run_record.attempt_key)")
     parser.add_argument("--job", default="harness", help="the job's name, a label on every metric")
     parser.add_argument("--benchmark", default="", help="the benchmark, a label on every metric")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -505,7 +555,9 @@ def _attempts(args, node: str) -> int:
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
     attempt = next_attempt(read_records(args.out), node)
     # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
-    identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {})}
+    launch = getattr(args, "launch", None)  # the run whose Slurm step this is (--launch); absent elsewhere
+    identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {}),
+                **({"launch": launch} if launch is not None else {})}
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left
         _say(f"attempt {attempt} refused: the restart budget ({args.max_restarts}) is spent")
         return EXIT_BUDGET_SPENT
@@ -524,16 +576,12 @@ def _attempts(args, node: str) -> int:
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
         run, step = progress_at_failure(args.out) if failure else (None, None)
-        end = {"event": "end", "attempt": attempt, **identity, "time": time.time(), "ok": failure is None}
-        if failure:
-            end.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
-                       signal=failure.signal, run=run, step=step)
-        _append(args.out, node, end)
+        _append(args.out, node, end_record(attempt, identity, failure, run, step))
         if cancelled:
             return 143
         records = read_records(args.out)
         write_merged_attempts(args.out, records)
-        decision = decide(records, attempt, args.max_restarts)
+        decision = decide(records, attempt, args.max_restarts, launch)
         if decision.exit_code:
             _say(decision.message)
         if not (decision.retry and args.restart_here):

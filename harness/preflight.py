@@ -23,7 +23,7 @@ from pathlib import Path
 from harness.health import FAIL, NODES_DIR, PASS, SKIPPED, Check
 from harness.blame import culprits
 from harness.results.goodput import attempt_stragglers
-from workloads.common.run_record import read_attempts, run_records
+from workloads.common.run_record import attempt_key, attempt_of, read_attempts, records_of, run_records
 
 PREFLIGHT_FILE = "preflight.json"
 VERDICTS_ENV = "HARNESS_PREFLIGHT_VERDICTS"  # pod_verdicts, where the run folder has no preflight.json
@@ -77,12 +77,13 @@ def newest_ended(records: list[dict]) -> int | None:
 def settled(records: list[dict]) -> bool:
     """Whether the newest ended attempt is over on every node: each node that began it has ended it or begun a
     later one (a lost node's recreated pod). Until then a node still running it would read as lost."""
-    attempt = newest_ended(records)
-    if attempt is None:
+    ended = [attempt_key(r) for r in records if r.get("event") == "end"]
+    if not ended:
         return False
-    over = {r["node"] for r in records if (r["attempt"] == attempt and r.get("event") == "end")
-            or (r["attempt"] > attempt and r.get("event") == "start")}
-    return all(r["node"] in over for r in records if r["attempt"] == attempt and r.get("event") == "start")
+    key = max(ended)  # (attempt, launch): workloads.common.run_record.attempt_key
+    over = {r["node"] for r in records if (attempt_key(r) == key and r.get("event") == "end")
+            or (attempt_key(r) > key and r.get("event") == "start")}
+    return all(r["node"] in over for r in records_of(records, key) if r.get("event") == "start")
 
 
 def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
@@ -93,19 +94,24 @@ def blamed_nodes(out: Path, attempt: int | None = None) -> dict[str, str]:
 
     `attempt` is the one judged: by default the newest, which a requeued Slurm job's preflight judges even
     when no agent lived to record its end; the Kubernetes watcher names the newest that ended everywhere
-    (settled()), since a recreated pod may have begun the next one already."""
+    (settled()), since a recreated pod may have begun the next one already. On Slurm, where each run of a campaign
+    is a step of its own in the same attempt, the attempt's newest step is judged (its records' `launch`,
+    workloads.common.run_record.attempt_key), and only that run's stragglers."""
     records = read_attempts(out)
-    if not records:
+    key = attempt_of(records, attempt)
+    if key is None:
         return {}
-    if attempt is None:
-        attempt = max(r["attempt"] for r in records)
-    mine = [r for r in records if r["attempt"] == attempt]
+    attempt, launch = key
+    mine = records_of(records, key)
     if any(r.get("event") == "end" and r.get("ok") for r in mine) and not any(
             r.get("event") == "end" and not r.get("ok") for r in mine):
         return {}
     host = {r["node"]: r.get("host", r["node"]) for r in mine if r.get("event") == "start"}
     blamed = culprits(mine)
-    for record in run_records(out).values():
+    runs = run_records(out)
+    if any("launch" in r for r in mine):  # a Slurm step does its own run only (the ones before it finished)
+        runs = {launch: runs[launch]} if launch in runs else {}
+    for record in runs.values():
         for slow in attempt_stragglers(record, attempt):
             node = str(slow["node"])
             blamed.setdefault(host.get(node, node), f"straggler: rank {slow['rank']} computed at "

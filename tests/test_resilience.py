@@ -23,7 +23,7 @@ from workloads.common.resilience_options import CheckpointEvery, FaultPlan
 def test_failures_are_classified_by_what_failed():
     assert classify(1, -9, "SIGKILL", "", False).kind == INFRASTRUCTURE
     assert classify(0, 1, None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", True).kind \
-        == INFRASTRUCTURE
+        == WORKLOAD  # the job's batch or layout, the same on every node (tests/test_blame.py)
     assert classify(0, 1, None, "RuntimeError: [gloo] Connection closed by peer", True).kind == INFRASTRUCTURE
     assert classify(0, 1, None, "torch.distributed.DistBackendError: NCCL watchdog timeout", True).kind \
         == INFRASTRUCTURE

@@ -44,6 +44,8 @@ def test_the_448_node_h100_script(tmp_path):
     assert "--container-mounts=/mnt/data:/data,/mnt/results:/results" in srun
     assert "--nnodes=448" in srun and "--nproc-per-node=8" in srun
     assert '--rdzv-endpoint="${head_addr}:29500"' in srun and '--rdzv-id="${SLURM_JOB_ID}-${run}"' in srun
+    # Each run's step tells its agents the run it was launched for: their attempt records are told apart by it.
+    assert '--launch "${run}"' in srun and srun.index("--launch") < srun.index(" -- ")
     assert not (tmp_path / "out").exists()  # a dry run starts and writes nothing
 
 

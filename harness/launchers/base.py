@@ -366,7 +366,8 @@ def health_command(spec: JobSpec, python: str) -> list[str]:
 
 
 def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: str | None = None,
-                  rdzv_id: str = "harness", restart_here: bool = False, job_token: str | None = None) -> list[str]:
+                  rdzv_id: str = "harness", restart_here: bool = False, job_token: str | None = None,
+                  launch: str | None = None) -> list[str]:
     """The command one node runs: the harness's node agent around torchrun's, then the workload.
 
     `python -c AGENT_BOOTSTRAP` is `python -m harness.agent`, except that in an image without the harness
@@ -377,6 +378,8 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
     `restart_here`: the node agent restarts failed attempts itself (local); on clusters
     the scheduler restarts the job (see harness.agent). `job_token`: the node agent claims the run
     folder for this job and refuses one that another job's results are in (Kubernetes' shared volume).
+    `launch`: the run of the campaign this launch is for (Slurm's step per run; a shell word there), recorded with
+    the node's attempts so that the steps of one attempt are told apart (harness.agent --launch).
     """
     cmd = [python, "-c", AGENT_BOOTSTRAP, "--out", str(spec.out_dir), "--max-restarts", str(spec.max_restarts),
            "--job", spec.name or spec.benchmark, "--benchmark", spec.benchmark, "--metrics-port", str(spec.metrics())]
@@ -386,6 +389,8 @@ def agent_command(spec: JobSpec, python: str, nproc_per_node: int, rendezvous: s
         cmd.append("--restart-here")
     if job_token:
         cmd += ["--job-token", job_token]
+    if launch is not None:
+        cmd += ["--launch", launch]
     cmd += ["--", f"--nproc-per-node={nproc_per_node}"]
     if rendezvous is None:
         cmd.append("--standalone")

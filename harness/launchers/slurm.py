@@ -162,7 +162,8 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
     # Each run is a step of its own (see _training_lines), with a rendezvous of its own (the last step's is closed):
     # its workers do run ${run} (and any unfinished before it).
     endpoint, step_id, run = f'"${{head_addr}}:{slurm.rendezvous_port}"', '"${SLURM_JOB_ID}-${run}"', '"${run}"'
-    agent = [*agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=step_id), "--last-run", run]
+    # --launch: every run's step records its attempts with that run, since all of one allocation share an attempt.
+    agent = [*agent_command(inside, python, nproc, rendezvous=endpoint, rdzv_id=step_id, launch=run), "--last-run", run]
     expanded |= {f"--rdzv-endpoint={endpoint}", f"--rdzv-id={step_id}", run}
     command = " ".join(word if word in expanded else shlex.quote(word) for word in srun + agent)
     # After every attempt one process reads every node's attempt record, merges them and decides.

@@ -78,8 +78,10 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
         return None
     start, stop = run_start_ms / 1000, run_stop_ms / 1000
     wall = max(stop - start, 1e-9)
+    # On Slurm each run is a step of its own, its agents' records marked with it (`launch`): this run's ends only.
     ends = {r["attempt"]: r for r in read_attempts(folder)
-            if r.get("event") == "end" and isinstance(r.get("time"), (int, float))}
+            if r.get("event") == "end" and isinstance(r.get("time"), (int, float))
+            and r.get("launch", index) == index}
     attempts = sorted({r["attempt"] for r in intervals})
     spent = dict.fromkeys(BADPUT_KINDS, 0.0)
     productive = 0.0

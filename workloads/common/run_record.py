@@ -8,7 +8,8 @@ fault (an injected failure, at the moment it fires), cache_clear (before a fresh
 every node's page cache was dropped, and if not, why), and input (before a fresh run: whether the
 input is synthetic, {"synthetic": true}: a throughput run, which results.load keeps out of scores). Times are Unix seconds, as the
 MLPerf log's time_ms / 1000. Each node agent records its attempts in <out>/attempts/<node>.jsonl
-(see harness.agent), and the decider merges them into <out>/attempts.jsonl; together with the run
+(see harness.agent; on Slurm each with the run its step was launched for: attempt_key), and the decider merges
+them into <out>/attempts.jsonl; together with the run
 records they give the report its restarts, goodput and badput.
 """
 
@@ -50,15 +51,37 @@ def node_attempts_path(out: Path, node: str) -> Path:
     return Path(out) / ATTEMPTS_DIR / f"{safe}.jsonl"
 
 
+def attempt_key(record: dict) -> tuple[int, int]:
+    """(attempt, launch): what one attempt's records share. On Slurm every run of a campaign is an srun step of its
+    own, and every step of one allocation runs the same attempt (SLURM_RESTART_COUNT): each agent records the run
+    its step was launched for as `launch` (harness.agent --launch), so that a node lost in run 2 is not taken to have
+    ended by its end of run 0. Where one launch does every run (Kubernetes, local), and in records from before
+    `launch`, it is absent: 0."""
+    launch = record.get("launch")
+    return record["attempt"], launch if isinstance(launch, int) and not isinstance(launch, bool) else 0
+
+
 def read_attempts(out: Path) -> list[dict]:
-    """Every node's attempt records, oldest first. Run folders from before per-node files have only the
-    merged file, which is then read instead."""
+    """Every node's attempt records, oldest first (by attempt, launch, then time). Run folders from before per-node
+    files have only the merged file, which is then read instead."""
     files = sorted((Path(out) / ATTEMPTS_DIR).glob("*.jsonl"))
     if not files:
         files = [Path(out) / ATTEMPTS_FILE]
     records = [r for f in files for r in read_json_lines(f) if isinstance(r.get("attempt"), int)]
-    return sorted(records, key=lambda r: (r["attempt"], r.get("time") if isinstance(r.get("time"), (int, float))
+    return sorted(records, key=lambda r: (*attempt_key(r), r.get("time") if isinstance(r.get("time"), (int, float))
                                           else 0.0))
+
+
+def attempt_of(records: list[dict], attempt: int | None = None) -> tuple[int, int] | None:
+    """The (attempt, launch) that `attempt` means in these records: its newest launch; with None, the newest
+    attempt's. None when no record has it."""
+    keys = [attempt_key(r) for r in records if attempt is None or r["attempt"] == attempt]
+    return max(keys) if keys else None
+
+
+def records_of(records: list[dict], key: tuple[int, int]) -> list[dict]:
+    """One attempt's records (of one launch: see attempt_key)."""
+    return [r for r in records if attempt_key(r) == key]
 
 
 def replace_whole(path: Path, text: str) -> None:
