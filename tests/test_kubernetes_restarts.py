@@ -420,3 +420,46 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
     assert f"{JOB} SUCCEEDED; done" in log
     get_launcher("k8s").delete(Handle.load(tmp_path / JOB))
     assert watcher_pod not in operator.pods  # the garbage collector follows its ownerReference
+
+
+def watched_spec(tmp_path: Path, nodes: int = 2, taint: bool = True) -> JobSpec:
+    """A PyTorchJob that gets the watcher pod (--preflight and --max-restarts), with a spare node."""
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), [f"kubernetes.namespace={NS}"])
+    return JobSpec("resnet", nodes=nodes, name=JOB, out_dir=tmp_path / JOB, profile=profile, max_restarts=BUDGET,
+                   preflight=True, spare_nodes=1, taint_bad_nodes=taint).resolved()
+
+
+def test_a_refused_watcher_pod_leaves_no_job_behind(operator, tmp_path):
+    """Kubernetes refuses the watcher pod (no ServiceAccount, a PodSecurity admission, a quota) after the
+    PyTorchJob exists: the job is deleted, with what else that submit made, the record says why, and the
+    refusal is one line. Never a 64-node job running unwatched that no harness collects."""
+    from harness.errors import HarnessError
+    from harness.launchers.base import Handle
+
+    operator.refuse[("", "pods", "create")] = 403
+    launcher = get_launcher("k8s")
+    with pytest.raises(HarnessError) as refused:
+        launcher.submit(launcher.render(watched_spec(tmp_path)))
+    message = str(refused.value)
+    assert "\n" not in message and "watcher pod" in message and "403" in message
+    assert f"deleted the PyTorchJob {JOB}" in message
+    assert (NS, JOB) not in operator.jobs and not operator.job_pods(NS, JOB)
+    record = Handle.load(tmp_path / JOB).record()
+    assert record["state"] == JobState.FAILED.value and "watcher pod" in record["failure"]
+
+
+def test_a_refused_watcher_pod_whose_job_cannot_be_deleted_says_what_is_left(operator, tmp_path):
+    """Where the delete is refused too, the job is named as left behind, and how to remove it is said."""
+    from harness.errors import HarnessError
+    from harness.launchers.base import Handle
+
+    operator.refuse[("", "pods", "create")] = 403
+    operator.refuse[("kubeflow.org", "pytorchjobs", "delete")] = 403
+    launcher = get_launcher("k8s")
+    with pytest.raises(HarnessError) as refused:
+        launcher.submit(launcher.render(watched_spec(tmp_path)))
+    message = str(refused.value)
+    assert "\n" not in message and f"{NS}/{JOB} is left" in message and "harness cancel" in message
+    assert (NS, JOB) in operator.jobs
+    record = Handle.load(tmp_path / JOB).record()
+    assert record["state"] == JobState.PENDING.value and "harness cancel" in record["failure"]

@@ -104,9 +104,36 @@ class KubernetesLauncher(Launcher):
         handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder)
         if watches_failures(spec):  # the job's own, in the cluster: it goes on without this process
             _, core = clients()
-            call("start the job's watcher pod", core.create_namespaced_pod, namespace,
-                 watcher_pod(spec, created, folder))
+            try:
+                call("start the job's watcher pod", core.create_namespaced_pod, namespace,
+                     watcher_pod(spec, created, folder))
+            except HarnessError as exc:
+                self._withdraw(handle, api, exc)
         return handle
+
+    def _withdraw(self, handle: Handle, api, refused: HarnessError) -> None:
+        """The watcher pod was refused after the job was created: delete the job (and, through their
+        ownerReferences, its pods: all this submit made), record why, and raise one line.
+
+        Deleted rather than run on with the refusal said: the watcher is what --preflight and --max-restarts
+        ask for on Kubernetes, and without it each restart may land on the node that failed the last attempt,
+        spending the budget on it while the run looks protected; a refusal is a setting to fix (the
+        ServiceAccount, its RBAC, an admission policy, a quota) before a 64-node job is worth running, and a job
+        deleted before it trained has cost nothing. Where the delete fails too, the job is named as left behind
+        in the record and the line, with how to remove it: never a job running unrecorded."""
+        namespace, _, name = handle.job_id.partition("/")
+        why = f"{refused} (the watcher pod keeps a failed attempt's node out of the next: a restart without it " \
+              "could land on the same node)"
+        try:
+            self.delete(handle)
+        except HarnessError as exc:
+            failure = (f"{why}; the {api.kind} {namespace}/{name} is left in the cluster, unwatched, since its "
+                       f"delete failed too ({exc}): remove it with `harness cancel {handle.out_dir}`")
+            handle.update(failure=failure)
+            raise HarnessError(failure, 1) from None
+        failure = f"{why}; deleted the {api.kind} {name} before it trained"
+        handle.update(state=JobState.FAILED.value, failure=failure)
+        raise HarnessError(failure, 1) from None
 
     def status(self, handle: Handle) -> JobState:
         recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))
