@@ -402,7 +402,9 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
         code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
         operator.exit_pod(NS, "rn-master-0", code)
         deadline = time.monotonic() + 120
-        while operator.pods[(NS, "rn-worker-0")]["spec"].get("nodeName") != "gpu-c" and watcher.poll() is None \
+        # The pod is moved first, the Node tainted after (kubernetes_blame): wait for both.
+        while (operator.pods[(NS, "rn-worker-0")]["spec"].get("nodeName") != "gpu-c"
+               or not operator.nodes["gpu-b"]["spec"]["taints"]) and watcher.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
@@ -463,3 +465,63 @@ def test_a_refused_watcher_pod_whose_job_cannot_be_deleted_says_what_is_left(ope
     assert (NS, JOB) in operator.jobs
     record = Handle.load(tmp_path / JOB).record()
     assert record["state"] == JobState.PENDING.value and "harness cancel" in record["failure"]
+
+
+def failed_on_gpu_b(operator: FakeKubeAPI, tmp_path: Path, taint: bool = True) -> tuple[Path, dict]:
+    """A job of two nodes on gpu-a and gpu-b (gpu-c spare), submitted with its watcher pod, whose attempt 0
+    failed: rank 1 killed on gpu-b, rank 0 stopped. Returns the run folder as the watcher reads it, and the
+    node agents."""
+    from harness import preflight
+    from tests.test_preflight import _report
+
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        operator.add_node(node, taints=[])
+        _report(tmp_path / JOB, node, 470)
+    preflight.decide(tmp_path / JOB, ["gpu-a", "gpu-b", "gpu-c"], 2)
+    launcher = get_launcher("k8s")
+    launcher.submit(launcher.render(watched_spec(tmp_path, taint=taint)))
+    host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
+    assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
+    out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod, host[pod]) for pod in host}
+    assert [agent.start() for agent in agents.values()] == [0, 0]
+    code = agents["rn-worker-0"].end(Failure(INFRASTRUCTURE, "rank 1 killed by SIGKILL", 1, -9, "SIGKILL"))
+    operator.exit_pod(NS, "rn-worker-0", code)
+    code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
+    operator.exit_pod(NS, "rn-master-0", code)
+    return out, agents
+
+
+def kept_out(operator: FakeKubeAPI) -> list[list[str]]:
+    """The nodes each replica's template keeps out (the watcher's patch)."""
+    found = []
+    for replica in operator.jobs[(NS, JOB)]["spec"]["pytorchReplicaSpecs"].values():
+        terms = (((replica["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+        found.append([node for term in terms for field in term["matchFields"] for node in field["values"]])
+    return found
+
+
+@pytest.mark.parametrize("refused", [("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get")])
+def test_a_node_the_watcher_may_not_mark_is_still_kept_out_and_the_refusal_said_once(operator, tmp_path, capsys,
+                                                                                      refused):
+    """A 403 on the Node (cluster-scoped: a cluster that grants the namespace but not the Nodes) must not block
+    the exclusion: the job's templates are patched first and the pod moved; the refused condition or taint is
+    said once, not at every poll, and never tried again for that decision."""
+    from harness.launchers.kubernetes_blame import BLAME_ANNOTATION, BlamedNodeWatcher
+
+    operator.refuse[("", *refused)] = 403
+    out, _ = failed_on_gpu_b(operator, tmp_path)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    for _ in range(3):
+        assert watch() is JobState.RUNNING
+    assert kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
+    said = capsys.readouterr().out
+    [refusal] = [line for line in said.splitlines() if "403" in line]
+    assert refusal.startswith("harness watcher: gpu-b: Kubernetes refused to ") and "kept out of the job" in refusal
+    assert "gpu-b: kept out of the job's next attempt" in said
+    decided = json.loads(operator.jobs[(NS, JOB)]["metadata"]["annotations"][BLAME_ANNOTATION])
+    assert decided["judged"] == [0] and list(decided["blamed"]) == ["gpu-b"]
+    tries = [a for a in operator.authorized if a[:3] == ("", *refused)]
+    assert len(tries) == 1, tries
