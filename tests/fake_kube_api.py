@@ -139,6 +139,7 @@ class FakeKubeAPI:
         # requests, never in seconds.
         self.unreachable = 0
         self.dropped = 0  # requests dropped so far, for the outage
+        self.outage_after = 0  # requests answered before the `unreachable` ones begin
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
         self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
         self.lock = threading.RLock()  # held by every change and every read of several objects (module notes)
@@ -446,7 +447,8 @@ class FakeKubeAPI:
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
                 with fake.lock:
-                    down = fake.unreachable > 0
+                    down = fake.unreachable > 0 and fake.outage_after <= 0
+                    fake.outage_after -= 1
                     if down:
                         fake.unreachable -= 1
                         fake.dropped += 1

@@ -487,6 +487,29 @@ def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
     assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
 
 
+def test_a_collection_waits_out_an_api_server_outage_while_its_pods_run(fake_api, tmp_path, monkeypatch, capsys):
+    """The results pods are read in a loop: an outage there (urllib3's MaxRetryError, not an OSError) is waited
+    out with backoff, said once with the server's address, and the files come back; counted in requests."""
+    from harness.launchers import kubernetes_api
+    from harness.launchers.kubernetes_collect import collect
+
+    waits = []
+    monkeypatch.setattr(kubernetes_api, "BACKOFF", kubernetes_api.Backoff(sleep=waits.append))
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    _, handle = submitted(tmp_path)
+    folder = pod_folder(fake_api, volume, "rn50", namespace="mlperf")
+    folder.mkdir(parents=True)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+    fake_api.outage_after, fake_api.unreachable = 2, 9  # the job's pods listed, the manifest pod created
+    fetched = collect(handle, poll_s=0)
+    assert [f.name for f in fetched] == ["result_0.txt"] and fake_api.dropped == 9 and len(waits) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len([line for line in err if f"cannot reach the Kubernetes API server at {fake_api.url} to read a "
+                "results pod" in line]) == 1, err
+    assert len([line for line in err if "answers again" in line]) == 1, err
+
+
 def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):
     fake_api.claims["mlperf-results"] = tmp_path / "empty-pvc"
 

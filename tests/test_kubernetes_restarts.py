@@ -525,3 +525,67 @@ def test_a_node_the_watcher_may_not_mark_is_still_kept_out_and_the_refusal_said_
     assert decided["judged"] == [0] and list(decided["blamed"]) == ["gpu-b"]
     tries = [a for a in operator.authorized if a[:3] == ("", *refused)]
     assert len(tries) == 1, tries
+
+
+class CountedBackoff:
+    """The backoff's waits, recorded instead of slept: tests count tries, never seconds."""
+
+    def __init__(self):
+        from harness.launchers.kubernetes_api import Backoff
+
+        self.waits: list[float] = []
+        self.backoff = Backoff(sleep=self.waits.append)
+
+
+@pytest.fixture
+def backoff(monkeypatch):
+    from harness.launchers import kubernetes_api
+
+    counted = CountedBackoff()
+    monkeypatch.setattr(kubernetes_api, "BACKOFF", counted.backoff)
+    return counted
+
+
+def test_harness_runs_watch_waits_out_an_api_server_outage_and_says_it_once(operator, tmp_path, capsys, backoff):
+    """The client raises urllib3's errors (MaxRetryError, ProtocolError), not OSErrors: `harness run`'s watch
+    (the job's status, and the reader of what the watcher decided) waits the outage out with backoff, says
+    once which server it cannot reach and once that it answers again, and never loses the watch."""
+    launcher = get_launcher("k8s")
+    spec = watched_spec(tmp_path)
+    handle = launcher.submit(launcher.render(spec))
+    reader = launcher.restart_watcher(spec, handle)
+    operator.set_condition(NS, JOB, "Succeeded")
+    operator.unreachable = 16  # a GET is 4 requests (urllib3's own 3 retries): several unanswered calls
+    assert list(launcher.watch(handle, poll_s=0.01, tick=reader)) == [JobState.SUCCEEDED]
+    assert operator.unreachable == 0 and len(backoff.waits) >= 2
+    assert backoff.waits == sorted(backoff.waits) and backoff.waits[1] > backoff.waits[0]
+    said = capsys.readouterr()
+    lines = (said.out + said.err).splitlines()
+    down = [line for line in lines if "cannot reach the Kubernetes API server at " + operator.url in line]
+    up = [line for line in lines if "answers again" in line]
+    assert len(down) == 1 and len(up) == 1 and "Traceback" not in said.err, lines
+
+
+@pytest.mark.parametrize("after", range(11))
+def test_the_watcher_waits_out_an_api_server_outage_at_any_call_and_keeps_the_node_out(operator, tmp_path, capsys,
+                                                                                        backoff, after):
+    """An outage that begins at any of the watcher's calls (the job's read, its patch, the pods' list and
+    delete, the Node's condition and taint, the Events, the last annotation) is waited out: the decision is
+    carried through once the server answers, said once, and the watcher never dies of it."""
+    from harness.launchers.kubernetes_blame import BlamedNodeWatcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+
+    out, _ = failed_on_gpu_b(operator, tmp_path)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    operator.outage_after, operator.unreachable = after, 6
+    for _ in range(5):
+        assert watch() in (JobState.RUNNING, JobState.UNKNOWN)
+    assert operator.dropped == 6
+    assert kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
+    assert [t["key"] for t in operator.nodes["gpu-b"]["spec"]["taints"]] == [TAINT.key]
+    assert {c["type"]: c["status"] for c in operator.nodes["gpu-b"]["status"]["conditions"]}[CONDITION] == "True"
+    said = capsys.readouterr().out.splitlines()
+    assert len([line for line in said if "cannot reach the Kubernetes API server at " + operator.url in line]) == 1
+    assert len([line for line in said if "answers again" in line]) == 1, said
+    assert not [line for line in said if "tried again at the next poll" in line], said

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import sys
+import time
 from pathlib import Path, PurePosixPath
 
 import yaml
@@ -23,7 +25,8 @@ from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
                                     record_cancel, record_state, workload_plan)
-from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
+from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
+                                              retrying)
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
                                                  render_token, trainjob_notes, watcher_pod, watches_failures)
@@ -134,6 +137,24 @@ class KubernetesLauncher(Launcher):
         failure = f"{why}; deleted the {api.kind} {name} before it trained"
         handle.update(state=JobState.FAILED.value, failure=failure)
         raise HarnessError(failure, 1) from None
+
+    def watch(self, handle: Handle, poll_s: float | None = None, tick=None):
+        """Launcher.watch, through API server outages: an unreachable server (urllib3's errors, which the
+        client raises) is said once, with its address, and waited out with backoff (kubernetes_api.BACKOFF),
+        with no deadline: the job runs on in the cluster either way, and the watch must not be lost. A refusal
+        still ends it in one line."""
+        outage = Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
+        last = None
+        while True:
+            if tick is not None:
+                tick()
+            state = retrying(outage, self.status, handle)
+            if state != last:
+                yield state
+                last = state
+            if state.terminal:
+                return
+            time.sleep(poll_s or self.poll_s)
 
     def status(self, handle: Handle) -> JobState:
         recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))

@@ -43,7 +43,7 @@ from harness import preflight
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import Handle, JobState
-from harness.launchers.kubernetes_api import PYTORCHJOB, call, clients
+from harness.launchers.kubernetes_api import PYTORCHJOB, Backoff, Outage, Unreachable, call, clients, retrying
 from harness.spec import JobSpec
 from workloads.common.run_record import read_attempts
 
@@ -102,14 +102,22 @@ def judge(job: dict, records: list[dict], blamed_nodes) -> Verdict | None:
 class BlamedNodeWatcher:
     """One PyTorchJob, watched from inside the cluster (see the module's notes); each call is one poll."""
 
-    def __init__(self, namespace: str, name: str, folder: Path, taint: bool):
+    def __init__(self, namespace: str, name: str, folder: Path, taint: bool, backoff: Backoff | None = None):
         self.namespace, self.name, self.folder, self.taint = namespace, name, Path(folder), taint
+        # An unreachable API server (urllib3's errors): said once per outage, waited out with `backoff`
+        # (kubernetes_api.BACKOFF by default), and a decision begun is carried through once it answers.
+        self.outage = Outage(lambda line: print(f"harness watcher: {line}", flush=True), backoff)
 
     def __call__(self) -> JobState | None:
         """One poll: the job's state (None: the job is gone). An API error (a transient 500, a refused patch) is
-        printed and the watch goes on: the job keeps running either way."""
+        printed and the watch goes on: the job keeps running either way; an outage is said once (UNKNOWN)."""
         try:
-            return self._poll()
+            state = self._poll()
+            self.outage.answered()
+            return state
+        except Unreachable as exc:
+            self.outage.failed(exc)
+            return JobState.UNKNOWN
         except HarnessError as exc:
             print(f"harness watcher: keeping failed nodes out of {self.name}: {exc} (tried again at the next poll)",
                   flush=True)
@@ -144,30 +152,34 @@ class BlamedNodeWatcher:
         decided = {"judged": sorted({*done["judged"], verdict.attempt}), "blamed": {**done["blamed"], **blamed},
                    "lines": done["lines"] + lines}
         patch["metadata"] = {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}
-        call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
+        retrying(self.outage, call, "keep the failed node out of the PyTorchJob's pods",
+                 jobs.patch_namespaced_custom_object,
              PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
         for line in lines:
             print(f"harness watcher: {line}", flush=True)
         if not blamed:
             return
         # Listed after the patch: every pod not in this list is created from the patched template.
-        pods = call("list the job's pods", core.list_namespaced_pod, self.namespace,
-                    label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
+        pods = retrying(self.outage, call, "list the job's pods", core.list_namespaced_pod, self.namespace,
+                        label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
         for pod in pods:
-            if pod.spec.node_name in blamed:
-                call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
+            if pod.spec.node_name in blamed:  # gone already: a delete that went through before an outage
+                retrying(self.outage, call, "move a pod off the failed node", core.delete_namespaced_pod,
+                         pod.metadata.name, self.namespace, missing_ok=True)
                 print(f"harness watcher: {pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created "
                       "elsewhere", flush=True)
         reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
                                           name=self.name, namespace=self.namespace, uid=job["metadata"].get("uid"))
         record = {"nodes": {node: {"ok": False} for node in blamed},
                   "excluded": {node: [why] for node, why in reasons.items()}}
-        marked = kubernetes_nodes.remediate(core, record, reference, self.taint, best_effort=True)
+        marked = kubernetes_nodes.remediate(core, record, reference, self.taint, best_effort=True,
+                                            attempt=lambda fn, *args: retrying(self.outage, fn, *args))
         for line in marked:
             print(f"harness watcher: {line}", flush=True)
         decided["lines"] += marked
         try:  # what it did to the Nodes, beside what it decided (the decision is recorded already)
-            call("record what the watcher did on the PyTorchJob", jobs.patch_namespaced_custom_object,
+            retrying(self.outage, call, "record what the watcher did on the PyTorchJob",
+                     jobs.patch_namespaced_custom_object,
                  PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name,
                  {"metadata": {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}})
         except HarnessError as exc:
@@ -188,6 +200,8 @@ class BlameReader:
         try:
             job = call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group,
                        PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name)
+        except Unreachable:  # the watch's own status read says it, once, and waits the outage out
+            return
         except HarnessError as exc:  # the watch's own status read says what is wrong, if it stays wrong
             print(f"harness: reading what the watcher decided: {exc}", flush=True)
             return

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
-from harness.launchers.kubernetes_api import call
+from harness.launchers.kubernetes_api import UNREACHABLE, call, unreachable
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
@@ -92,20 +92,21 @@ def health_job_reference(spec) -> k8s.V1ObjectReference:
 
 
 def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, taint: bool,
-              best_effort: bool = False) -> list[str]:
+              best_effort: bool = False, attempt=None) -> list[str]:
     """Condition every Node `record` (preflight.json's shape) judged, taint the failed ones (with `taint`:
     --taint-bad-nodes), and record Events on the failed Nodes and on `job` (the health job, or the training job
     a failed attempt blamed the node in). The one remediation code for both, whoever runs it: `harness run` after
     preflight, the watcher pod after a failed attempt (kubernetes_blame). With `best_effort` (the watcher, which
     has kept the node out of the job already) a refused step (a 403 on the Node) is a line of its own and the
-    next step is tried; otherwise it raises."""
+    next step is tried; otherwise it raises. `attempt(fn, *args)` runs each step (the watcher's retries through
+    an API server outage: kubernetes_api.retrying); by default, once."""
     namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
     done = []
 
     def step(node: str, fn, *args) -> bool:
         try:
-            fn(*args)
+            (attempt or (lambda f, *a: f(*a)))(fn, *args)
             return True
         except HarnessError as exc:
             if not best_effort:
@@ -153,6 +154,8 @@ def _taint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> None:
             if exc.status != 409:
                 raise HarnessError(f"Kubernetes refused to taint node {node}: {exc.status} {exc.reason}: "
                                    f"{exc.body}", 1) from None
+        except UNREACHABLE as exc:  # as `call` says it (an Unreachable, which the watcher waits out)
+            raise unreachable(f"taint node {node}", core.patch_node, exc) from None
     raise HarnessError(f"could not taint node {node}: its taints changed under every one of {tries} tries", 1)
 
 
