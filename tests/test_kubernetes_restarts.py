@@ -378,7 +378,7 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
     job, pod = operator.jobs[(NS, JOB)], operator.pods[watcher_pod]
     assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
                                                    "name": JOB, "uid": job["metadata"]["uid"]}]
-    assert pod["spec"]["serviceAccountName"] == "mlperf-harness" and pod["spec"]["restartPolicy"] == "OnFailure"
+    assert pod["spec"]["serviceAccountName"] == "mlperf-harness-watcher" and pod["spec"]["restartPolicy"] == "OnFailure"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["securityContext"]["runAsUser"] > 0
     [container] = pod["spec"]["containers"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -589,3 +589,58 @@ def test_the_watcher_waits_out_an_api_server_outage_at_any_call_and_keeps_the_no
     assert len([line for line in said if "cannot reach the Kubernetes API server at " + operator.url in line]) == 1
     assert len([line for line in said if "answers again" in line]) == 1, said
     assert not [line for line in said if "tried again at the next poll" in line], said
+
+
+def test_the_watchers_rbac_grants_exactly_what_its_code_calls(operator, tmp_path):
+    """The watcher runs through all it can do (a failed attempt judged: the job read and patched, the pod on
+    the node listed and deleted, the Node conditioned and tainted, Events; then the job gone) against the fake
+    API, which records what RBAC would check for each request. That set, the table in the code
+    (kubernetes_blame.WATCHER_RULES) and the RBAC the harness renders for the watcher (and ships as
+    manifests/rbac/watcher.yaml) are the same: nothing more, nothing less, and only Nodes cluster-wide."""
+    import yaml
+
+    from harness.launchers.kubernetes_blame import WATCHER_RULES, BlamedNodeWatcher, watcher_rbac
+    from harness.profiles import KubernetesSettings
+    from tests.conftest import REPO
+
+    out, _ = failed_on_gpu_b(operator, tmp_path, taint=True)
+    before = len(operator.authorized)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    assert watch() is JobState.RUNNING and kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert watch() is JobState.RUNNING  # judged: reads only
+    with operator.lock:
+        del operator.jobs[(NS, JOB)]
+    assert watch() is None
+    used = set(operator.authorized[before:])
+    in_namespace = {(g, r, v) for g, r, v, ns in used if ns == NS}
+    cluster_wide = {(g, r, v) for g, r, v, ns in used if ns == ""}
+    assert in_namespace | cluster_wide == {(g, r, v) for g, r, v, _ in used}  # nothing in another namespace
+
+    table = {(scope, group, resource, verb) for (scope, group, resource), verbs in WATCHER_RULES.items()
+             for verb in verbs}
+    assert table == {("namespace", *a) for a in in_namespace} | {("cluster", *a) for a in cluster_wide}
+
+    def granted(docs: list[dict]) -> set:
+        kinds = {"Role": "namespace", "ClusterRole": "cluster"}
+        return {(kinds[doc["kind"]], group, resource, verb) for doc in docs if doc["kind"] in kinds
+                for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+                for verb in rule["verbs"]}
+
+    account = KubernetesSettings().watcher_service_account
+    rendered = watcher_rbac(NS, account)
+    assert granted(rendered) == table
+    assert {r for _, _, r, _ in granted([d for d in rendered if d["kind"] == "ClusterRole"])} <= {"nodes",
+                                                                                                   "nodes/status"}
+    for doc in rendered:
+        if doc["kind"].endswith("Binding"):
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NS}]
+            assert any(d["kind"] == doc["roleRef"]["kind"] and d["metadata"]["name"] == doc["roleRef"]["name"]
+                       for d in rendered)
+    shipped = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac" / "watcher.yaml").read_text()) if d]
+    assert shipped == watcher_rbac("default", account)
+    # The harness's own Role is not the watcher's: its ServiceAccount is bound to nothing else.
+    assert account != "mlperf-harness"
+    for path in (REPO / "manifests" / "rbac").glob("*.yaml"):
+        if path.name != "watcher.yaml":
+            for doc in yaml.safe_load_all(path.read_text()):
+                assert account not in str(doc.get("subjects", "")), path

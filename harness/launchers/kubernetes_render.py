@@ -339,7 +339,8 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
     """The pod that keeps a failed attempt's nodes out of the next attempt (kubernetes_blame), beside `job` (as
     the API server returned it: its uid makes the job the pod's owner, so the pod goes when the job goes). It runs
     as nobody, read-only, with no capability and no way to gain one; it mounts the results volume read-only and
-    the token of the ServiceAccount the preflight ClusterRole is bound to (kubernetes.watcher_service_account)."""
+    the token of its own ServiceAccount (kubernetes.watcher_service_account), granted exactly what the watcher
+    calls (kubernetes_blame.WATCHER_RULES, manifests/rbac/watcher.yaml)."""
     kube, meta = spec.profile.kubernetes, job["metadata"]
     command = ["python", "-m", WATCHER_MODULE, "--namespace", meta["namespace"], "--job", meta["name"],
                "--folder", folder] + (["--taint"] if spec.taint_bad_nodes else [])
