@@ -48,8 +48,8 @@ class KubernetesSettings:
     # standard library, so any small Python image does; None: the training image.
     collect_image: str | None = None
     # The ServiceAccount of the watcher pod that keeps a failed attempt's nodes out of the next (with --preflight
-    # and --max-restarts): bound to the preflight ClusterRole and the job's Role (manifests/rbac/watcher.yaml).
-    watcher_service_account: str = "mlperf-harness"
+    # and --max-restarts): its own, granted exactly what the watcher calls (manifests/rbac/watcher.yaml).
+    watcher_service_account: str = "mlperf-harness-watcher"
     # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
     # --init-checkpoint must lie under one of these paths or under results_mount.
     mounts: list[str] = field(default_factory=list)

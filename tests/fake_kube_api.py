@@ -100,6 +100,21 @@ def merge_patch(target: dict, patch: dict) -> None:
 NODE = re.compile(r"/api/v1/nodes/([^/]+)(/status)?$")
 
 
+def rbac_attributes(method: str, path: str) -> tuple[str, str, str, str]:
+    """The request as RBAC authorizes it: (apiGroup, resource with its subresource, verb, namespace), the
+    namespace "" for a cluster-scoped resource; the verb a GET of a collection is `list`, of one object `get`."""
+    parts = path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    namespace = ""
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        namespace, rest = rest[1], rest[2:]
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    one = len(rest) > 1
+    verb = {"GET": "get" if one else "list", "POST": "create", "PATCH": "patch", "PUT": "update",
+            "DELETE": "delete"}[method]
+    return group, resource, verb, namespace
+
+
 class FakeKubeAPI:
     def __init__(self):
         self.jobs: dict[tuple[str, str], dict] = {}  # (namespace, name) -> job, of either kind
@@ -113,6 +128,18 @@ class FakeKubeAPI:
         self.before_pod_run = None
         self.patches: list[tuple[str, str]] = []  # (path, Content-Type) of every PATCH
         self.requests: list[tuple[str, str]] = []
+        # What RBAC would check for each request that reached the server: (apiGroup, resource, verb, namespace),
+        # the namespace "" for a cluster-scoped object (rbac_attributes).
+        self.authorized: list[tuple[str, str, str, str]] = []
+        # (apiGroup, resource, verb) -> HTTP status: such a request is refused (403: what a Role without the verb
+        # answers), before anything changes.
+        self.refuse: dict[tuple[str, str, str], int] = {}
+        # The next `unreachable` requests find no API server: the connection is closed without an answer (the
+        # client raises urllib3's errors: ProtocolError, MaxRetryError once its own retries are spent). Counted in
+        # requests, never in seconds.
+        self.unreachable = 0
+        self.dropped = 0  # requests dropped so far, for the outage
+        self.outage_after = 0  # requests answered before the `unreachable` ones begin
         self.operations: list[tuple[str, str]] = []  # ("create" | "delete", pod name), as the operator did them
         self.operator = False  # True: PyTorchJobs get their pods from `reconcile`, as the operator would
         self.lock = threading.RLock()  # held by every change and every read of several objects (module notes)
@@ -419,7 +446,25 @@ class FakeKubeAPI:
 
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
+                with fake.lock:
+                    down = fake.unreachable > 0 and fake.outage_after <= 0
+                    fake.outage_after -= 1
+                    if down:
+                        fake.unreachable -= 1
+                        fake.dropped += 1
+                if down:  # no answer at all: the client sees the connection closed
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    self.close_connection = True
+                    return
                 fake.requests.append((method, url.path))
+                group, resource, verb, namespace = rbac_attributes(method, url.path)
+                fake.authorized.append((group, resource, verb, namespace))
+                if (code := fake.refuse.get((group, resource, verb))) is not None:
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    return self._send(code, {"kind": "Status", "status": "Failure", "code": code,
+                                             "reason": "Forbidden" if code == 403 else "Refused",
+                                             "message": f"{resource} is forbidden: cannot {verb} {resource} "
+                                                        f"(the fake's refuse)"})
                 if (m := PODS.match(url.path)) and method == "POST":
                     return self._create_pod(m.group(1))
                 with fake.lock:  # the rest changes or reads the state at once (the module's notes)

@@ -259,7 +259,7 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert trainer["numNodes"] == 448 and trainer["numProcPerNode"] == 8
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
     assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in trainer["args"]
-    assert {e["name"]: e["value"] for e in trainer["env"]}["NCCL_COLLNET_ENABLE"] == "1"
+    assert {e["name"]: e.get("value") for e in trainer["env"]}["NCCL_COLLNET_ENABLE"] == "1"
     assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
                                          "name": "torch-distributed"}
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "mlperf"
@@ -276,6 +276,30 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert "set automountServiceAccountToken: false in the pod template of ClusterTrainingRuntime " \
         "'torch-distributed'" in result.stderr
     # The Trainer SDK's models read it back to the same object.
+    assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
+
+
+@needs_trainjob_crd
+def test_trainjob_pods_name_their_kubernetes_node_as_pytorchjob_pods_do(tmp_path):
+    """A failure is blamed on the Kubernetes node under the pod (HARNESS_HOST, spec.nodeName), and each pod's
+    attempts are keyed by a name that survives its recreation (HARNESS_NODE): a TrainJob's pod is recreated
+    under a new metadata.name, so its key is the Job's name and the pod's completion index (the pod's hostname
+    without hostNetwork, and still the pod's own under it), from the downward API."""
+    from harness.agent import HOST_ENV, NODE_ENV
+
+    job = yaml.safe_load(rendered("--profile", "h100-ib", "--nodes", "2", "--api", "trainjob",
+                                  "--out", str(tmp_path / "o")))
+    jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
+    env = job["spec"]["trainer"]["env"]
+    names = [e["name"] for e in env]
+    by_name = {e["name"]: e for e in env}
+    assert by_name[HOST_ENV] == {"name": HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    # $(VAR) in a value expands only variables listed before it
+    parts = re.findall(r"\$\((\w+)\)", by_name[NODE_ENV]["value"])
+    assert parts and all(names.index(part) < names.index(NODE_ENV) for part in parts)
+    fields = {by_name[part]["valueFrom"]["fieldRef"]["fieldPath"] for part in parts}
+    assert fields == {"metadata.labels['batch.kubernetes.io/job-name']",
+                      "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
     assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
 
 
@@ -461,6 +485,29 @@ def test_harness_collect_fetches_the_run_folder_again(fake_api, tmp_path):
     result = harness("collect", str(handle.out_dir), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
     assert result.returncode == 1 and f"could not read /results/{folder.name}" in result.stderr
     assert (handle.out_dir / "result_0.txt").read_bytes() == BASELINE_LOG.read_bytes()
+
+
+def test_a_collection_waits_out_an_api_server_outage_while_its_pods_run(fake_api, tmp_path, monkeypatch, capsys):
+    """The results pods are read in a loop: an outage there (urllib3's MaxRetryError, not an OSError) is waited
+    out with backoff, said once with the server's address, and the files come back; counted in requests."""
+    from harness.launchers import kubernetes_api
+    from harness.launchers.kubernetes_collect import collect
+
+    waits = []
+    monkeypatch.setattr(kubernetes_api, "BACKOFF", kubernetes_api.Backoff(sleep=waits.append))
+    volume = tmp_path / "pvc"
+    fake_api.claims["mlperf-results"] = volume
+    _, handle = submitted(tmp_path)
+    folder = pod_folder(fake_api, volume, "rn50", namespace="mlperf")
+    folder.mkdir(parents=True)
+    shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+    fake_api.outage_after, fake_api.unreachable = 2, 9  # the job's pods listed, the manifest pod created
+    fetched = collect(handle, poll_s=0)
+    assert [f.name for f in fetched] == ["result_0.txt"] and fake_api.dropped == 9 and len(waits) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len([line for line in err if f"cannot reach the Kubernetes API server at {fake_api.url} to read a "
+                "results pod" in line]) == 1, err
+    assert len([line for line in err if "answers again" in line]) == 1, err
 
 
 def test_a_failed_job_that_wrote_nothing_says_so(fake_api, tmp_path):

@@ -378,7 +378,7 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
     job, pod = operator.jobs[(NS, JOB)], operator.pods[watcher_pod]
     assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
                                                    "name": JOB, "uid": job["metadata"]["uid"]}]
-    assert pod["spec"]["serviceAccountName"] == "mlperf-harness" and pod["spec"]["restartPolicy"] == "OnFailure"
+    assert pod["spec"]["serviceAccountName"] == "mlperf-harness-watcher" and pod["spec"]["restartPolicy"] == "OnFailure"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["securityContext"]["runAsUser"] > 0
     [container] = pod["spec"]["containers"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -402,7 +402,9 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
         code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
         operator.exit_pod(NS, "rn-master-0", code)
         deadline = time.monotonic() + 120
-        while operator.pods[(NS, "rn-worker-0")]["spec"].get("nodeName") != "gpu-c" and watcher.poll() is None \
+        # The pod is moved first, the Node tainted after (kubernetes_blame): wait for both.
+        while (operator.pods[(NS, "rn-worker-0")]["spec"].get("nodeName") != "gpu-c"
+               or not operator.nodes["gpu-b"]["spec"]["taints"]) and watcher.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
@@ -420,3 +422,225 @@ def test_the_watcher_pod_keeps_the_culprit_out_after_the_submitter_is_gone(opera
     assert f"{JOB} SUCCEEDED; done" in log
     get_launcher("k8s").delete(Handle.load(tmp_path / JOB))
     assert watcher_pod not in operator.pods  # the garbage collector follows its ownerReference
+
+
+def watched_spec(tmp_path: Path, nodes: int = 2, taint: bool = True) -> JobSpec:
+    """A PyTorchJob that gets the watcher pod (--preflight and --max-restarts), with a spare node."""
+    profile = profiles.apply_overrides(profiles.load("h100-ib"), [f"kubernetes.namespace={NS}"])
+    return JobSpec("resnet", nodes=nodes, name=JOB, out_dir=tmp_path / JOB, profile=profile, max_restarts=BUDGET,
+                   preflight=True, spare_nodes=1, taint_bad_nodes=taint).resolved()
+
+
+def test_a_refused_watcher_pod_leaves_no_job_behind(operator, tmp_path):
+    """Kubernetes refuses the watcher pod (no ServiceAccount, a PodSecurity admission, a quota) after the
+    PyTorchJob exists: the job is deleted, with what else that submit made, the record says why, and the
+    refusal is one line. Never a 64-node job running unwatched that no harness collects."""
+    from harness.errors import HarnessError
+    from harness.launchers.base import Handle
+
+    operator.refuse[("", "pods", "create")] = 403
+    launcher = get_launcher("k8s")
+    with pytest.raises(HarnessError) as refused:
+        launcher.submit(launcher.render(watched_spec(tmp_path)))
+    message = str(refused.value)
+    assert "\n" not in message and "watcher pod" in message and "403" in message
+    assert f"deleted the PyTorchJob {JOB}" in message
+    assert (NS, JOB) not in operator.jobs and not operator.job_pods(NS, JOB)
+    record = Handle.load(tmp_path / JOB).record()
+    assert record["state"] == JobState.FAILED.value and "watcher pod" in record["failure"]
+
+
+def test_a_refused_watcher_pod_whose_job_cannot_be_deleted_says_what_is_left(operator, tmp_path):
+    """Where the delete is refused too, the job is named as left behind, and how to remove it is said."""
+    from harness.errors import HarnessError
+    from harness.launchers.base import Handle
+
+    operator.refuse[("", "pods", "create")] = 403
+    operator.refuse[("kubeflow.org", "pytorchjobs", "delete")] = 403
+    launcher = get_launcher("k8s")
+    with pytest.raises(HarnessError) as refused:
+        launcher.submit(launcher.render(watched_spec(tmp_path)))
+    message = str(refused.value)
+    assert "\n" not in message and f"{NS}/{JOB} is left" in message and "harness cancel" in message
+    assert (NS, JOB) in operator.jobs
+    record = Handle.load(tmp_path / JOB).record()
+    assert record["state"] == JobState.PENDING.value and "harness cancel" in record["failure"]
+
+
+def failed_on_gpu_b(operator: FakeKubeAPI, tmp_path: Path, taint: bool = True) -> tuple[Path, dict]:
+    """A job of two nodes on gpu-a and gpu-b (gpu-c spare), submitted with its watcher pod, whose attempt 0
+    failed: rank 1 killed on gpu-b, rank 0 stopped. Returns the run folder as the watcher reads it, and the
+    node agents."""
+    from harness import preflight
+    from tests.test_preflight import _report
+
+    for node in ("gpu-a", "gpu-b", "gpu-c"):
+        operator.add_node(node, taints=[])
+        _report(tmp_path / JOB, node, 470)
+    preflight.decide(tmp_path / JOB, ["gpu-a", "gpu-b", "gpu-c"], 2)
+    launcher = get_launcher("k8s")
+    launcher.submit(launcher.render(watched_spec(tmp_path, taint=taint)))
+    host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
+    assert host == {"rn-master-0": "gpu-a", "rn-worker-0": "gpu-b"}
+    out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod, host[pod]) for pod in host}
+    assert [agent.start() for agent in agents.values()] == [0, 0]
+    code = agents["rn-worker-0"].end(Failure(INFRASTRUCTURE, "rank 1 killed by SIGKILL", 1, -9, "SIGKILL"))
+    operator.exit_pod(NS, "rn-worker-0", code)
+    code = agents["rn-master-0"].end(Failure(INFRASTRUCTURE, "rank 0 stopped by SIGTERM", 0, -15, "SIGTERM"))
+    operator.exit_pod(NS, "rn-master-0", code)
+    return out, agents
+
+
+def kept_out(operator: FakeKubeAPI) -> list[list[str]]:
+    """The nodes each replica's template keeps out (the watcher's patch)."""
+    found = []
+    for replica in operator.jobs[(NS, JOB)]["spec"]["pytorchReplicaSpecs"].values():
+        terms = (((replica["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+        found.append([node for term in terms for field in term["matchFields"] for node in field["values"]])
+    return found
+
+
+@pytest.mark.parametrize("refused", [("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get")])
+def test_a_node_the_watcher_may_not_mark_is_still_kept_out_and_the_refusal_said_once(operator, tmp_path, capsys,
+                                                                                      refused):
+    """A 403 on the Node (cluster-scoped: a cluster that grants the namespace but not the Nodes) must not block
+    the exclusion: the job's templates are patched first and the pod moved; the refused condition or taint is
+    said once, not at every poll, and never tried again for that decision."""
+    from harness.launchers.kubernetes_blame import BLAME_ANNOTATION, BlamedNodeWatcher
+
+    operator.refuse[("", *refused)] = 403
+    out, _ = failed_on_gpu_b(operator, tmp_path)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    for _ in range(3):
+        assert watch() is JobState.RUNNING
+    assert kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
+    said = capsys.readouterr().out
+    [refusal] = [line for line in said.splitlines() if "403" in line]
+    assert refusal.startswith("harness watcher: gpu-b: Kubernetes refused to ") and "kept out of the job" in refusal
+    assert "gpu-b: kept out of the job's next attempt" in said
+    decided = json.loads(operator.jobs[(NS, JOB)]["metadata"]["annotations"][BLAME_ANNOTATION])
+    assert decided["judged"] == [0] and list(decided["blamed"]) == ["gpu-b"]
+    tries = [a for a in operator.authorized if a[:3] == ("", *refused)]
+    assert len(tries) == 1, tries
+
+
+class CountedBackoff:
+    """The backoff's waits, recorded instead of slept: tests count tries, never seconds."""
+
+    def __init__(self):
+        from harness.launchers.kubernetes_api import Backoff
+
+        self.waits: list[float] = []
+        self.backoff = Backoff(sleep=self.waits.append)
+
+
+@pytest.fixture
+def backoff(monkeypatch):
+    from harness.launchers import kubernetes_api
+
+    counted = CountedBackoff()
+    monkeypatch.setattr(kubernetes_api, "BACKOFF", counted.backoff)
+    return counted
+
+
+def test_harness_runs_watch_waits_out_an_api_server_outage_and_says_it_once(operator, tmp_path, capsys, backoff):
+    """The client raises urllib3's errors (MaxRetryError, ProtocolError), not OSErrors: `harness run`'s watch
+    (the job's status, and the reader of what the watcher decided) waits the outage out with backoff, says
+    once which server it cannot reach and once that it answers again, and never loses the watch."""
+    launcher = get_launcher("k8s")
+    spec = watched_spec(tmp_path)
+    handle = launcher.submit(launcher.render(spec))
+    reader = launcher.restart_watcher(spec, handle)
+    operator.set_condition(NS, JOB, "Succeeded")
+    operator.unreachable = 16  # a GET is 4 requests (urllib3's own 3 retries): several unanswered calls
+    assert list(launcher.watch(handle, poll_s=0.01, tick=reader)) == [JobState.SUCCEEDED]
+    assert operator.unreachable == 0 and len(backoff.waits) >= 2
+    assert backoff.waits == sorted(backoff.waits) and backoff.waits[1] > backoff.waits[0]
+    said = capsys.readouterr()
+    lines = (said.out + said.err).splitlines()
+    down = [line for line in lines if "cannot reach the Kubernetes API server at " + operator.url in line]
+    up = [line for line in lines if "answers again" in line]
+    assert len(down) == 1 and len(up) == 1 and "Traceback" not in said.err, lines
+
+
+@pytest.mark.parametrize("after", range(11))
+def test_the_watcher_waits_out_an_api_server_outage_at_any_call_and_keeps_the_node_out(operator, tmp_path, capsys,
+                                                                                        backoff, after):
+    """An outage that begins at any of the watcher's calls (the job's read, its patch, the pods' list and
+    delete, the Node's condition and taint, the Events, the last annotation) is waited out: the decision is
+    carried through once the server answers, said once, and the watcher never dies of it."""
+    from harness.launchers.kubernetes_blame import BlamedNodeWatcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+
+    out, _ = failed_on_gpu_b(operator, tmp_path)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    operator.outage_after, operator.unreachable = after, 6
+    for _ in range(5):
+        assert watch() in (JobState.RUNNING, JobState.UNKNOWN)
+    assert operator.dropped == 6
+    assert kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert operator.pods[(NS, "rn-worker-0")]["spec"]["nodeName"] == "gpu-c"
+    assert [t["key"] for t in operator.nodes["gpu-b"]["spec"]["taints"]] == [TAINT.key]
+    assert {c["type"]: c["status"] for c in operator.nodes["gpu-b"]["status"]["conditions"]}[CONDITION] == "True"
+    said = capsys.readouterr().out.splitlines()
+    assert len([line for line in said if "cannot reach the Kubernetes API server at " + operator.url in line]) == 1
+    assert len([line for line in said if "answers again" in line]) == 1, said
+    assert not [line for line in said if "tried again at the next poll" in line], said
+
+
+def test_the_watchers_rbac_grants_exactly_what_its_code_calls(operator, tmp_path):
+    """The watcher runs through all it can do (a failed attempt judged: the job read and patched, the pod on
+    the node listed and deleted, the Node conditioned and tainted, Events; then the job gone) against the fake
+    API, which records what RBAC would check for each request. That set, the table in the code
+    (kubernetes_blame.WATCHER_RULES) and the RBAC the harness renders for the watcher (and ships as
+    manifests/rbac/watcher.yaml) are the same: nothing more, nothing less, and only Nodes cluster-wide."""
+    import yaml
+
+    from harness.launchers.kubernetes_blame import WATCHER_RULES, BlamedNodeWatcher, watcher_rbac
+    from harness.profiles import KubernetesSettings
+    from tests.conftest import REPO
+
+    out, _ = failed_on_gpu_b(operator, tmp_path, taint=True)
+    before = len(operator.authorized)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True)
+    assert watch() is JobState.RUNNING and kept_out(operator) == [["gpu-b"], ["gpu-b"]]
+    assert watch() is JobState.RUNNING  # judged: reads only
+    with operator.lock:
+        del operator.jobs[(NS, JOB)]
+    assert watch() is None
+    used = set(operator.authorized[before:])
+    in_namespace = {(g, r, v) for g, r, v, ns in used if ns == NS}
+    cluster_wide = {(g, r, v) for g, r, v, ns in used if ns == ""}
+    assert in_namespace | cluster_wide == {(g, r, v) for g, r, v, _ in used}  # nothing in another namespace
+
+    table = {(scope, group, resource, verb) for (scope, group, resource), verbs in WATCHER_RULES.items()
+             for verb in verbs}
+    assert table == {("namespace", *a) for a in in_namespace} | {("cluster", *a) for a in cluster_wide}
+
+    def granted(docs: list[dict]) -> set:
+        kinds = {"Role": "namespace", "ClusterRole": "cluster"}
+        return {(kinds[doc["kind"]], group, resource, verb) for doc in docs if doc["kind"] in kinds
+                for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+                for verb in rule["verbs"]}
+
+    account = KubernetesSettings().watcher_service_account
+    rendered = watcher_rbac(NS, account)
+    assert granted(rendered) == table
+    assert {r for _, _, r, _ in granted([d for d in rendered if d["kind"] == "ClusterRole"])} <= {"nodes",
+                                                                                                   "nodes/status"}
+    for doc in rendered:
+        if doc["kind"].endswith("Binding"):
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NS}]
+            assert any(d["kind"] == doc["roleRef"]["kind"] and d["metadata"]["name"] == doc["roleRef"]["name"]
+                       for d in rendered)
+    shipped = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac" / "watcher.yaml").read_text()) if d]
+    assert shipped == watcher_rbac("default", account)
+    # The harness's own Role is not the watcher's: its ServiceAccount is bound to nothing else.
+    assert account != "mlperf-harness"
+    for path in (REPO / "manifests" / "rbac").glob("*.yaml"):
+        if path.name != "watcher.yaml":
+            for doc in yaml.safe_load_all(path.read_text()):
+                assert account not in str(doc.get("subjects", "")), path

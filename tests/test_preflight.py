@@ -482,19 +482,12 @@ def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apar
     assert {("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get"), ("events", "create")} <= granted
     job_role = yaml.safe_load((rbac / "harness-role.yaml").read_text())
     assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
-    # The watcher pod's ServiceAccount has both: the job's Role in its namespace, the ClusterRole for the Nodes.
-    account, role_binding = yaml.safe_load_all((rbac / "watcher.yaml").read_text())
-    subject = {"kind": "ServiceAccount", "name": account["metadata"]["name"],
-               "namespace": account["metadata"]["namespace"]}
+    # The watcher pod's ServiceAccount has a Role and ClusterRole of its own (watcher.yaml), bound to neither of
+    # these (tests/test_kubernetes_restarts.py checks its grants against the calls it makes).
     from harness.profiles import KubernetesSettings
 
-    assert account["kind"] == "ServiceAccount" and subject["name"] == KubernetesSettings().watcher_service_account
-    assert subject in binding["subjects"] and subject in role_binding["subjects"]
-    assert role_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                       "name": job_role["metadata"]["name"]}
-    in_namespace = {(r, v) for rule in job_role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    assert {("pytorchjobs", "get"), ("pytorchjobs", "patch"), ("pods", "list"), ("pods", "delete"),
-            ("events", "create")} <= in_namespace
+    watcher = KubernetesSettings().watcher_service_account
+    assert watcher not in str(binding["subjects"])
 
 
 def test_the_slurm_health_step_has_a_deadline_from_the_profile():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import sys
+import time
 from pathlib import Path, PurePosixPath
 
 import yaml
@@ -23,7 +25,8 @@ from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
                                     record_cancel, record_state, workload_plan)
-from harness.launchers.kubernetes_api import APIS, TRAINJOB, call, clients, handle_job, record_event
+from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
+                                              retrying)
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
                                                  render_token, trainjob_notes, watcher_pod, watches_failures)
@@ -104,9 +107,54 @@ class KubernetesLauncher(Launcher):
         handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder)
         if watches_failures(spec):  # the job's own, in the cluster: it goes on without this process
             _, core = clients()
-            call("start the job's watcher pod", core.create_namespaced_pod, namespace,
-                 watcher_pod(spec, created, folder))
+            try:
+                call("start the job's watcher pod", core.create_namespaced_pod, namespace,
+                     watcher_pod(spec, created, folder))
+            except HarnessError as exc:
+                self._withdraw(handle, api, exc)
         return handle
+
+    def _withdraw(self, handle: Handle, api, refused: HarnessError) -> None:
+        """The watcher pod was refused after the job was created: delete the job (and, through their
+        ownerReferences, its pods: all this submit made), record why, and raise one line.
+
+        Deleted rather than run on with the refusal said: the watcher is what --preflight and --max-restarts
+        ask for on Kubernetes, and without it each restart may land on the node that failed the last attempt,
+        spending the budget on it while the run looks protected; a refusal is a setting to fix (the
+        ServiceAccount, its RBAC, an admission policy, a quota) before a 64-node job is worth running, and a job
+        deleted before it trained has cost nothing. Where the delete fails too, the job is named as left behind
+        in the record and the line, with how to remove it: never a job running unrecorded."""
+        namespace, _, name = handle.job_id.partition("/")
+        why = f"{refused} (the watcher pod keeps a failed attempt's node out of the next: a restart without it " \
+              "could land on the same node)"
+        try:
+            self.delete(handle)
+        except HarnessError as exc:
+            failure = (f"{why}; the {api.kind} {namespace}/{name} is left in the cluster, unwatched, since its "
+                       f"delete failed too ({exc}): remove it with `harness cancel {handle.out_dir}`")
+            handle.update(failure=failure)
+            raise HarnessError(failure, 1) from None
+        failure = f"{why}; deleted the {api.kind} {name} before it trained"
+        handle.update(state=JobState.FAILED.value, failure=failure)
+        raise HarnessError(failure, 1) from None
+
+    def watch(self, handle: Handle, poll_s: float | None = None, tick=None):
+        """Launcher.watch, through API server outages: an unreachable server (urllib3's errors, which the
+        client raises) is said once, with its address, and waited out with backoff (kubernetes_api.BACKOFF),
+        with no deadline: the job runs on in the cluster either way, and the watch must not be lost. A refusal
+        still ends it in one line."""
+        outage = Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
+        last = None
+        while True:
+            if tick is not None:
+                tick()
+            state = retrying(outage, self.status, handle)
+            if state != last:
+                yield state
+                last = state
+            if state.terminal:
+                return
+            time.sleep(poll_s or self.poll_s)
 
     def status(self, handle: Handle) -> JobState:
         recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))

@@ -7,11 +7,15 @@ how its state reads from its status, and how its pods are found; kubernetes_rend
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
+import urllib3
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
@@ -101,13 +105,41 @@ def clients() -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
         except config.ConfigException:
             raise HarnessError("no Kubernetes configuration found: set KUBECONFIG or run inside the cluster") \
                 from None
+    # urllib3 logs each of its own retries as a warning; an outage is said once, by the loop that waits it out.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     api = k8s.ApiClient()
     return k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
 
 
+class Unreachable(HarnessError):
+    """The API server did not answer (no connection, a dropped one, a timeout): an outage, which a loop waits
+    out (retrying), not a refusal, which it reports."""
+
+    def __init__(self, message: str, server: str):
+        super().__init__(message, 1)
+        self.server = server
+
+
+# What the client raises when the server does not answer: urllib3's errors (MaxRetryError once its own retries
+# are spent, ProtocolError for a dropped connection, NewConnectionError), which are not OSErrors, and OSErrors.
+UNREACHABLE = (OSError, urllib3.exceptions.HTTPError)
+
+
+def _server(fn) -> str:
+    """The API server a client method talks to (its address, as the kubeconfig or the pod's environment set it)."""
+    api_client = getattr(getattr(fn, "__self__", None), "api_client", None)
+    config = getattr(api_client, "configuration", None) or k8s.Configuration.get_default_copy()
+    return config.host
+
+
+def _why(exc: Exception) -> str:
+    reason = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason else exc
+    return " ".join(f"{type(reason).__name__}: {reason}".split())
+
+
 def call(what: str, fn, *args, missing_ok: bool = False, **kwargs):
-    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError); with
-    `missing_ok`, None where the object is not there (404)."""
+    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError; Unreachable
+    for the latter); with `missing_ok`, None where the object is not there (404)."""
     try:
         return fn(*args, **kwargs)
     except k8s.ApiException as exc:
@@ -115,9 +147,75 @@ def call(what: str, fn, *args, missing_ok: bool = False, **kwargs):
             return None
         hint = "; pick another --name or delete the old job" if exc.status == 409 else ""
         raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", 1) from None
-    except OSError as exc:  # urllib3's connection errors
-        raise HarnessError(f"cannot reach the Kubernetes API to {what}: {exc}", 1) from None
+    except UNREACHABLE as exc:
+        raise unreachable(what, fn, exc) from None
 
+
+def unreachable(what: str, fn, exc: Exception) -> Unreachable:
+    """The one line for `exc` (one of UNREACHABLE), raised by client method `fn` asked to do `what`."""
+    server = _server(fn)
+    return Unreachable(f"cannot reach the Kubernetes API server at {server} to {what}: {_why(exc)}", server)
+
+
+@dataclass
+class Backoff:
+    """The waits between tries while the API server is unreachable: first_s, doubling, at most most_s; `sleep`
+    does the waiting (a test's records it instead)."""
+
+    first_s: float = 1.0
+    most_s: float = 30.0
+    sleep: Callable[[float], None] = time.sleep
+
+    def delay(self, tries: int) -> float:
+        return min(self.most_s, self.first_s * 2 ** min(tries, 32))
+
+
+BACKOFF = Backoff()  # every loop's, unless given its own (tests replace it: they count tries, never seconds)
+
+
+class Outage:
+    """One loop's view of the API server being unreachable: said once when it begins (which server, what could
+    not be done), once when it answers again, and waited out with the backoff in between. Thread-safe (the
+    collection's pods run side by side)."""
+
+    def __init__(self, say: Callable[[str], None], backoff: Backoff | None = None):
+        self.say, self.backoff, self.tries, self.server = say, backoff, 0, ""
+        self._lock = threading.Lock()
+
+    def failed(self, exc: Unreachable) -> None:
+        """An unreachable try: said if it begins an outage; then the backoff's wait."""
+        with self._lock:
+            tries, self.tries, self.server = self.tries, self.tries + 1, exc.server
+        if tries == 0:
+            self.say(f"{exc}; trying again, with backoff, until it answers")
+        (self.backoff or BACKOFF).sleep((self.backoff or BACKOFF).delay(tries))
+
+    def answered(self) -> None:
+        """A try the server answered (with a refusal too): ends the outage, if one was under way."""
+        with self._lock:
+            tries, self.tries = self.tries, 0
+        if tries:
+            self.say(f"the Kubernetes API server at {self.server} answers again, after "
+                     f"{tries} unanswered {'try' if tries == 1 else 'tries'}")
+
+
+def retrying(outage: Outage, fn, *args, deadline: float | None = None, **kwargs):
+    """fn(*args, **kwargs) (a `call`), tried again while the API server is unreachable (Outage); past
+    `deadline` (time.monotonic()), where the caller has one, the outage is raised as one line. A refusal is
+    raised at once: waiting changes nothing."""
+    while True:
+        try:
+            result = fn(*args, **kwargs)
+        except Unreachable as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            outage.failed(exc)
+            continue
+        except HarnessError:
+            outage.answered()
+            raise
+        outage.answered()
+        return result
 
 
 def record_event(core: k8s.CoreV1Api, api: JobApi, job: dict, state: JobState, reason: str) -> None:

@@ -9,16 +9,17 @@ at that moment (createNewPod copies spec.Template at each pass), so the exclusio
 
 With --preflight and --max-restarts, `harness run` creates, with the PyTorchJob, a small pod in the harness image
 (kubernetes_render.watcher_pod: `python -m harness.launchers.kubernetes_blame`), owned by the job (the garbage
-collector deletes it with the job) and run under the ServiceAccount the preflight ClusterRole is bound to
-(manifests/rbac/). It mounts the results volume read-only and, every --poll-s seconds, reads the job and its
+collector deletes it with the job) and run under a ServiceAccount of its own, granted exactly what it calls
+(WATCHER_RULES: manifests/rbac/watcher.yaml). It mounts the results volume read-only and, every --poll-s seconds, reads the job and its
 attempt records. Once every node is done with a failed attempt (preflight.settled), it judges it with the one
-failure policy (preflight.blamed_nodes: harness.blame's culprits and the stragglers), and for each machine the
-failure points at:
+failure policy (preflight.blamed_nodes: harness.blame's culprits and the stragglers; `judge` is that decision,
+free of API calls) and, for each machine the failure points at, in this order:
 - patches every replica's pod template with the node affinity `metadata.name NotIn [...]`;
-- conditions the Node (MLPerfPreflight=True), taints it with --taint-bad-nodes, and records Events on the Node
-  and on the job, as preflight does (kubernetes_nodes.remediate);
 - deletes the job's pods already bound to it: the operator creates them again from the patched template, on
-  another node (a free node of the cluster, the spares that preflight checked among them).
+  another node (a free node of the cluster, the spares that preflight checked among them);
+- conditions the Node (MLPerfPreflight=True), taints it with --taint-bad-nodes, and records Events on the Node
+  and on the job, as preflight does (kubernetes_nodes.remediate). Last, since this only tells the cluster: a
+  refusal (a 403 on the cluster-scoped Node) is said once and blocks nothing.
 What it decided goes on the job as the annotation BLAME_ANNOTATION (the attempts it judged, the nodes it blamed
 and why, what it did), in the same patch as the template: a watcher that restarts reads where it was, and
 `harness run`, while it watches, only reads it (BlameReader) into preflight.json and onto the terminal.
@@ -33,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -41,12 +43,48 @@ from harness import preflight
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_nodes
 from harness.launchers.base import Handle, JobState
-from harness.launchers.kubernetes_api import PYTORCHJOB, call, clients
+from harness.launchers.kubernetes_api import PYTORCHJOB, Backoff, Outage, Unreachable, call, clients, retrying
 from harness.spec import JobSpec
 from workloads.common.run_record import read_attempts
 
 BLAME_ANNOTATION = "mlperf-harness/blame"
 POLL_S = 10.0  # between two reads of the job and its attempt records
+
+# Every API call the watcher makes, as RBAC grants it: (scope, apiGroup, resource) -> verbs; scope "namespace"
+# is the job's (a Role), "cluster" the Nodes (a ClusterRole). watcher_rbac renders it, manifests/rbac/watcher.yaml
+# ships it, and a test runs the watcher against the fake API and checks the calls it records are exactly these.
+WATCHER_RULES: dict[tuple[str, str, str], tuple[str, ...]] = {
+    ("namespace", "kubeflow.org", "pytorchjobs"): ("get", "patch"),  # its state; the exclusion and the annotation
+    ("namespace", "", "pods"): ("list", "delete"),  # the job's pods on a blamed node, moved
+    ("namespace", "", "events"): ("create",),  # on the job, and on the Node (recorded in the job's namespace)
+    ("cluster", "", "nodes"): ("get", "patch"),  # the taint (--taint-bad-nodes): read, then the whole list
+    ("cluster", "", "nodes/status"): ("patch",),  # the MLPerfPreflight condition
+}
+
+
+def watcher_rbac(namespace: str, account: str) -> list[dict]:
+    """The watcher's identity, in the job's namespace, granted WATCHER_RULES and nothing else: its
+    ServiceAccount, a Role and its RoleBinding there, and a ClusterRole and its ClusterRoleBinding for the Nodes
+    alone (cluster-scoped). Its own, apart from the harness's Role (harness-role.yaml), which creates and
+    deletes jobs and pods that the watcher never does."""
+    name = f"{account}-{namespace}" if namespace != "default" else account
+
+    def rules(scope: str) -> list[dict]:
+        return [{"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
+                for (where, group, resource), verbs in WATCHER_RULES.items() if where == scope]
+
+    subject = [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": namespace}},
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": {"name": account, "namespace": namespace},
+         "rules": rules("namespace")},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": {"name": account, "namespace": namespace},
+         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": account}, "subjects": subject},
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules("cluster")},
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name}, "subjects": subject},
+    ]
 
 
 def decision(job: dict) -> dict:
@@ -73,17 +111,49 @@ def excluded_nodes(job: dict) -> set[str]:
     return kept_out
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the watcher does about one failed attempt (judge): keep `blamed` ({node: cause}) out of the job's
+    pods from now on, with `kept_out` (every node the templates keep out after it, preflight's included)."""
+
+    attempt: int
+    blamed: dict[str, str]
+    kept_out: frozenset[str]
+
+
+def judge(job: dict, records: list[dict], blamed_nodes) -> Verdict | None:
+    """The watcher's decision after a failure, and nothing else (no API call, no clock): given the job as the API
+    serves it (its templates' exclusions, the annotation of what was decided already), the attempt records of
+    its run folder (read_attempts), and `blamed_nodes(attempt) -> {node: cause}` (preflight.blamed_nodes on
+    the folder: the failure policy), the Verdict to act on, or None: nothing failed yet, that attempt judged
+    already, or a node still runs it (preflight.settled)."""
+    attempt = preflight.newest_ended(records)
+    if attempt is None or attempt in decision(job)["judged"] or not preflight.settled(records):
+        return None
+    kept_out = excluded_nodes(job)
+    blamed = {node: cause for node, cause in blamed_nodes(attempt).items() if node not in kept_out}
+    return Verdict(attempt, blamed, frozenset(kept_out | set(blamed)))
+
+
 class BlamedNodeWatcher:
     """One PyTorchJob, watched from inside the cluster (see the module's notes); each call is one poll."""
 
-    def __init__(self, namespace: str, name: str, folder: Path, taint: bool):
+    def __init__(self, namespace: str, name: str, folder: Path, taint: bool, backoff: Backoff | None = None):
         self.namespace, self.name, self.folder, self.taint = namespace, name, Path(folder), taint
+        # An unreachable API server (urllib3's errors): said once per outage, waited out with `backoff`
+        # (kubernetes_api.BACKOFF by default), and a decision begun is carried through once it answers.
+        self.outage = Outage(lambda line: print(f"harness watcher: {line}", flush=True), backoff)
 
     def __call__(self) -> JobState | None:
         """One poll: the job's state (None: the job is gone). An API error (a transient 500, a refused patch) is
-        printed and the watch goes on: the job keeps running either way."""
+        printed and the watch goes on: the job keeps running either way; an outage is said once (UNKNOWN)."""
         try:
-            return self._poll()
+            state = self._poll()
+            self.outage.answered()
+            return state
+        except Unreachable as exc:
+            self.outage.failed(exc)
+            return JobState.UNKNOWN
         except HarnessError as exc:
             print(f"harness watcher: keeping failed nodes out of {self.name}: {exc} (tried again at the next poll)",
                   flush=True)
@@ -91,54 +161,66 @@ class BlamedNodeWatcher:
 
     def _poll(self) -> JobState | None:
         jobs, core = clients()
-        try:
-            job = jobs.get_namespaced_custom_object(PYTORCHJOB.group, PYTORCHJOB.version, self.namespace,
-                                                    PYTORCHJOB.plural, self.name)
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise HarnessError(f"Kubernetes refused to read the PyTorchJob: {exc.status} {exc.reason}", 1) from None
+        job = call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group, PYTORCHJOB.version,
+                   self.namespace, PYTORCHJOB.plural, self.name, missing_ok=True)
+        if job is None:
+            return None
         state, _ = PYTORCHJOB.state(job)
-        records = read_attempts(self.folder)
-        attempt = preflight.newest_ended(records)
-        done = decision(job)
-        if attempt is None or attempt in done["judged"] or not preflight.settled(records):
-            return state  # nothing failed yet, judged already, or a node still runs it: a later poll
-        kept_out = excluded_nodes(job)
-        blamed = {node: cause for node, cause in preflight.blamed_nodes(self.folder, attempt).items()
-                  if node not in kept_out}
-        self._keep_out(jobs, core, job, attempt, blamed, kept_out | set(blamed))
+        verdict = judge(job, read_attempts(self.folder),
+                        lambda attempt: preflight.blamed_nodes(self.folder, attempt))
+        if verdict is not None:
+            self._keep_out(jobs, core, job, verdict)
         return state
 
-    def _keep_out(self, jobs, core, job: dict, attempt: int, blamed: dict[str, str], kept_out: set[str]) -> None:
-        done = decision(job)
+    def _keep_out(self, jobs, core, job: dict, verdict: Verdict) -> None:
+        """Act on a verdict, the exclusion first: the job's templates (and, in the same patch, the annotation
+        that the attempt is judged), then the pods on the blamed nodes. The Nodes (cluster-scoped, which a
+        cluster may not grant) come last and only tell the cluster: a refused condition, taint or Event is said
+        once, in the lines, and blocks nothing; the attempt is judged, so no later poll tries it again."""
+        done, blamed = decision(job), verdict.blamed
         reasons = {node: preflight.reason(preflight.blame_check(cause)) for node, cause in blamed.items()}
         lines = [f"{node}: kept out of the job's next attempt ({reasons[node]})" for node in blamed]
         patch: dict = {"spec": {"pytorchReplicaSpecs": {}}}
         if blamed:
-            affinity = kubernetes_nodes.with_exclusions({}, sorted(kept_out))["affinity"]
+            affinity = kubernetes_nodes.with_exclusions({}, sorted(verdict.kept_out))["affinity"]
             patch["spec"]["pytorchReplicaSpecs"] = {replica: {"template": {"spec": {"affinity": affinity}}}
                                                     for replica in job["spec"]["pytorchReplicaSpecs"]}
-            reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
-                                              name=self.name, namespace=self.namespace, uid=job["metadata"].get("uid"))
-            record = {"nodes": {node: {"ok": False} for node in blamed},
-                      "excluded": {node: [why] for node, why in reasons.items()}}
-            lines += kubernetes_nodes.remediate(core, record, reference, self.taint)
-        decided = {"judged": sorted({*done["judged"], attempt}), "blamed": {**done["blamed"], **blamed},
+        decided = {"judged": sorted({*done["judged"], verdict.attempt}), "blamed": {**done["blamed"], **blamed},
                    "lines": done["lines"] + lines}
         patch["metadata"] = {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}
-        call("keep the failed node out of the PyTorchJob's pods", jobs.patch_namespaced_custom_object,
+        retrying(self.outage, call, "keep the failed node out of the PyTorchJob's pods",
+                 jobs.patch_namespaced_custom_object,
              PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name, patch)
-        # Listed after the patch: every pod not in this list is created from the patched template.
-        pods = call("list the job's pods", core.list_namespaced_pod, self.namespace,
-                    label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
-        for pod in pods:
-            if pod.spec.node_name in blamed:
-                call("move a pod off the failed node", core.delete_namespaced_pod, pod.metadata.name, self.namespace)
-                print(f"harness watcher: {pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created "
-                      "elsewhere", flush=True)
         for line in lines:
             print(f"harness watcher: {line}", flush=True)
+        if not blamed:
+            return
+        # Listed after the patch: every pod not in this list is created from the patched template.
+        pods = retrying(self.outage, call, "list the job's pods", core.list_namespaced_pod, self.namespace,
+                        label_selector=f"{PYTORCHJOB.pod_label}={self.name}").items
+        for pod in pods:
+            if pod.spec.node_name in blamed:  # gone already: a delete that went through before an outage
+                retrying(self.outage, call, "move a pod off the failed node", core.delete_namespaced_pod,
+                         pod.metadata.name, self.namespace, missing_ok=True)
+                print(f"harness watcher: {pod.spec.node_name}: pod {pod.metadata.name} deleted, to be created "
+                      "elsewhere", flush=True)
+        reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
+                                          name=self.name, namespace=self.namespace, uid=job["metadata"].get("uid"))
+        record = {"nodes": {node: {"ok": False} for node in blamed},
+                  "excluded": {node: [why] for node, why in reasons.items()}}
+        marked = kubernetes_nodes.remediate(core, record, reference, self.taint, best_effort=True,
+                                            node_events_namespace=self.namespace,
+                                            attempt=lambda fn, *args: retrying(self.outage, fn, *args))
+        for line in marked:
+            print(f"harness watcher: {line}", flush=True)
+        decided["lines"] += marked
+        try:  # what it did to the Nodes, beside what it decided (the decision is recorded already)
+            retrying(self.outage, call, "record what the watcher did on the PyTorchJob",
+                     jobs.patch_namespaced_custom_object,
+                 PYTORCHJOB.group, PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name,
+                 {"metadata": {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}})
+        except HarnessError as exc:
+            print(f"harness watcher: {exc}", flush=True)
 
 
 class BlameReader:
@@ -155,6 +237,8 @@ class BlameReader:
         try:
             job = call("read the PyTorchJob", jobs.get_namespaced_custom_object, PYTORCHJOB.group,
                        PYTORCHJOB.version, self.namespace, PYTORCHJOB.plural, self.name)
+        except Unreachable:  # the watch's own status read says it, once, and waits the outage out
+            return
         except HarnessError as exc:  # the watch's own status read says what is wrong, if it stays wrong
             print(f"harness: reading what the watcher decided: {exc}", flush=True)
             return

@@ -26,7 +26,7 @@ from kubernetes import client as k8s
 
 from harness.errors import HarnessError
 from harness.launchers.base import Handle
-from harness.launchers.kubernetes_api import call, clients, handle_job
+from harness.launchers.kubernetes_api import Outage, call, clients, handle_job, retrying
 from harness.launchers.kubernetes_nodes import NODE_NAME_FIELD
 from harness.launchers.kubernetes_render import results_volume, tolerations
 from harness.spec import JobSpec
@@ -228,9 +228,11 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[li
     pods = call("list the job's pods", core.list_namespaced_pod, namespace, label_selector=f"{api.pod_label}={name}")
     near = sorted({pod.spec.node_name for pod in pods.items if pod.spec and pod.spec.node_name})
 
+    outage = Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))  # one for all the pods
+
     def run_pod(step: str, script: str, args: list[str]) -> str:
         return _run_collector(core, spec, namespace, f"{name}-collect-{nonce}-{step}", script, args, folder, poll_s,
-                              near)
+                              near, outage)
 
     files = parse_manifest(run_pod("m", MANIFEST_SCRIPT, [folder]))
     stage(into, files)
@@ -250,22 +252,24 @@ def fetch(handle: Handle, sub: str, into: Path, poll_s: float = 1.0) -> tuple[li
 
 
 def _run_collector(core, spec: JobSpec, namespace: str, pod_name: str, script: str, args: list[str],
-                   folder: str, poll_s: float, near: list[str]) -> str:
-    """Run one collector pod to its end and return its log; the pod is deleted either way."""
+                   folder: str, poll_s: float, near: list[str], outage: Outage | None = None) -> str:
+    """Run one collector pod to its end and return its log; the pod is deleted either way. Its reads wait out
+    an API server outage (`outage`: said once for all the pods) until the pod's deadline, then say it."""
+    outage = outage or Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
     call("start a results pod", core.create_namespaced_pod, namespace,
          collector_pod(spec, pod_name, script, args, near))
     try:
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
-        while (phase := call("read a results pod", core.read_namespaced_pod, pod_name,
-                             namespace).status.phase) not in ("Succeeded", "Failed"):
+        while (phase := retrying(outage, call, "read a results pod", core.read_namespaced_pod, pod_name,
+                                 namespace, deadline=deadline).status.phase) not in ("Succeeded", "Failed"):
             if time.monotonic() > deadline:
                 raise HarnessError(f"the results pod {namespace}/{pod_name} is still {phase} after "
                                    f"{COLLECT_TIMEOUT_S} s; is the claim {spec.profile.kubernetes.results_pvc} "
                                    "mountable (ReadWriteMany)?", 1)
             time.sleep(poll_s)
         # Raw bytes: the client would parse a log that reads as JSON (the manifest) and hand back its repr.
-        log = call("read a results pod's log", core.read_namespaced_pod_log, pod_name, namespace,
-                   _preload_content=False).data.decode(errors="replace")
+        log = retrying(outage, call, "read a results pod's log", core.read_namespaced_pod_log, pod_name, namespace,
+                       _preload_content=False, deadline=deadline).data.decode(errors="replace")
         if phase == "Failed":
             raise HarnessError(f"the results pod {pod_name} could not read {folder} on "
                                f"{spec.profile.kubernetes.results_pvc}: {log.strip()[-500:]}", 1)

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
-from harness.launchers.kubernetes_api import call
+from harness.launchers.kubernetes_api import UNREACHABLE, call, unreachable
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
@@ -91,14 +91,31 @@ def health_job_reference(spec) -> k8s.V1ObjectReference:
                                  namespace=spec.profile.kubernetes.namespace)
 
 
-def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, taint: bool) -> list[str]:
+def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, taint: bool,
+              best_effort: bool = False, attempt=None, node_events_namespace: str = "default") -> list[str]:
     """Condition every Node `record` (preflight.json's shape) judged, taint the failed ones (with `taint`:
     --taint-bad-nodes), and record Events on the failed Nodes and on `job` (the health job, or the training job
     a failed attempt blamed the node in). The one remediation code for both, whoever runs it: `harness run` after
-    preflight, the watcher pod after a failed attempt (kubernetes_blame)."""
+    preflight, the watcher pod after a failed attempt (kubernetes_blame). With `best_effort` (the watcher, which
+    has kept the node out of the job already) a refused step (a 403 on the Node) is a line of its own and the
+    next step is tried; otherwise it raises. `attempt(fn, *args)` runs each step (the watcher's retries through
+    an API server outage: kubernetes_api.retrying); by default, once. The Events on a Node go in
+    `node_events_namespace` ("default", as the kubelet's; the watcher's in the job's namespace, the one it is
+    granted: `kubectl describe node` finds them in any)."""
     namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
     done = []
+
+    def step(node: str, fn, *args) -> bool:
+        try:
+            (attempt or (lambda f, *a: f(*a)))(fn, *args)
+            return True
+        except HarnessError as exc:
+            if not best_effort:
+                raise
+            done.append(f"{node}: {exc} (kept out of the job all the same)")
+            return False
+
     for node, verdict in record["nodes"].items():
         reasons = record["excluded"].get(node, [])
         failed = not verdict["ok"]
@@ -106,19 +123,18 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
         condition = {"type": CONDITION, "status": "True" if failed else "False",
                      "reason": "PreflightFailed" if failed else "PreflightPassed",
                      "message": message[:MESSAGE_LIMIT], "lastHeartbeatTime": now, "lastTransitionTime": now}
-        call(f"set the {CONDITION} condition on node {node}", core.patch_node_status, node,
-             {"status": {"conditions": [condition]}})
+        conditioned = step(node, call, f"set the {CONDITION} condition on node {node}", core.patch_node_status,
+                           node, {"status": {"conditions": [condition]}})
         if not failed:
             continue
-        lines = [f"{node}: condition {CONDITION}=True ({message})"]
-        if taint:
-            _taint(core, node)
-            lines.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
+        if conditioned:
+            done.append(f"{node}: condition {CONDITION}=True ({message})")
+        if taint and step(node, _taint, core, node):
+            done.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
         node_ref = k8s.V1ObjectReference(api_version="v1", kind="Node", name=node)
-        for target, where in ((node_ref, "default"), (job, namespace)):
-            call("record an event", core.create_namespaced_event, where,
+        for target, where in ((node_ref, node_events_namespace), (job, namespace)):
+            step(node, call, "record an event", core.create_namespaced_event, where,
                  _event(where, target, "PreflightFailed", message, warning=True))
-        done += lines
     return done
 
 
@@ -140,6 +156,8 @@ def _taint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> None:
             if exc.status != 409:
                 raise HarnessError(f"Kubernetes refused to taint node {node}: {exc.status} {exc.reason}: "
                                    f"{exc.body}", 1) from None
+        except UNREACHABLE as exc:  # as `call` says it (an Unreachable, which the watcher waits out)
+            raise unreachable(f"taint node {node}", core.patch_node, exc) from None
     raise HarnessError(f"could not taint node {node}: its taints changed under every one of {tries} tries", 1)
 
 

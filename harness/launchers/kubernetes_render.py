@@ -237,12 +237,34 @@ def train_job(spec: JobSpec, token: str) -> dict:
                                                      api_group=TRAINJOB.group),
             trainer=tj.TrainerV1alpha1Trainer(
                 image=spec.profile.image, command=parts.command[:1], args=parts.command[1:],
-                env=[tj.IoK8sApiCoreV1EnvVar.from_dict(to_dict(e)) for e in parts.env] or None,
+                env=[tj.IoK8sApiCoreV1EnvVar.from_dict(to_dict(e)) for e in [*parts.env, *_trainjob_identity()]],
                 num_nodes=spec.nodes, num_proc_per_node=nproc,
                 resources_per_node=tj.IoK8sApiCoreV1ResourceRequirements.from_dict(to_dict(parts.resources))
                 if parts.resources else None),
             runtime_patches=[patch]))
     return job.to_dict()
+
+
+def _field(name: str, path: str) -> k8s.V1EnvVar:
+    return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
+
+
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job (one per JobSet replicated job) that made the pod
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # the pod's index in its Indexed Job
+
+
+def _trainjob_identity() -> list[k8s.V1EnvVar]:
+    """What a PyTorchJob's pods get in _pod_template, for a TrainJob's: the Kubernetes node under the pod
+    (HOST_ENV, what a failure is blamed on), and a name for the pod that outlives its recreation (NODE_ENV, what
+    the node agent keys its attempts by). A TrainJob's pod is recreated under a new metadata.name (its Job's
+    name, its completion index and a random suffix), so the key is the first two: the pod's hostname without
+    hostNetwork, and the pod's own under it, where the hostname is the node's. The kubelet expands $(VAR) in a
+    value from the variables listed before it."""
+    job, index = "HARNESS_POD_JOB", "HARNESS_POD_INDEX"
+    return [_field(job, f"metadata.labels['{JOB_NAME_LABEL}']"),
+            _field(index, f"metadata.annotations['{COMPLETION_INDEX}']"),
+            k8s.V1EnvVar(name=NODE_ENV, value=f"$({job})-$({index})"),
+            _field(HOST_ENV, "spec.nodeName")]
 
 
 def pod_monitor(spec: JobSpec) -> dict:
@@ -317,7 +339,8 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
     """The pod that keeps a failed attempt's nodes out of the next attempt (kubernetes_blame), beside `job` (as
     the API server returned it: its uid makes the job the pod's owner, so the pod goes when the job goes). It runs
     as nobody, read-only, with no capability and no way to gain one; it mounts the results volume read-only and
-    the token of the ServiceAccount the preflight ClusterRole is bound to (kubernetes.watcher_service_account)."""
+    the token of its own ServiceAccount (kubernetes.watcher_service_account), granted exactly what the watcher
+    calls (kubernetes_blame.WATCHER_RULES, manifests/rbac/watcher.yaml)."""
     kube, meta = spec.profile.kubernetes, job["metadata"]
     command = ["python", "-m", WATCHER_MODULE, "--namespace", meta["namespace"], "--job", meta["name"],
                "--folder", folder] + (["--taint"] if spec.taint_bad_nodes else [])
