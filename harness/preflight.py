@@ -52,7 +52,15 @@ def pair_checks(record: dict) -> list[Check]:
     failures = record.get("pair_failures") or {}
     checks = []
     for local in range(record.get("pair_ranks") or 1):
-        pairs = [p for p in record["pairs"] if p["gpu"] == local]
+        every = [p for p in record["pairs"] if p["gpu"] == local]
+        # A partner that never joined the pair phase (its node wrote no report, or never started) blames its own
+        # node, not this one: that pair is left out of the median. Only absent partners: not measured, no verdict.
+        pairs = [p for p in every if not p.get("absent")]
+        if every and not pairs:
+            checks.append(Check("pair_busbw", SKIPPED, where=f"{device} {local}",
+                                note="not measured: its partner(s) never joined: "
+                                     + ", ".join(p["peer"] for p in every)))
+            continue
         if not pairs:
             checks.append(Check("pair_busbw", FAIL, "missing", "measured with another node", where=f"{device} {local}",
                                 note=failures.get(str(local)) or "the between-node checks did not finish"))
@@ -67,6 +75,29 @@ def pair_checks(record: dict) -> list[Check]:
             checks.append(Check("pair_busbw", PASS if median >= minimum else FAIL, median, f">= {minimum:g}", "GB/s",
                                 where, note=errors))
     return checks
+
+
+def store_fault(reports: dict[str, dict | None]) -> tuple[str | None, dict[str, str]]:
+    """Where the pair phase's store (held by rank 0's health process) could not be reached: (the store's node, to
+    be blamed, where it wrote a report; {node: why its pairs were not measured} for the nodes excused).
+
+    `reports` maps every allocated node to its report (None: it wrote none). A node that could not reach the store
+    is excused only where no other node reached it (no node but rank 0's has a pair phase of its own) and the
+    store's node is known to have failed: it wrote a report as rank 0, or some node wrote none (rank 0's health
+    process never started). Otherwise the node could not reach a store others reached: its own failure."""
+    down = {n: r["store_unreachable"] for n, r in reports.items()
+            if r and r.get("store_unreachable") and r.get("rank") != 0}
+    if not down:
+        return None, {}
+    if any(r and r.get("rank") not in (0, None) and "pairs" in r and not r.get("store_unreachable")
+           for r in reports.values()):
+        return None, {}
+    holder = next((n for n, r in reports.items() if r and r.get("rank") == 0), None)
+    missing = [n for n, r in reports.items() if r is None]
+    if holder is None and not missing:
+        return None, {}
+    blamed = holder or f"the node that wrote no report ({', '.join(missing)})"
+    return holder, {n: f"not measured: {why}; blamed on {blamed}" for n, why in down.items()}
 
 
 def newest_ended(records: list[dict]) -> int | None:
@@ -123,15 +154,20 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
     """{node: {"gpu", "checks": [Check], "ok"}} for every allocated node, from the nodes' own reports."""
     verdicts = {}
     blamed = blamed_nodes(out) if blame_failures else {}
+    reports = {node: _report_of(out, node) for node in allocated}
+    holder, excused = store_fault(reports)
     for node in allocated:
-        path = Path(out) / NODES_DIR / f"{node}.json"
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            record = {"checks": [Check("health_report", FAIL, "missing", "written by the node",
-                                       note="the node did not run or finish the checks").to_dict()]}
+        record = reports[node] or {"checks": [Check("health_report", FAIL, "missing", "written by the node",
+                                                    note="the node did not run or finish the checks").to_dict()]}
         checks = [Check.from_dict(c) for c in record["checks"]]
-        pairs = pair_checks(record)
+        if node in excused:  # another node failed (the store's): it is blamed, not this one
+            pairs = [Check("pair_busbw", SKIPPED, note=excused[node])]
+        else:
+            pairs = pair_checks(record)
+        if node == holder:
+            pairs.append(Check("pair_busbw", FAIL, "unreachable", "its store reached by the other nodes",
+                               note=f"no other node could reach the pair phase's store this node held "
+                                    f"({len(excused)} node(s) tried)"))
         if not pairs and len(allocated) > 1 and "node" in record:
             # A node that reported its own checks but no pair: the between-node phase never finished (a NIC
             # that breaks NCCL's set-up times it out on every node) or met no partner. Untested is no pass.
@@ -144,6 +180,15 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                           "seconds": _own_seconds(record), "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
     return verdicts
+
+
+def _report_of(out: Path, node: str) -> dict | None:
+    """A node's own report (<out>/preflight/nodes/<node>.json); None where it wrote none, or none readable."""
+    try:
+        record = json.loads((Path(out) / NODES_DIR / f"{node}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "checks" in record else None
 
 
 def _own_seconds(record: dict) -> float | None:

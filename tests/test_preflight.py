@@ -837,3 +837,62 @@ def test_sigterm_during_preflight_stops_the_health_job_and_its_hung_check(tmp_pa
         time.sleep(0.2)
     assert _processes_carrying(marker) == []
 
+
+
+# --- issue 36: a failure on one node is blamed on that node alone; remediation is capped and undone ----------------
+
+
+def _pair_report(out: Path, node: str, rank: int, pairs: list | None = None, **fields) -> None:
+    """A CPU node's report after the pair phase: its own checks passed, then `pairs` (None: no pair phase at all)."""
+    import json
+
+    from harness.health import NODES_DIR
+
+    th = resolve({}, None)
+    path = out / NODES_DIR / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"node": node, "rank": rank, "started": 1.0, "gpu": None, "thresholds": th, "checks": [],
+              **({} if pairs is None else {"pair_ranks": 1, "pairs": [{"gpu": 0, **p} for p in pairs],
+                                           "pair_failures": {}}), **fields}
+    path.write_text(json.dumps(record))
+
+
+def test_a_store_host_that_never_came_up_is_blamed_on_its_node_alone(tmp_path):
+    """Rank 0's health process (which holds the pair phase's store) never started: the other nodes say they could
+    not reach the store's host, and only the store's node is kept out. Before: every node failed pair_busbw."""
+    from harness import preflight
+
+    unreachable = "could not reach the pair phase's store at 10.0.0.1:29500 (rank 0's node): timed out"
+    for rank, node in ((1, "b"), (2, "c"), (3, "d")):
+        _pair_report(tmp_path, node, rank, [], store_unreachable=unreachable)
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": False, "b": True, "c": True, "d": True}
+    assert [c.name for c in verdicts["a"]["checks"] if c.verdict == FAIL] == ["health_report"]
+    [skip] = [c for c in verdicts["b"]["checks"] if c.name == "pair_busbw"]
+    assert skip.verdict == SKIPPED and "store" in skip.note and "a" in skip.note
+    # The store's node wrote its own checks but no other node reached its store: it is blamed, the others not.
+    _pair_report(tmp_path, "a", 0, [{"peer": "node #1", "busbw_gbps": 0.0, "error": "timed out"}])
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": False, "b": True, "c": True, "d": True}
+    assert any("no other node could reach" in c.note for c in verdicts["a"]["checks"] if c.verdict == FAIL)
+    # One node that cannot reach a store the others reached: its own network, its own failure.
+    _pair_report(tmp_path, "c", 2, [{"peer": "a", "busbw_gbps": 45.0}])
+    _pair_report(tmp_path, "d", 3, [{"peer": "a", "busbw_gbps": 45.0}])
+    _pair_report(tmp_path, "a", 0, [{"peer": "c", "busbw_gbps": 45.0}])
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": True, "b": False, "c": True, "d": True}
+
+
+def test_a_node_that_cannot_reach_the_store_host_reports_it_rather_than_raising(monkeypatch):
+    """No process listens at MASTER_ADDR:MASTER_PORT (rank 0's health process never started): the node's between-node
+    phase ends at its deadline with a report that says so, instead of an exception that left no pairs at all."""
+    from harness.health.allreduce import between_nodes
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    links = between_nodes("c", 1, 1024, 3, False, op_timeout_s=1, deadline_s=1)
+    assert links["pairs"] == [] and links["rank"] == 2
+    assert "could not reach" in links["store_unreachable"] and "127.0.0.1" in links["store_unreachable"]
+

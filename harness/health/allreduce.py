@@ -152,15 +152,25 @@ def between_nodes(node: str, ranks: int, nbytes: int, rounds: int, cuda: bool, o
     MASTER_ADDR/MASTER_PORT describe (Slurm's SLURM_PROCID/SLURM_NTASKS stand in): one child process per
     local rank (`ranks`: the node's GPUs, each with its own NIC), each waited for at most `deadline_s`.
     This process touches no GPU; on the first node it holds the store the children meet at until every
-    node is done. Returns {"pair_ranks", "pairs": [{"peer", "gpu", "busbw_gbps"[, "error"]}],
-    "pair_failures": {local rank: why it left no result}, "world_busbw_gbps"}."""
+    node is done. Returns {"rank", "pair_ranks", "pairs": [{"peer", "gpu", "busbw_gbps"[, "error", "absent"]}],
+    "pair_failures": {local rank: why it left no result}, "world_busbw_gbps"[, "store_unreachable": why]}: a store
+    that cannot be reached (rank 0's health process never started) is said, never raised."""
     from harness.health.isolate import Child
 
     index = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
     nodes = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     started = time.monotonic()
-    store = _store(deadline_s, master=index == 0)
-    store.set(f"node/{index}", node)
+    try:
+        store = _store(deadline_s, master=index == 0)
+        store.set(f"node/{index}", node)
+    except RuntimeError as exc:  # torch's DistStoreError and DistNetworkError: no store, so no pair at all
+        # Said in the report, so that the judge blames the store's node (rank 0) and not this one, unless other
+        # nodes reached the store (preflight.store_fault).
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        verb = "could not serve" if index == 0 else "could not reach"
+        return {"rank": index, "pair_ranks": ranks, "pairs": [], "pair_failures": {}, "world_busbw_gbps": None,
+                "store_unreachable": f"{verb} the pair phase's store at {where} (rank 0's node): "
+                                     f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}
     children = [Child("pair_busbw", f"{node}@{local}", "harness.health.allreduce:pair_rank",
                       dict(node=node, index=index, nodes=nodes, local=local, ranks=ranks, nbytes=nbytes, rounds=rounds,
                            cuda=cuda, op_timeout_s=op_timeout_s, rendezvous_s=deadline_s))
@@ -181,4 +191,4 @@ def between_nodes(node: str, ranks: int, nbytes: int, rounds: int, cuda: bool, o
                        timedelta(seconds=max(1.0, deadline_s - (time.monotonic() - started))))
         except RuntimeError:  # a node that never finishes is judged by its own report
             pass
-    return {"pair_ranks": ranks, "pairs": pairs, "pair_failures": failures, "world_busbw_gbps": world}
+    return {"rank": index, "pair_ranks": ranks, "pairs": pairs, "pair_failures": failures, "world_busbw_gbps": world}
