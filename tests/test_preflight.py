@@ -503,7 +503,8 @@ def test_the_slurm_health_step_has_a_deadline_from_the_profile():
     from harness.launchers import get_launcher
     from harness.spec import JobSpec
 
-    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["preflight.deadline_s=300"])
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["preflight.deadline_s=300",
+                                                                         "preflight.start_allowance_s=0"])
     spec = JobSpec("gpt3", nodes=4, preflight=True, profile=profile, out_dir=Path("/mnt/results/x")).resolved()
     script = get_launcher("slurm").render(spec).text
     (health,) = [line for line in script.splitlines() if "-m harness.health" in line]
@@ -532,7 +533,7 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
     if CRD.is_file():
         jsonschema.validate(body, pytorchjob_schema())
     # A hung check cannot hold every node: the operator fails the job at the profile's deadline.
-    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s == 1200
+    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s + 600 == 1800
     replicas = body["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 3  # spares are checked too
     for replica in replicas.values():
@@ -671,9 +672,11 @@ def test_a_nodes_own_seconds_are_not_moved_by_its_clock_being_stepped(tmp_path, 
     assert 0 <= json.loads((tmp_path / NODES_DIR / "a.json").read_text())["seconds"] < 3600
 
 
-def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int) -> dict:
+def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int,
+                  missing: tuple[int, ...] = ()) -> dict:
     """`python -m harness.health` on each of `nodes` at once, as a health job runs it (one process per node, the
-    world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The timeout is a safety net."""
+    world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The ranks in `missing` never start (and
+    have no report). The timeout is a safety net."""
     import json
     import os
     import subprocess
@@ -688,14 +691,15 @@ def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_
                                        "WORLD_SIZE": str(len(nodes)), "MASTER_ADDR": "127.0.0.1",
                                        "MASTER_PORT": str(port), "HARNESS_PREFLIGHT_FAULT": fault},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank, node in enumerate(nodes)]
+                 for rank, node in enumerate(nodes) if rank not in missing]
     try:
         logs = [p.communicate(timeout=600)[0] for p in processes]
     finally:
         for p in processes:
             p.kill()
     assert all(p.returncode == 0 for p in processes), logs
-    return {node: json.loads((out / NODES_DIR / f"{node}.json").read_text()) for node in nodes}
+    return {node: json.loads((out / NODES_DIR / f"{node}.json").read_text()) for rank, node in enumerate(nodes)
+            if rank not in missing}
 
 
 @pytest.fixture(scope="module")
@@ -895,4 +899,90 @@ def test_a_node_that_cannot_reach_the_store_host_reports_it_rather_than_raising(
     links = between_nodes("c", 1, 1024, 3, False, op_timeout_s=1, deadline_s=1)
     assert links["pairs"] == [] and links["rank"] == 2
     assert "could not reach" in links["store_unreachable"] and "127.0.0.1" in links["store_unreachable"]
+
+
+def test_nccl_pair_groups_are_made_eagerly_without_blocking_under_the_operation_timeout(monkeypatch):
+    """On NCCL a missing partner must not hold its partner in ncclCommInitRank: the pair and world groups are
+    initialised eagerly (device_id) and non-blocking (config.blocking = 0), with torch's non-blocking init timeout
+    set to the operation timeout. CPU can only check this configuration; the GPU path itself is untested here."""
+    import os
+
+    import torch
+
+    from harness.health.allreduce import group_arguments
+
+    monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
+    nccl = group_arguments("cuda:3", 45)
+    assert nccl["backend"] == "nccl" and nccl["device_id"] == torch.device("cuda", 3)
+    assert nccl["pg_options"].config.blocking == 0 and nccl["timeout"].total_seconds() == 45
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45"
+    gloo = group_arguments("cpu", 45)
+    assert gloo["backend"] == "gloo" and "device_id" not in gloo and "pg_options" not in gloo
+
+
+def test_the_pairs_a_node_finished_reach_its_report_before_a_later_hang(tmp_path, monkeypatch):
+    """The node is stopped (the scheduler's deadline) while a later pair hangs: the pair it finished is already in
+    its report on disk, not lost with the process."""
+    import json
+
+    from harness.health import NODES_DIR
+    from harness.health import __main__ as health
+
+    def between_nodes(*args, progress, **kwargs):
+        progress({"pair_ranks": 1, "pairs": [{"peer": "b", "gpu": 0, "busbw_gbps": 45.0}], "pair_failures": {}})
+        raise SystemExit(143)  # stop_children at the scheduler's SIGTERM, while round 2 hangs
+
+    monkeypatch.setattr(health, "local_checks", lambda *a: ([], resolve({}, None), {"gpu": None}))
+    monkeypatch.setattr(health, "between_nodes", between_nodes)
+    monkeypatch.setenv("NODE_NAME", "a")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        health.main(["--out", str(tmp_path)])
+    report = json.loads((tmp_path / NODES_DIR / "a.json").read_text())
+    assert report["pairs"] == [{"peer": "b", "gpu": 0, "busbw_gbps": 45.0}]
+
+
+@pytest.mark.slow
+def test_a_missing_pair_partner_is_named_and_its_partners_keep_the_pairs_they_finished(tmp_path):
+    """Three CPU nodes on gloo, the third (rank 2) never starts. a meets c in round 1 and b meets c in round 0:
+    each names the missing node's rank, marks the pair absent, and goes on to meet the other in round 2. Before, each
+    waited for c's name for the whole phase and the a-b pair was never measured. (NCCL's set-up is not run here.)"""
+    from harness import preflight
+
+    reports = _health_nodes(tmp_path, ["a", "b", "c"], {"check_deadline_s": 10, "deadline_s": 100}, "", 1,
+                            missing=(2,))
+    for node, other in (("a", "b"), ("b", "a")):
+        pairs = {p["peer"]: p for p in reports[node]["pairs"]}
+        assert pairs["node #2"]["absent"] and "rank 2" in pairs["node #2"]["error"]
+        assert pairs[other]["busbw_gbps"] > 0 and "error" not in pairs[other]
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": True, "b": True, "c": False}
+
+
+def test_a_nodes_deadline_is_its_own_start_capped_by_the_schedulers_kill():
+    """A node's between-node phase ends by its own start + deadline_s, or earlier where the scheduler kills it
+    earlier (Slurm tells the step's end: HARNESS_HEALTH_KILL_AT), always leaving the report's margin."""
+    from harness.health.__main__ import REPORT_MARGIN_S, phase_seconds
+
+    assert phase_seconds(1200, elapsed=100, now=1000.0, kill_at=None) == 1200 - 100 - REPORT_MARGIN_S
+    # started 600 s after the scheduler's clock: its kill comes first
+    assert phase_seconds(1200, elapsed=100, now=1000.0, kill_at=1000.0 + 500) == 500 - REPORT_MARGIN_S
+
+
+def test_the_scheduler_deadline_leaves_room_for_the_image_pull_and_the_health_job_tolerates_the_harness_taint():
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import TAINT
+    from harness.spec import JobSpec
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, profile=profiles.load("h100-ib")).resolved()
+    th = spec.profile.preflight
+    body = get_launcher("k8s").render_preflight(spec).payload["body"]
+    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == th.deadline_s + th.start_allowance_s
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        assert {"key": TAINT.key, "operator": "Equal", "value": TAINT.value, "effect": TAINT.effect} in \
+            replica["template"]["spec"]["tolerations"]
+    script = get_launcher("slurm").render_preflight(spec).text
+    assert f"--time={-(-(th.deadline_s + th.start_allowance_s) // 60)}" in script
+    assert "HARNESS_HEALTH_KILL_AT=" in script
 

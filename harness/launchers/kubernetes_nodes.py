@@ -27,6 +27,7 @@ from harness.launchers.kubernetes_api import call
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
+OWN_TOLERATION = {"key": TAINT.key, "operator": "Equal", "value": TAINT.value, "effect": TAINT.effect}
 HOSTNAME = "kubernetes.io/hostname"  # the topology key of one health pod per host
 NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's matchFields)
 ROLE_LABEL = "mlperf-harness/role"
@@ -56,7 +57,10 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
     job["spec"]["runPolicy"]["backoffLimit"] = 0
     # A hung check (a GPU after Xid 79) must not hold every node: the operator fails the job at the deadline,
     # and a node without a report is judged failed.
-    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = spec.profile.preflight.deadline_s
+    # It counts from before the image pull: each node's own deadline_s counts from its start (harness.health), and
+    # the allowance keeps a node that started late from being killed before it rewrites its report.
+    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = (spec.profile.preflight.deadline_s
+                                                         + spec.profile.preflight.start_allowance_s)
     # Its pods stay when it ends, so that the harness reads which Nodes they ran on (a node that wrote no report
     # fails); the harness then deletes the job with its pods. Were the harness gone, the operator deletes it later.
     job["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
@@ -70,6 +74,9 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
         template = replica["template"]
         template["metadata"].setdefault("labels", {})[ROLE_LABEL] = "preflight"
         template["spec"].setdefault("affinity", {})["podAntiAffinity"] = anti
+        # A node the harness tainted is checked again (and untainted when it passes): the harness's own taint only.
+        tolerations = template["spec"].get("tolerations") or []
+        template["spec"]["tolerations"] = tolerations + [dict(OWN_TOLERATION)]  # a copy: no YAML anchors
         [container] = template["spec"]["containers"]
         container["command"], container["args"] = command[:1], command[1:]
         container.setdefault("env", []).append(

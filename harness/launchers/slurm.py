@@ -100,7 +100,10 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
     """Preflight inside the allocation: every node runs its checks, then one step judges them and prints the
     nodes training uses into ${training_nodes} (the healthiest --nodes; too few stops the job)."""
     # No --kill-on-bad-exit: one node's crash must not stop the others' checks (it is judged failed below).
-    deadline_min = max(1, math.ceil(spec.profile.preflight.deadline_s / 60))  # srun's --time is in minutes
+    # srun's --time is in minutes, and counts the image's import too: the nodes' own deadline_s counts from their
+    # start, and the step's end (HARNESS_HEALTH_KILL_AT, this cluster's clock) caps it (harness.health.phase_seconds).
+    checks = spec.profile.preflight
+    deadline_min = max(1, math.ceil((checks.deadline_s + checks.start_allowance_s) / 60))
     health = shlex.join(["srun", "--ntasks-per-node=1", f"--time={deadline_min}", *container,
                          *health_command(inside, python)])
     # The judge runs on the batch host, which runs this script: never on a node it may keep out.
@@ -117,6 +120,7 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
         "preflight_began=$(cut -d ' ' -f 1 /proc/uptime)",
         "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
         f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
+        f'HARNESS_HEALTH_KILL_AT="$(( $(date +%s) + {deadline_min * 60} ))" '
         f"{health} || true  # a node without a report is judged failed below",
         f'training_nodes=$({shlex.join(judge[:3])} --nodelist="${{SLURMD_NODENAME}}" {shlex.join(judge[3:])} '
         f'"${{allocated}}" --began "${{preflight_began}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
