@@ -14,6 +14,7 @@ whose agent never wrote its end: the node was lost).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -220,8 +221,24 @@ def choose(verdicts: dict[str, dict], wanted: int) -> tuple[list[str], list[str]
     return kept, [n for n in healthy if n not in kept]
 
 
+MAX_MARKED_SHARE = 0.1  # the profile's preflight.max_marked_share, where no profile is at hand
+
+
+def marking(failed: list[str], allocated: int, share: float = MAX_MARKED_SHARE) -> tuple[list[str], str | None]:
+    """The one rule for how much one decision may mark on the cluster (drain, taint, a failed condition): (the
+    nodes to mark, None), or ([], why) where `failed` is more than `share` of the `allocated` nodes (at least one
+    node may always be marked). So many failing at once is a systemic fault (the image, the store, the network),
+    which no node's mark fixes and a mark on each would outlive, as NVSentinel's circuit breaker holds."""
+    cap = max(1, int(share * allocated))
+    if len(failed) <= cap:
+        return list(failed), None
+    return [], (f"systemic failure: {len(failed)} of {allocated} node(s) failed, more than the {cap} one decision "
+                f"may mark ({share:.0%}, preflight.max_marked_share); none is marked: look at what they share "
+                "(the image, the pair phase's store, the network)")
+
+
 def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = False,
-           seconds: float | None = None) -> dict:
+           seconds: float | None = None, max_marked_share: float = MAX_MARKED_SHARE) -> dict:
     """Judge, choose, and write <out>/preflight.json; returns what was written.
 
     `seconds` is how long the preflight took, from before its health job started to now, on the decider's own
@@ -233,11 +250,17 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
     verdicts = judge(out, allocated, blame_failures)
     kept, spare = choose(verdicts, wanted)
     excluded = {n: [reason(c) for c in v["checks"] if c.verdict == FAIL] for n, v in verdicts.items() if not v["ok"]}
-    passed = len(kept) == wanted
+    marked, systemic = marking(list(excluded), len(allocated), max_marked_share)
+    if systemic:  # what they share, by check: the first clue to the common cause
+        failed = collections.Counter(c.name for v in verdicts.values() for c in v["checks"] if c.verdict == FAIL)
+        systemic += "; failed checks: " + ", ".join(f"{name} x{count}" for name, count in failed.most_common())
+    passed = len(kept) == wanted and systemic is None  # a systemic fault is not one the spares make up for
     why = "; ".join(f"{n}: {', '.join(r)}" for n, r in excluded.items())
     message = (f"{len(kept)} of {len(allocated)} node(s) healthy, {wanted} needed" + (f"; kept out: {why}" if why
                                                                                       else ""))
-    if not passed:
+    if systemic:
+        message += f"; {systemic}"
+    elif not passed:
         message += ("; no spare node left" if len(allocated) > wanted else "; there is no spare node (--spare-nodes)")
     if seconds is None:
         seconds = max((v["seconds"] for v in verdicts.values() if v["seconds"] is not None), default=0.0)
@@ -247,7 +270,7 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
     previous = read(out)
     world = [v["world_busbw_gbps"] for v in verdicts.values() if v.get("world_busbw_gbps") is not None]
     record = {"passed": passed, "message": message, "wanted": wanted, "allocated": allocated, "kept": kept,
-              "spare": spare, "excluded": excluded, "started": started, "seconds": round(seconds, 3),
+              "spare": spare, "excluded": excluded, "marked": marked, "systemic": systemic, "started": started, "seconds": round(seconds, 3),
               "seconds_total": round(seconds + (previous or {}).get("seconds_total", 0.0), 3),
               "world_busbw_gbps": round(statistics.median(world), 3) if world else None,
               "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "seconds": v["seconds"],
@@ -255,6 +278,12 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
               "remediation": []}
     (out / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def to_mark(record: dict) -> list[str]:
+    """The nodes a launcher's remediation marks for `record` (preflight.json's shape): its `marked` (decide's
+    marking()); a record without one (the Kubernetes watcher's, one attempt's culprits) marks what it excluded."""
+    return list(record["marked"]) if "marked" in record else list(record["excluded"])
 
 
 def read(out: Path) -> dict | None:
@@ -366,11 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocated", required=True, help="the allocation's nodes, comma-separated")
     parser.add_argument("--blame-failures", action="store_true",
                         help="also keep out the nodes the newest failed training attempt points at")
+    parser.add_argument("--max-marked-share", type=float, default=MAX_MARKED_SHARE,
+                        help="the most of the allocation one decision marks (the profile's preflight.max_marked_share)")
     parser.add_argument("--began", default="",
                         help="this host's /proc/uptime when the health step started (boot_clock): the whole's clock")
     args = parser.parse_args(argv)
     seconds = _seconds_since(args.began)
-    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds)
+    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds,
+                    args.max_marked_share)
     print(table(record), file=sys.stderr, flush=True)
     if not record["passed"]:
         print(f"harness: error: preflight failed: {record['message']}", file=sys.stderr)

@@ -230,7 +230,7 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
     _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 46.0}])
     _report(tmp_path, "b", 120, [{"peer": "a", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 44.0}])
     _report(tmp_path, "c", 480, [{"peer": "a", "busbw_gbps": 12.0}, {"peer": "b", "busbw_gbps": 11.0}])
-    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1)
+    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1, max_marked_share=1.0)  # 3 of 4: not systemic here
     assert record == preflight.read(tmp_path)
     assert record["passed"] and record["kept"] == ["a"] and record["spare"] == []
     # b: slow inside; c: slow with every partner (its link), while a and b are slow only with c; d: no report.
@@ -986,3 +986,107 @@ def test_the_scheduler_deadline_leaves_room_for_the_image_pull_and_the_health_jo
     assert f"--time={-(-(th.deadline_s + th.start_allowance_s) // 60)}" in script
     assert "HARNESS_HEALTH_KILL_AT=" in script
 
+
+def _marked_record(out: Path, failing: int, total: int, share: float = 0.1) -> dict:
+    from harness import preflight
+
+    for i in range(total):
+        _report(out, f"n{i}", 120 if i < failing else 470)
+    return preflight.decide(out, [f"n{i}" for i in range(total)], total - failing, max_marked_share=share)
+
+
+def test_one_decision_marks_at_most_its_share_of_the_allocation_and_reports_more_as_systemic(tmp_path):
+    from harness import preflight
+
+    few = _marked_record(tmp_path / "few", 2, 20)
+    assert few["marked"] == ["n0", "n1"] and few["systemic"] is None and few["passed"]
+    many = _marked_record(tmp_path / "many", 5, 20)
+    assert many["marked"] == [] and "systemic" in many["systemic"] and not many["passed"]
+    assert "systemic" in many["message"] and "allreduce_busbw" in many["systemic"]
+    assert preflight.marking(["x"], 3, 0.1) == (["x"], None)  # at least one node
+    assert preflight.marking(["x", "y"], 3, 0.1)[0] == []
+
+
+def test_remediation_marks_nothing_when_the_failure_is_systemic(tmp_path, monkeypatch):
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    record = _marked_record(tmp_path / "run", 5, 20)
+    spec = JobSpec("resnet", nodes=15, spare_nodes=5, preflight=True, taint_bad_nodes=True, drain_bad_nodes=True,
+                   out_dir=tmp_path / "run", profile=profiles.load("h100-ib")).resolved()
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        for i in range(20):
+            api.add_node(f"n{i}", taints=[])
+        done = get_launcher("k8s").remediate(spec, record)
+    assert not any(n["spec"]["taints"] for n in api.nodes.values()) and not api.events
+    assert all(c["status"] != "True" for n in api.nodes.values() for c in n["status"].get("conditions", [])
+               if c["type"] == "MLPerfPreflight")
+    assert any("systemic" in line for line in done)
+
+
+def test_a_node_the_harness_tainted_is_untainted_when_it_passes_again_and_no_one_elses_taint_is_touched(
+        tmp_path, monkeypatch):
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    out = tmp_path / "run"
+    _report(out, "gpu-a", 470)
+    _report(out, "gpu-b", 470)
+    record = preflight.decide(out, ["gpu-a", "gpu-b"], 2)
+    spec = JobSpec("resnet", nodes=2, preflight=True, out_dir=out, profile=profiles.load("h100-ib")).resolved()
+    ours = {"key": TAINT.key, "value": TAINT.value, "effect": TAINT.effect}
+    admins = {"key": TAINT.key, "value": "maintenance", "effect": "NoSchedule"}
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        api.add_node("gpu-a", taints=[{"key": "example.com/other", "effect": "NoExecute"}, ours])
+        api.add_node("gpu-b", taints=[admins])
+        done = get_launcher("k8s").remediate(spec, record)
+    assert api.nodes["gpu-a"]["spec"]["taints"] == [{"key": "example.com/other", "effect": "NoExecute"}]
+    assert api.nodes["gpu-b"]["spec"]["taints"] == [admins]
+    assert f"gpu-a: untainted {TAINT.key}={TAINT.value}:{TAINT.effect} (passed again)" in done
+    conditions = {n: {c["type"]: c for c in node["status"]["conditions"]} for n, node in api.nodes.items()}
+    assert conditions["gpu-a"][CONDITION]["status"] == "False"
+
+
+def test_a_node_the_harness_drained_is_resumed_when_it_passes_again_and_no_one_elses_drain_is(tmp_path,
+                                                                                              monkeypatch):
+    """A faked scontrol: node1 drained by the harness, node2 drained by an administrator, node3 fails now."""
+    import os
+
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {log}\n'
+        'case "$3" in\n'
+        "  node1) echo 'NodeName=node1 State=IDLE+DRAIN Reason=harness preflight: pair_busbw 1 GB/s < 40 "
+        "[root@2025-01-01T00:00:00]';;\n"
+        "  node2) echo 'NodeName=node2 State=IDLE+DRAIN Reason=bad DIMM [admin@2025-01-01T00:00:00]';;\n"
+        "  *) echo \"NodeName=$3 State=IDLE\";;\n"
+        "esac\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "run"
+    for node in ("node1", "node2"):
+        _report(out, node, 470)
+    _report(out, "node3", 120)
+    record = preflight.decide(out, ["node1", "node2", "node3"], 2, max_marked_share=0.5)
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, drain_bad_nodes=True, out_dir=out,
+                   profile=profiles.load("local-cpu")).resolved()
+    done = get_launcher("slurm").remediate(spec, record)
+    calls = log.read_text().splitlines()
+    assert "update NodeName=node1 State=RESUME" in calls
+    assert not any(c.startswith("update NodeName=node2") for c in calls)
+    assert any(c.startswith("update NodeName=node3 State=DRAIN") for c in calls)
+    assert "node1 resumed: it passed again (drained by harness preflight before)" in done

@@ -24,6 +24,7 @@ from kubernetes import client as k8s
 
 from harness.errors import HarnessError
 from harness.launchers.kubernetes_api import call
+from harness.preflight import to_mark
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
@@ -105,10 +106,13 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
     preflight, the watcher pod after a failed attempt (kubernetes_blame)."""
     namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
-    done = []
+    done = [record["systemic"]] if record.get("systemic") else []
+    marked = to_mark(record)
     for node, verdict in record["nodes"].items():
         reasons = record["excluded"].get(node, [])
         failed = not verdict["ok"]
+        if failed and node not in marked:  # a systemic failure: no node is marked for it
+            continue
         message = ("harness preflight: " + "; ".join(reasons)) if failed else "harness preflight: every check passed"
         condition = {"type": CONDITION, "status": "True" if failed else "False",
                      "reason": "PreflightFailed" if failed else "PreflightPassed",
@@ -116,6 +120,8 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
         call(f"set the {CONDITION} condition on node {node}", core.patch_node_status, node,
              {"status": {"conditions": [condition]}})
         if not failed:
+            if _untaint(core, node):
+                done.append(f"{node}: untainted {TAINT.key}={TAINT.value}:{TAINT.effect} (passed again)")
             continue
         lines = [f"{node}: condition {CONDITION}=True ({message})"]
         if taint:
@@ -148,6 +154,31 @@ def _taint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> None:
                 raise HarnessError(f"Kubernetes refused to taint node {node}: {exc.status} {exc.reason}: "
                                    f"{exc.body}", 1) from None
     raise HarnessError(f"could not taint node {node}: its taints changed under every one of {tries} tries", 1)
+
+
+def _own(taint) -> bool:
+    """Whether a Node's taint is the one the harness writes: key, value and effect, never only the key."""
+    return (taint.key, taint.value, taint.effect) == (TAINT.key, TAINT.value, TAINT.effect)
+
+
+def _untaint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> bool:
+    """Remove the harness's own taint from a node that passed again (as _taint adds it: the whole list, at the
+    resourceVersion it was read at); every other taint stays. Whether there was one to remove."""
+    for _ in range(tries):
+        read = call(f"read node {node}", core.read_node, node)
+        current = read.spec.taints or []
+        if not any(_own(t) for t in current):
+            return False
+        taints = [k8s.ApiClient().sanitize_for_serialization(t) for t in current if not _own(t)]
+        try:
+            core.patch_node(node, {"metadata": {"resourceVersion": read.metadata.resource_version},
+                                   "spec": {"taints": taints}})
+            return True
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise HarnessError(f"Kubernetes refused to untaint node {node}: {exc.status} {exc.reason}: "
+                                   f"{exc.body}", 1) from None
+    raise HarnessError(f"could not untaint node {node}: its taints changed under every one of {tries} tries", 1)
 
 
 def with_exclusions(pod_spec: dict, nodes: list[str]) -> dict:
