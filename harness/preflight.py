@@ -14,6 +14,7 @@ whose agent never wrote its end: the node was lost).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -52,7 +53,15 @@ def pair_checks(record: dict) -> list[Check]:
     failures = record.get("pair_failures") or {}
     checks = []
     for local in range(record.get("pair_ranks") or 1):
-        pairs = [p for p in record["pairs"] if p["gpu"] == local]
+        every = [p for p in record["pairs"] if p["gpu"] == local]
+        # A partner that never joined the pair phase (its node wrote no report, or never started) blames its own
+        # node, not this one: that pair is left out of the median. Only absent partners: not measured, no verdict.
+        pairs = [p for p in every if not p.get("absent")]
+        if every and not pairs:
+            checks.append(Check("pair_busbw", SKIPPED, where=f"{device} {local}",
+                                note="not measured: its partner(s) never joined: "
+                                     + ", ".join(p["peer"] for p in every)))
+            continue
         if not pairs:
             checks.append(Check("pair_busbw", FAIL, "missing", "measured with another node", where=f"{device} {local}",
                                 note=failures.get(str(local)) or "the between-node checks did not finish"))
@@ -67,6 +76,29 @@ def pair_checks(record: dict) -> list[Check]:
             checks.append(Check("pair_busbw", PASS if median >= minimum else FAIL, median, f">= {minimum:g}", "GB/s",
                                 where, note=errors))
     return checks
+
+
+def store_fault(reports: dict[str, dict | None]) -> tuple[str | None, dict[str, str]]:
+    """Where the pair phase's store (held by rank 0's health process) could not be reached: (the store's node, to
+    be blamed, where it wrote a report; {node: why its pairs were not measured} for the nodes excused).
+
+    `reports` maps every allocated node to its report (None: it wrote none). A node that could not reach the store
+    is excused only where no other node reached it (no node but rank 0's has a pair phase of its own) and the
+    store's node is known to have failed: it wrote a report as rank 0, or some node wrote none (rank 0's health
+    process never started). Otherwise the node could not reach a store others reached: its own failure."""
+    down = {n: r["store_unreachable"] for n, r in reports.items()
+            if r and r.get("store_unreachable") and r.get("rank") != 0}
+    if not down:
+        return None, {}
+    if any(r and r.get("rank") not in (0, None) and "pairs" in r and not r.get("store_unreachable")
+           for r in reports.values()):
+        return None, {}
+    holder = next((n for n, r in reports.items() if r and r.get("rank") == 0), None)
+    missing = [n for n, r in reports.items() if r is None]
+    if holder is None and not missing:
+        return None, {}
+    blamed = holder or f"the node that wrote no report ({', '.join(missing)})"
+    return holder, {n: f"not measured: {why}; blamed on {blamed}" for n, why in down.items()}
 
 
 def newest_ended(records: list[dict]) -> int | None:
@@ -129,15 +161,20 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
     """{node: {"gpu", "checks": [Check], "ok"}} for every allocated node, from the nodes' own reports."""
     verdicts = {}
     blamed = blamed_nodes(out) if blame_failures else {}
+    reports = {node: _report_of(out, node) for node in allocated}
+    holder, excused = store_fault(reports)
     for node in allocated:
-        path = Path(out) / NODES_DIR / f"{node}.json"
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            record = {"checks": [Check("health_report", FAIL, "missing", "written by the node",
-                                       note="the node did not run or finish the checks").to_dict()]}
+        record = reports[node] or {"checks": [Check("health_report", FAIL, "missing", "written by the node",
+                                                    note="the node did not run or finish the checks").to_dict()]}
         checks = [Check.from_dict(c) for c in record["checks"]]
-        pairs = pair_checks(record)
+        if node in excused:  # another node failed (the store's): it is blamed, not this one
+            pairs = [Check("pair_busbw", SKIPPED, note=excused[node])]
+        else:
+            pairs = pair_checks(record)
+        if node == holder:
+            pairs.append(Check("pair_busbw", FAIL, "unreachable", "its store reached by the other nodes",
+                               note=f"no other node could reach the pair phase's store this node held "
+                                    f"({len(excused)} node(s) tried)"))
         if not pairs and len(allocated) > 1 and "node" in record:
             # A node that reported its own checks but no pair: the between-node phase never finished (a NIC
             # that breaks NCCL's set-up times it out on every node) or met no partner. Untested is no pass.
@@ -150,6 +187,15 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                           "seconds": _own_seconds(record), "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
     return verdicts
+
+
+def _report_of(out: Path, node: str) -> dict | None:
+    """A node's own report (<out>/preflight/nodes/<node>.json); None where it wrote none, or none readable."""
+    try:
+        record = json.loads((Path(out) / NODES_DIR / f"{node}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "checks" in record else None
 
 
 def _own_seconds(record: dict) -> float | None:
@@ -181,8 +227,24 @@ def choose(verdicts: dict[str, dict], wanted: int) -> tuple[list[str], list[str]
     return kept, [n for n in healthy if n not in kept]
 
 
+MAX_MARKED_SHARE = 0.1  # the profile's preflight.max_marked_share, where no profile is at hand
+
+
+def marking(failed: list[str], allocated: int, share: float = MAX_MARKED_SHARE) -> tuple[list[str], str | None]:
+    """The one rule for how much one decision may mark on the cluster (drain, taint, a failed condition): (the
+    nodes to mark, None), or ([], why) where `failed` is more than `share` of the `allocated` nodes (at least one
+    node may always be marked). So many failing at once is a systemic fault (the image, the store, the network),
+    which no node's mark fixes and a mark on each would outlive, as NVSentinel's circuit breaker holds."""
+    cap = max(1, int(share * allocated))
+    if len(failed) <= cap:
+        return list(failed), None
+    return [], (f"systemic failure: {len(failed)} of {allocated} node(s) failed, more than the {cap} one decision "
+                f"may mark ({share:.0%}, preflight.max_marked_share); none is marked: look at what they share "
+                "(the image, the pair phase's store, the network)")
+
+
 def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = False,
-           seconds: float | None = None) -> dict:
+           seconds: float | None = None, max_marked_share: float = MAX_MARKED_SHARE) -> dict:
     """Judge, choose, and write <out>/preflight.json; returns what was written.
 
     `seconds` is how long the preflight took, from before its health job started to now, on the decider's own
@@ -194,11 +256,17 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
     verdicts = judge(out, allocated, blame_failures)
     kept, spare = choose(verdicts, wanted)
     excluded = {n: [reason(c) for c in v["checks"] if c.verdict == FAIL] for n, v in verdicts.items() if not v["ok"]}
-    passed = len(kept) == wanted
+    marked, systemic = marking(list(excluded), len(allocated), max_marked_share)
+    if systemic:  # what they share, by check: the first clue to the common cause
+        failed = collections.Counter(c.name for v in verdicts.values() for c in v["checks"] if c.verdict == FAIL)
+        systemic += "; failed checks: " + ", ".join(f"{name} x{count}" for name, count in failed.most_common())
+    passed = len(kept) == wanted and systemic is None  # a systemic fault is not one the spares make up for
     why = "; ".join(f"{n}: {', '.join(r)}" for n, r in excluded.items())
     message = (f"{len(kept)} of {len(allocated)} node(s) healthy, {wanted} needed" + (f"; kept out: {why}" if why
                                                                                       else ""))
-    if not passed:
+    if systemic:
+        message += f"; {systemic}"
+    elif not passed:
         message += ("; no spare node left" if len(allocated) > wanted else "; there is no spare node (--spare-nodes)")
     if seconds is None:
         seconds = max((v["seconds"] for v in verdicts.values() if v["seconds"] is not None), default=0.0)
@@ -208,7 +276,7 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
     previous = read(out)
     world = [v["world_busbw_gbps"] for v in verdicts.values() if v.get("world_busbw_gbps") is not None]
     record = {"passed": passed, "message": message, "wanted": wanted, "allocated": allocated, "kept": kept,
-              "spare": spare, "excluded": excluded, "started": started, "seconds": round(seconds, 3),
+              "spare": spare, "excluded": excluded, "marked": marked, "systemic": systemic, "started": started, "seconds": round(seconds, 3),
               "seconds_total": round(seconds + (previous or {}).get("seconds_total", 0.0), 3),
               "world_busbw_gbps": round(statistics.median(world), 3) if world else None,
               "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "seconds": v["seconds"],
@@ -216,6 +284,12 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
               "remediation": []}
     (out / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def to_mark(record: dict) -> list[str]:
+    """The nodes a launcher's remediation marks for `record` (preflight.json's shape): its `marked` (decide's
+    marking()); a record without one (the Kubernetes watcher's, one attempt's culprits) marks what it excluded."""
+    return list(record["marked"]) if "marked" in record else list(record["excluded"])
 
 
 def read(out: Path) -> dict | None:
@@ -327,11 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocated", required=True, help="the allocation's nodes, comma-separated")
     parser.add_argument("--blame-failures", action="store_true",
                         help="also keep out the nodes the newest failed training attempt points at")
+    parser.add_argument("--max-marked-share", type=float, default=MAX_MARKED_SHARE,
+                        help="the most of the allocation one decision marks (the profile's preflight.max_marked_share)")
     parser.add_argument("--began", default="",
                         help="this host's /proc/uptime when the health step started (boot_clock): the whole's clock")
     args = parser.parse_args(argv)
     seconds = _seconds_since(args.began)
-    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds)
+    record = decide(args.out, [n for n in args.allocated.split(",") if n], args.nodes, args.blame_failures, seconds,
+                    args.max_marked_share)
     print(table(record), file=sys.stderr, flush=True)
     if not record["passed"]:
         print(f"harness: error: preflight failed: {record['message']}", file=sys.stderr)

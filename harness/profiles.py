@@ -109,6 +109,14 @@ class PreflightSettings:
     # Each NVML or CUDA check's own deadline, in its child process (harness.health.isolate): a hung check fails
     # its node (`timed out after N s`) and the node's other checks still run, within deadline_s above.
     check_deadline_s: int = 120
+    # Beyond deadline_s, what the scheduler's limit allows for the image pull and the nodes' start being spread
+    # (activeDeadlineSeconds and Slurm's step --time count from before the pull): each node's own deadline_s counts
+    # from when its health process starts, so a node that started late is not killed before it writes its report.
+    start_allowance_s: int = 600
+    # The most one decision marks on the cluster (drain, taint, failed condition), as a share of the allocation (at
+    # least one node). Above it nothing is marked and the failure is reported as systemic (the image, the store,
+    # the network), as NVSentinel's circuit breaker does.
+    max_marked_share: float = 0.1
 
 
 @dataclass

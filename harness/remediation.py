@@ -68,7 +68,8 @@ def run_health_job(launcher: Launcher, spec: JobSpec) -> dict:
         reports = [p.stem for p in (spec.out_dir / NODES_DIR).glob("*.json")]
         # A node the job ran on that wrote no report is judged (and fails: health_report missing), not skipped.
         preflight.decide(spec.out_dir, sorted({*reports, *ran}), spec.nodes,
-                         seconds=None if began is None else time.monotonic() - began)
+                         seconds=None if began is None else time.monotonic() - began,
+                         max_marked_share=spec.profile.preflight.max_marked_share)
     watcher()
     record = preflight.read(spec.out_dir)
     if record is None:

@@ -230,7 +230,7 @@ def test_the_json_the_table_and_the_report_agree(tmp_path):
     _report(tmp_path, "a", 470, [{"peer": "b", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 46.0}])
     _report(tmp_path, "b", 120, [{"peer": "a", "busbw_gbps": 45.0}, {"peer": "c", "busbw_gbps": 44.0}])
     _report(tmp_path, "c", 480, [{"peer": "a", "busbw_gbps": 12.0}, {"peer": "b", "busbw_gbps": 11.0}])
-    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1)
+    record = preflight.decide(tmp_path, ["a", "b", "c", "d"], 1, max_marked_share=1.0)  # 3 of 4: not systemic here
     assert record == preflight.read(tmp_path)
     assert record["passed"] and record["kept"] == ["a"] and record["spare"] == []
     # b: slow inside; c: slow with every partner (its link), while a and b are slow only with c; d: no report.
@@ -496,7 +496,8 @@ def test_the_slurm_health_step_has_a_deadline_from_the_profile():
     from harness.launchers import get_launcher
     from harness.spec import JobSpec
 
-    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["preflight.deadline_s=300"])
+    profile = profiles.apply_overrides(profiles.load("coreweave-h100"), ["preflight.deadline_s=300",
+                                                                         "preflight.start_allowance_s=0"])
     spec = JobSpec("gpt3", nodes=4, preflight=True, profile=profile, out_dir=Path("/mnt/results/x")).resolved()
     script = get_launcher("slurm").render(spec).text
     (health,) = [line for line in script.splitlines() if "-m harness.health" in line]
@@ -525,7 +526,7 @@ def test_the_kubernetes_health_job_puts_one_checking_pod_on_each_node():
     if CRD.is_file():
         jsonschema.validate(body, pytorchjob_schema())
     # A hung check cannot hold every node: the operator fails the job at the profile's deadline.
-    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s == 1200
+    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.profile.preflight.deadline_s + 600 == 1800
     replicas = body["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 3  # spares are checked too
     for replica in replicas.values():
@@ -664,9 +665,11 @@ def test_a_nodes_own_seconds_are_not_moved_by_its_clock_being_stepped(tmp_path, 
     assert 0 <= json.loads((tmp_path / NODES_DIR / "a.json").read_text())["seconds"] < 3600
 
 
-def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int) -> dict:
+def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_ranks: int,
+                  missing: tuple[int, ...] = ()) -> dict:
     """`python -m harness.health` on each of `nodes` at once, as a health job runs it (one process per node, the
-    world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The timeout is a safety net."""
+    world in RANK/WORLD_SIZE/MASTER_*), on this machine: {node: its report}. The ranks in `missing` never start (and
+    have no report). The timeout is a safety net."""
     import json
     import os
     import subprocess
@@ -681,14 +684,15 @@ def _health_nodes(out: Path, nodes: list[str], settings: dict, fault: str, pair_
                                        "WORLD_SIZE": str(len(nodes)), "MASTER_ADDR": "127.0.0.1",
                                        "MASTER_PORT": str(port), "HARNESS_PREFLIGHT_FAULT": fault},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank, node in enumerate(nodes)]
+                 for rank, node in enumerate(nodes) if rank not in missing]
     try:
         logs = [p.communicate(timeout=600)[0] for p in processes]
     finally:
         for p in processes:
             p.kill()
     assert all(p.returncode == 0 for p in processes), logs
-    return {node: json.loads((out / NODES_DIR / f"{node}.json").read_text()) for node in nodes}
+    return {node: json.loads((out / NODES_DIR / f"{node}.json").read_text()) for rank, node in enumerate(nodes)
+            if rank not in missing}
 
 
 @pytest.fixture(scope="module")
@@ -830,3 +834,252 @@ def test_sigterm_during_preflight_stops_the_health_job_and_its_hung_check(tmp_pa
         time.sleep(0.2)
     assert _processes_carrying(marker) == []
 
+
+
+# --- issue 36: a failure on one node is blamed on that node alone; remediation is capped and undone ----------------
+
+
+def _pair_report(out: Path, node: str, rank: int, pairs: list | None = None, **fields) -> None:
+    """A CPU node's report after the pair phase: its own checks passed, then `pairs` (None: no pair phase at all)."""
+    import json
+
+    from harness.health import NODES_DIR
+
+    th = resolve({}, None)
+    path = out / NODES_DIR / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"node": node, "rank": rank, "started": 1.0, "gpu": None, "thresholds": th, "checks": [],
+              **({} if pairs is None else {"pair_ranks": 1, "pairs": [{"gpu": 0, **p} for p in pairs],
+                                           "pair_failures": {}}), **fields}
+    path.write_text(json.dumps(record))
+
+
+def test_a_store_host_that_never_came_up_is_blamed_on_its_node_alone(tmp_path):
+    """Rank 0's health process (which holds the pair phase's store) never started: the other nodes say they could
+    not reach the store's host, and only the store's node is kept out. Before: every node failed pair_busbw."""
+    from harness import preflight
+
+    unreachable = "could not reach the pair phase's store at 10.0.0.1:29500 (rank 0's node): timed out"
+    for rank, node in ((1, "b"), (2, "c"), (3, "d")):
+        _pair_report(tmp_path, node, rank, [], store_unreachable=unreachable)
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": False, "b": True, "c": True, "d": True}
+    assert [c.name for c in verdicts["a"]["checks"] if c.verdict == FAIL] == ["health_report"]
+    [skip] = [c for c in verdicts["b"]["checks"] if c.name == "pair_busbw"]
+    assert skip.verdict == SKIPPED and "store" in skip.note and "a" in skip.note
+    # The store's node wrote its own checks but no other node reached its store: it is blamed, the others not.
+    _pair_report(tmp_path, "a", 0, [{"peer": "node #1", "busbw_gbps": 0.0, "error": "timed out"}])
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": False, "b": True, "c": True, "d": True}
+    assert any("no other node could reach" in c.note for c in verdicts["a"]["checks"] if c.verdict == FAIL)
+    # One node that cannot reach a store the others reached: its own network, its own failure.
+    _pair_report(tmp_path, "c", 2, [{"peer": "a", "busbw_gbps": 45.0}])
+    _pair_report(tmp_path, "d", 3, [{"peer": "a", "busbw_gbps": 45.0}])
+    _pair_report(tmp_path, "a", 0, [{"peer": "c", "busbw_gbps": 45.0}])
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c", "d"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": True, "b": False, "c": True, "d": True}
+
+
+def test_a_node_that_cannot_reach_the_store_host_reports_it_rather_than_raising(monkeypatch):
+    """No process listens at MASTER_ADDR:MASTER_PORT (rank 0's health process never started): the node's between-node
+    phase ends at its deadline with a report that says so, instead of an exception that left no pairs at all."""
+    from harness.health.allreduce import between_nodes
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    links = between_nodes("c", 1, 1024, 3, False, op_timeout_s=1, deadline_s=1)
+    assert links["pairs"] == [] and links["rank"] == 2
+    assert "could not reach" in links["store_unreachable"] and "127.0.0.1" in links["store_unreachable"]
+
+
+def test_nccl_pair_groups_are_made_eagerly_without_blocking_under_the_operation_timeout(monkeypatch):
+    """On NCCL a missing partner must not hold its partner in ncclCommInitRank: the pair and world groups are
+    initialised eagerly (device_id) and non-blocking (config.blocking = 0), with torch's non-blocking init timeout
+    set to the operation timeout. CPU can only check this configuration; the GPU path itself is untested here."""
+    import os
+
+    import torch
+
+    from harness.health.allreduce import group_arguments
+
+    monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
+    nccl = group_arguments("cuda:3", 45)
+    assert nccl["backend"] == "nccl" and nccl["device_id"] == torch.device("cuda", 3)
+    assert nccl["pg_options"].config.blocking == 0 and nccl["timeout"].total_seconds() == 45
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45"
+    gloo = group_arguments("cpu", 45)
+    assert gloo["backend"] == "gloo" and "device_id" not in gloo and "pg_options" not in gloo
+
+
+def test_the_pairs_a_node_finished_reach_its_report_before_a_later_hang(tmp_path, monkeypatch):
+    """The node is stopped (the scheduler's deadline) while a later pair hangs: the pair it finished is already in
+    its report on disk, not lost with the process."""
+    import json
+
+    from harness.health import NODES_DIR
+    from harness.health import __main__ as health
+
+    def between_nodes(*args, progress, **kwargs):
+        progress({"pair_ranks": 1, "pairs": [{"peer": "b", "gpu": 0, "busbw_gbps": 45.0}], "pair_failures": {}})
+        raise SystemExit(143)  # stop_children at the scheduler's SIGTERM, while round 2 hangs
+
+    monkeypatch.setattr(health, "local_checks", lambda *a: ([], resolve({}, None), {"gpu": None}))
+    monkeypatch.setattr(health, "between_nodes", between_nodes)
+    monkeypatch.setenv("NODE_NAME", "a")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        health.main(["--out", str(tmp_path)])
+    report = json.loads((tmp_path / NODES_DIR / "a.json").read_text())
+    assert report["pairs"] == [{"peer": "b", "gpu": 0, "busbw_gbps": 45.0}]
+
+
+@pytest.mark.slow
+def test_a_missing_pair_partner_is_named_and_its_partners_keep_the_pairs_they_finished(tmp_path):
+    """Three CPU nodes on gloo, the third (rank 2) never starts. a meets c in round 1 and b meets c in round 0:
+    each names the missing node's rank, marks the pair absent, and goes on to meet the other in round 2. Before, each
+    waited for c's name for the whole phase and the a-b pair was never measured. (NCCL's set-up is not run here.)"""
+    from harness import preflight
+
+    reports = _health_nodes(tmp_path, ["a", "b", "c"], {"check_deadline_s": 10, "deadline_s": 100}, "", 1,
+                            missing=(2,))
+    for node, other in (("a", "b"), ("b", "a")):
+        pairs = {p["peer"]: p for p in reports[node]["pairs"]}
+        assert pairs["node #2"]["absent"] and "rank 2" in pairs["node #2"]["error"]
+        assert pairs[other]["busbw_gbps"] > 0 and "error" not in pairs[other]
+    verdicts = preflight.judge(tmp_path, ["a", "b", "c"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": True, "b": True, "c": False}
+
+
+def test_a_nodes_deadline_is_its_own_start_capped_by_the_schedulers_kill():
+    """A node's between-node phase ends by its own start + deadline_s, or earlier where the scheduler kills it
+    earlier (Slurm tells the step's end: HARNESS_HEALTH_KILL_AT), always leaving the report's margin."""
+    from harness.health.__main__ import REPORT_MARGIN_S, phase_seconds
+
+    assert phase_seconds(1200, elapsed=100, now=1000.0, kill_at=None) == 1200 - 100 - REPORT_MARGIN_S
+    # started 600 s after the scheduler's clock: its kill comes first
+    assert phase_seconds(1200, elapsed=100, now=1000.0, kill_at=1000.0 + 500) == 500 - REPORT_MARGIN_S
+
+
+def test_the_scheduler_deadline_leaves_room_for_the_image_pull_and_the_health_job_tolerates_the_harness_taint():
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import TAINT
+    from harness.spec import JobSpec
+
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, profile=profiles.load("h100-ib")).resolved()
+    th = spec.profile.preflight
+    body = get_launcher("k8s").render_preflight(spec).payload["body"]
+    assert body["spec"]["runPolicy"]["activeDeadlineSeconds"] == th.deadline_s + th.start_allowance_s
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        assert {"key": TAINT.key, "operator": "Equal", "value": TAINT.value, "effect": TAINT.effect} in \
+            replica["template"]["spec"]["tolerations"]
+    script = get_launcher("slurm").render_preflight(spec).text
+    assert f"--time={-(-(th.deadline_s + th.start_allowance_s) // 60)}" in script
+    assert "HARNESS_HEALTH_KILL_AT=" in script
+
+
+def _marked_record(out: Path, failing: int, total: int, share: float = 0.1) -> dict:
+    from harness import preflight
+
+    for i in range(total):
+        _report(out, f"n{i}", 120 if i < failing else 470)
+    return preflight.decide(out, [f"n{i}" for i in range(total)], total - failing, max_marked_share=share)
+
+
+def test_one_decision_marks_at_most_its_share_of_the_allocation_and_reports_more_as_systemic(tmp_path):
+    from harness import preflight
+
+    few = _marked_record(tmp_path / "few", 2, 20)
+    assert few["marked"] == ["n0", "n1"] and few["systemic"] is None and few["passed"]
+    many = _marked_record(tmp_path / "many", 5, 20)
+    assert many["marked"] == [] and "systemic" in many["systemic"] and not many["passed"]
+    assert "systemic" in many["message"] and "allreduce_busbw" in many["systemic"]
+    assert preflight.marking(["x"], 3, 0.1) == (["x"], None)  # at least one node
+    assert preflight.marking(["x", "y"], 3, 0.1)[0] == []
+
+
+def test_remediation_marks_nothing_when_the_failure_is_systemic(tmp_path, monkeypatch):
+    from harness import profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    record = _marked_record(tmp_path / "run", 5, 20)
+    spec = JobSpec("resnet", nodes=15, spare_nodes=5, preflight=True, taint_bad_nodes=True, drain_bad_nodes=True,
+                   out_dir=tmp_path / "run", profile=profiles.load("h100-ib")).resolved()
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        for i in range(20):
+            api.add_node(f"n{i}", taints=[])
+        done = get_launcher("k8s").remediate(spec, record)
+    assert not any(n["spec"]["taints"] for n in api.nodes.values()) and not api.events
+    assert all(c["status"] != "True" for n in api.nodes.values() for c in n["status"].get("conditions", [])
+               if c["type"] == "MLPerfPreflight")
+    assert any("systemic" in line for line in done)
+
+
+def test_a_node_the_harness_tainted_is_untainted_when_it_passes_again_and_no_one_elses_taint_is_touched(
+        tmp_path, monkeypatch):
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.launchers.kubernetes_nodes import CONDITION, TAINT
+    from harness.spec import JobSpec
+    from tests.fake_kube_api import FakeKubeAPI
+
+    out = tmp_path / "run"
+    _report(out, "gpu-a", 470)
+    _report(out, "gpu-b", 470)
+    record = preflight.decide(out, ["gpu-a", "gpu-b"], 2)
+    spec = JobSpec("resnet", nodes=2, preflight=True, out_dir=out, profile=profiles.load("h100-ib")).resolved()
+    ours = {"key": TAINT.key, "value": TAINT.value, "effect": TAINT.effect}
+    admins = {"key": TAINT.key, "value": "maintenance", "effect": "NoSchedule"}
+    with FakeKubeAPI() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        api.add_node("gpu-a", taints=[{"key": "example.com/other", "effect": "NoExecute"}, ours])
+        api.add_node("gpu-b", taints=[admins])
+        done = get_launcher("k8s").remediate(spec, record)
+    assert api.nodes["gpu-a"]["spec"]["taints"] == [{"key": "example.com/other", "effect": "NoExecute"}]
+    assert api.nodes["gpu-b"]["spec"]["taints"] == [admins]
+    assert f"gpu-a: untainted {TAINT.key}={TAINT.value}:{TAINT.effect} (passed again)" in done
+    conditions = {n: {c["type"]: c for c in node["status"]["conditions"]} for n, node in api.nodes.items()}
+    assert conditions["gpu-a"][CONDITION]["status"] == "False"
+
+
+def test_a_node_the_harness_drained_is_resumed_when_it_passes_again_and_no_one_elses_drain_is(tmp_path,
+                                                                                              monkeypatch):
+    """A faked scontrol: node1 drained by the harness, node2 drained by an administrator, node3 fails now."""
+    import os
+
+    from harness import preflight, profiles
+    from harness.launchers import get_launcher
+    from harness.spec import JobSpec
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {log}\n'
+        'case "$3" in\n'
+        "  node1) echo 'NodeName=node1 State=IDLE+DRAIN Reason=harness preflight: pair_busbw 1 GB/s < 40 "
+        "[root@2025-01-01T00:00:00]';;\n"
+        "  node2) echo 'NodeName=node2 State=IDLE+DRAIN Reason=bad DIMM [admin@2025-01-01T00:00:00]';;\n"
+        "  *) echo \"NodeName=$3 State=IDLE\";;\n"
+        "esac\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "run"
+    for node in ("node1", "node2"):
+        _report(out, node, 470)
+    _report(out, "node3", 120)
+    record = preflight.decide(out, ["node1", "node2", "node3"], 2, max_marked_share=0.5)
+    spec = JobSpec("resnet", nodes=2, spare_nodes=1, preflight=True, drain_bad_nodes=True, out_dir=out,
+                   profile=profiles.load("local-cpu")).resolved()
+    done = get_launcher("slurm").remediate(spec, record)
+    calls = log.read_text().splitlines()
+    assert "update NodeName=node1 State=RESUME" in calls
+    assert not any(c.startswith("update NodeName=node2") for c in calls)
+    assert any(c.startswith("update NodeName=node3 State=DRAIN") for c in calls)
+    assert "node1 resumed: it passed again (drained by harness preflight before)" in done

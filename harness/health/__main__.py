@@ -30,6 +30,27 @@ CPU_RANKS = 2  # gloo processes for the intra-node all-reduce on a CPU node
 REPORT_MARGIN_S = 30  # of the phase's deadline, kept to write the report after the between-node phase
 
 
+KILL_AT_ENV = "HARNESS_HEALTH_KILL_AT"  # the scheduler's end of the health step, epoch seconds, where it tells it
+
+
+def _kill_at() -> float | None:
+    try:
+        return float(os.environ[KILL_AT_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+def phase_seconds(deadline_s: float, elapsed: float, now: float, kill_at: float | None) -> float:
+    """How long the between-node phase may take: the node's own deadline counts from its own start (after the image
+    pull: the scheduler's limit is `deadline_s` + `start_allowance_s`), and where the scheduler's end is known
+    (`kill_at`, on this cluster's clock: Slurm's batch script writes it) it ends no later, so that the node rewrites
+    its report before it is killed. REPORT_MARGIN_S is kept for that either way."""
+    left = deadline_s - elapsed
+    if kill_at is not None:
+        left = min(left, kill_at - now)
+    return left - REPORT_MARGIN_S
+
+
 def node_name() -> str:
     """Slurm's node name, the Kubernetes node (NODE_NAME from the downward API), else the host name."""
     return os.environ.get("SLURMD_NODENAME") or os.environ.get("NODE_NAME") or socket.gethostname()
@@ -105,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         # Every node runs as many pair ranks as the profile promises GPUs (a GPU missing here fails its own
         # pairs), so that local rank i of each node has its partners.
         cuda = found["gpu"] is not None and args.gpus > 0
-        left = th["deadline_s"] - (time.monotonic() - clock) - REPORT_MARGIN_S
+        left = phase_seconds(th["deadline_s"], time.monotonic() - clock, time.time(), _kill_at())
         links = between_nodes(node, args.gpus if cuda else args.cpu_pair_ranks, th["pair_mib"] << 20,
-                              th["pair_rounds"], cuda, th["check_deadline_s"], max(th["check_deadline_s"], int(left)))
+                              th["pair_rounds"], cuda, th["check_deadline_s"], max(th["check_deadline_s"], int(left)),
+                              progress=lambda so_far: _write(path, {**record, **so_far}))
         world = links.pop("world_busbw_gbps")
         record.update(links, world_busbw_gbps=None if world is None else world * fault_scale(node, "world_busbw"))
     record["seconds"] = round(time.monotonic() - clock, 3)

@@ -100,6 +100,13 @@ class Child:
         except (OSError, ValueError):
             return None
 
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def peek(self) -> object:
+        """What the child has written so far (its last yielded value), without waiting for it."""
+        return self._read()
+
     def kill(self) -> object:
         """Kill the child's process group; what it wrote before."""
         try:

@@ -24,9 +24,11 @@ from kubernetes import client as k8s
 
 from harness.errors import HarnessError
 from harness.launchers.kubernetes_api import UNREACHABLE, call, unreachable
+from harness.preflight import to_mark
 
 CONDITION = "MLPerfPreflight"
 TAINT = k8s.V1Taint(key="mlperf-harness/preflight", value="failed", effect="NoSchedule")
+OWN_TOLERATION = {"key": TAINT.key, "operator": "Equal", "value": TAINT.value, "effect": TAINT.effect}
 HOSTNAME = "kubernetes.io/hostname"  # the topology key of one health pod per host
 NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's matchFields)
 ROLE_LABEL = "mlperf-harness/role"
@@ -56,7 +58,10 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
     job["spec"]["runPolicy"]["backoffLimit"] = 0
     # A hung check (a GPU after Xid 79) must not hold every node: the operator fails the job at the deadline,
     # and a node without a report is judged failed.
-    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = spec.profile.preflight.deadline_s
+    # It counts from before the image pull: each node's own deadline_s counts from its start (harness.health), and
+    # the allowance keeps a node that started late from being killed before it rewrites its report.
+    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = (spec.profile.preflight.deadline_s
+                                                         + spec.profile.preflight.start_allowance_s)
     # Its pods stay when it ends, so that the harness reads which Nodes they ran on (a node that wrote no report
     # fails); the harness then deletes the job with its pods. Were the harness gone, the operator deletes it later.
     job["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
@@ -70,6 +75,9 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
         template = replica["template"]
         template["metadata"].setdefault("labels", {})[ROLE_LABEL] = "preflight"
         template["spec"].setdefault("affinity", {})["podAntiAffinity"] = anti
+        # A node the harness tainted is checked again (and untainted when it passes): the harness's own taint only.
+        tolerations = template["spec"].get("tolerations") or []
+        template["spec"]["tolerations"] = tolerations + [dict(OWN_TOLERATION)]  # a copy: no YAML anchors
         [container] = template["spec"]["containers"]
         container["command"], container["args"] = command[:1], command[1:]
         container.setdefault("env", []).append(
@@ -104,7 +112,8 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
     granted: `kubectl describe node` finds them in any)."""
     namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
-    done = []
+    done = [record["systemic"]] if record.get("systemic") else []
+    marked = to_mark(record)
 
     def step(node: str, fn, *args) -> bool:
         try:
@@ -119,6 +128,8 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
     for node, verdict in record["nodes"].items():
         reasons = record["excluded"].get(node, [])
         failed = not verdict["ok"]
+        if failed and node not in marked:  # a systemic failure: no node is marked for it
+            continue
         message = ("harness preflight: " + "; ".join(reasons)) if failed else "harness preflight: every check passed"
         condition = {"type": CONDITION, "status": "True" if failed else "False",
                      "reason": "PreflightFailed" if failed else "PreflightPassed",
@@ -126,6 +137,10 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
         conditioned = step(node, call, f"set the {CONDITION} condition on node {node}", core.patch_node_status,
                            node, {"status": {"conditions": [condition]}})
         if not failed:
+            removed = []  # whether the harness's own taint was there to remove
+            step(node, lambda: removed.append(_untaint(core, node)))
+            if any(removed):
+                done.append(f"{node}: untainted {TAINT.key}={TAINT.value}:{TAINT.effect} (passed again)")
             continue
         if conditioned:
             done.append(f"{node}: condition {CONDITION}=True ({message})")
@@ -159,6 +174,31 @@ def _taint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> None:
         except UNREACHABLE as exc:  # as `call` says it (an Unreachable, which the watcher waits out)
             raise unreachable(f"taint node {node}", core.patch_node, exc) from None
     raise HarnessError(f"could not taint node {node}: its taints changed under every one of {tries} tries", 1)
+
+
+def _own(taint) -> bool:
+    """Whether a Node's taint is the one the harness writes: key, value and effect, never only the key."""
+    return (taint.key, taint.value, taint.effect) == (TAINT.key, TAINT.value, TAINT.effect)
+
+
+def _untaint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> bool:
+    """Remove the harness's own taint from a node that passed again (as _taint adds it: the whole list, at the
+    resourceVersion it was read at); every other taint stays. Whether there was one to remove."""
+    for _ in range(tries):
+        read = call(f"read node {node}", core.read_node, node)
+        current = read.spec.taints or []
+        if not any(_own(t) for t in current):
+            return False
+        taints = [k8s.ApiClient().sanitize_for_serialization(t) for t in current if not _own(t)]
+        try:
+            core.patch_node(node, {"metadata": {"resourceVersion": read.metadata.resource_version},
+                                   "spec": {"taints": taints}})
+            return True
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise HarnessError(f"Kubernetes refused to untaint node {node}: {exc.status} {exc.reason}: "
+                                   f"{exc.body}", 1) from None
+    raise HarnessError(f"could not untaint node {node}: its taints changed under every one of {tries} tries", 1)
 
 
 def with_exclusions(pod_spec: dict, nodes: list[str]) -> dict:

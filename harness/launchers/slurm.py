@@ -36,7 +36,7 @@ from harness.mounts import pyxis_mount, translate
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
                                     cluster_procs_per_node, health_command, rank_log_files, record_cancel, record_state,
                                     show_files, workload_plan)
-from harness.preflight import EXIT_PREFLIGHT
+from harness.preflight import EXIT_PREFLIGHT, to_mark
 from harness.spec import JobSpec
 from workloads.common.requirements_check import AGENT_BOOTSTRAP, IMAGE_ENV
 from workloads.common.rank_output import RANK_OUTPUT_ENV
@@ -100,12 +100,16 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
     """Preflight inside the allocation: every node runs its checks, then one step judges them and prints the
     nodes training uses into ${training_nodes} (the healthiest --nodes; too few stops the job)."""
     # No --kill-on-bad-exit: one node's crash must not stop the others' checks (it is judged failed below).
-    deadline_min = max(1, math.ceil(spec.profile.preflight.deadline_s / 60))  # srun's --time is in minutes
+    # srun's --time is in minutes, and counts the image's import too: the nodes' own deadline_s counts from their
+    # start, and the step's end (HARNESS_HEALTH_KILL_AT, this cluster's clock) caps it (harness.health.phase_seconds).
+    checks = spec.profile.preflight
+    deadline_min = max(1, math.ceil((checks.deadline_s + checks.start_allowance_s) / 60))
     health = shlex.join(["srun", "--ntasks-per-node=1", f"--time={deadline_min}", *container,
                          *health_command(inside, python)])
     # The judge runs on the batch host, which runs this script: never on a node it may keep out.
     judge = ["srun", "--nodes=1", "--ntasks=1", *container, python, "-m", "harness.preflight", "--out",
-             str(inside.out_dir), "--nodes", str(spec.nodes), "--allocated"]
+             str(inside.out_dir), "--nodes", str(spec.nodes), "--max-marked-share", str(checks.max_marked_share),
+             "--allocated"]
     blame = ["--blame-failures"] if spec.max_restarts else []  # after a requeue: keep out the node that failed
     return [
         "# Preflight: every node of the allocation checks itself (harness.health); the healthiest "
@@ -117,6 +121,7 @@ def preflight_lines(spec: JobSpec, inside: JobSpec, container: list[str], python
         "preflight_began=$(cut -d ' ' -f 1 /proc/uptime)",
         "# The nodes meet for the between-node all-reduces at the first node (these variables reach this step only).",
         f'MASTER_ADDR="$(node_addr "${{allocated%%,*}}")" MASTER_PORT={spec.profile.slurm.rendezvous_port + 1} '
+        f'HARNESS_HEALTH_KILL_AT="$(( $(date +%s) + {deadline_min * 60} ))" '
         f"{health} || true  # a node without a report is judged failed below",
         f'training_nodes=$({shlex.join(judge[:3])} --nodelist="${{SLURMD_NODENAME}}" {shlex.join(judge[3:])} '
         f'"${{allocated}}" --began "${{preflight_began}}" {shlex.join(blame)}) || exit {EXIT_PREFLIGHT}',
@@ -222,6 +227,17 @@ def _training_lines(spec: JobSpec, command: str, decide: str) -> list[str]:
     ]
 
 
+DRAIN_REASON = "harness preflight:"  # how every drain reason the harness writes begins, and only those
+
+
+def _drained_by_harness(node: str) -> bool:
+    """Whether `node` is drained (DRAIN in its state) with a reason the harness wrote (scontrol show node)."""
+    shown = _run(["scontrol", "show", "node", node]).stdout
+    state = re.search(r"\bState=(\S+)", shown)
+    reason = re.search(r"\bReason=(.*?)(?: \[[^\]]*\])?\s*$", shown, re.M)
+    return bool(state and "DRAIN" in state.group(1) and reason and reason.group(1).startswith(DRAIN_REASON))
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     if shutil.which(argv[0]) is None:
         raise HarnessError(f"{argv[0]} not found: the slurm backend runs on a Slurm login node "
@@ -246,17 +262,28 @@ class SlurmLauncher(Launcher):
         return Request(backend=self.name, spec=spec, text=script, payload={"script": script})
 
     def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
-        """Drain each node preflight kept out (with --drain-bad-nodes), its first failed check as the reason;
-        the training step already ran without it (srun --nodelist)."""
-        done = []
+        """Drain each node the decision marks (with --drain-bad-nodes; none where the failure is systemic), its first
+        failed check as the reason; the training step already ran without it (srun --nodelist). A node that passed
+        and that the harness drained before (its reason is the harness's own) is resumed; no other drain is
+        touched."""
+        done = [preflight["systemic"]] if preflight.get("systemic") else []
+        marked = to_mark(preflight)
         for node, reasons in preflight["excluded"].items():
+            if node not in marked:
+                continue
             if not spec.drain_bad_nodes:
                 done.append(f"{node} kept out of the training step (--drain-bad-nodes would drain it)")
                 continue
-            why = f"harness preflight: {reasons[0]}"
+            why = f"{DRAIN_REASON} {reasons[0]}"
             proc = _run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={why}"])
             done.append(f"{node} drained: {why}" if proc.returncode == 0 else
                         f"{node} not drained: scontrol said {proc.stderr.strip() or proc.stdout.strip()}")
+        for node, verdict in preflight["nodes"].items():
+            if verdict["ok"] and _drained_by_harness(node):
+                proc = _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+                done.append(f"{node} resumed: it passed again (drained by {DRAIN_REASON[:-1]} before)"
+                            if proc.returncode == 0 else
+                            f"{node} not resumed: scontrol said {proc.stderr.strip() or proc.stdout.strip()}")
         return done
 
     def submit(self, request: Request) -> Handle:
