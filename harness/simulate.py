@@ -452,7 +452,9 @@ class Job:
 
     def host_of(self, f: Fault, hosts: list[str]) -> str:
         """The node a fault is on: its own, or (the job's own errors) the node holding that rank."""
-        return hosts[(f.node or 0) % len(hosts)] if f.kind in RECURRING else self.s.cluster[f.node % len(self.s.cluster)]
+        if f.kind in RECURRING:
+            return hosts[(f.node or 0) % len(hosts)]
+        return self.s.cluster[f.node % len(self.s.cluster)]
 
     def write_stragglers(self, attempt: int, run: int, names: list[str], upto: int) -> None:
         """Rank 0's straggler windows of this run up to step `upto` (RunRecord, scored as the workloads score)."""
