@@ -42,10 +42,12 @@ def reason(check: Check) -> str:
     return f"{check.name} {measured}, expected {check.threshold}{where}" + (f": {check.note}" if check.note else "")
 
 
-def pair_checks(record: dict) -> list[Check]:
+def pair_checks(record: dict, unrun: frozenset[tuple[str, int]] = frozenset()) -> list[Check]:
     """The node's link checks, one per local rank of the pair phase (on a GPU node: per GPU and its NIC): the
     median of that rank's pair bandwidths, so one slow partner does not fail it. A rank that measured nothing
-    fails, with what it left as the reason (timed out, died); a node whose phase never finished has no "pairs"."""
+    fails, with what it left as the reason (timed out, died); a node whose phase never finished has no "pairs".
+    `unrun`: (node, local rank) of the partners' pair ranks that ran no pair at all (unrun_pair_ranks: a GPU off
+    the bus), whose pairs with this node are left out as an absent partner's are."""
     if "pairs" not in record:
         return []
     minimum = (record.get("thresholds") or {}).get("min_pair_busbw_gbps")
@@ -56,10 +58,10 @@ def pair_checks(record: dict) -> list[Check]:
         every = [p for p in record["pairs"] if p["gpu"] == local]
         # A partner that never joined the pair phase (its node wrote no report, or never started) blames its own
         # node, not this one: that pair is left out of the median. Only absent partners: not measured, no verdict.
-        pairs = [p for p in every if not p.get("absent")]
+        pairs = [p for p in every if not p.get("absent") and (p["peer"], local) not in unrun]
         if every and not pairs:
             checks.append(Check("pair_busbw", SKIPPED, where=f"{device} {local}",
-                                note="not measured: its partner(s) never joined: "
+                                note="not measured: its partner(s) never joined or ran no pair: "
                                      + ", ".join(p["peer"] for p in every)))
             continue
         if not pairs:
@@ -163,6 +165,7 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
     blamed = blamed_nodes(out) if blame_failures else {}
     reports = {node: _report_of(out, node) for node in allocated}
     holder, excused = store_fault(reports)
+    unrun = unrun_pair_ranks(reports)
     for node in allocated:
         record = reports[node] or {"checks": [Check("health_report", FAIL, "missing", "written by the node",
                                                     note="the node did not run or finish the checks").to_dict()]}
@@ -170,7 +173,7 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
         if node in excused:  # another node failed (the store's): it is blamed, not this one
             pairs = [Check("pair_busbw", SKIPPED, note=excused[node])]
         else:
-            pairs = pair_checks(record)
+            pairs = pair_checks(record, unrun)
         if node == holder:
             pairs.append(Check("pair_busbw", FAIL, "unreachable", "its store reached by the other nodes",
                                note=f"no other node could reach the pair phase's store this node held "
@@ -187,6 +190,17 @@ def judge(out: Path, allocated: list[str], blame_failures: bool = False) -> dict
                           "seconds": _own_seconds(record), "world_busbw_gbps": record.get("world_busbw_gbps"),
                           "ok": not any(c.verdict == FAIL for c in checks)}
     return verdicts
+
+
+def unrun_pair_ranks(reports: dict[str, dict | None]) -> frozenset[tuple[str, int]]:
+    """(node, local rank) of every pair rank that failed before it measured any pair (its node's pair_failures,
+    with no pair of that rank: a GPU off the bus, whose rank cannot even select its device). Its partners' pairs
+    with it end after the operation timeout as a measured 0 (harness.health.allreduce.pair_rank): that rank's own
+    failure, which fails its own node (pair_busbw missing), not theirs, so they are left out of their medians
+    (pair_checks), as an absent partner's are. With one or two partners a rank's median cannot outvote it."""
+    return frozenset((str(r["node"]), int(local)) for r in reports.values() if r and "node" in r
+                     for local in (r.get("pair_failures") or {})
+                     if str(local).isdigit() and not any(p.get("gpu") == int(local) for p in r.get("pairs") or []))
 
 
 def _report_of(out: Path, node: str) -> dict | None:

@@ -935,6 +935,26 @@ def test_the_pairs_a_node_finished_reach_its_report_before_a_later_hang(tmp_path
     assert report["pairs"] == [{"peer": "b", "gpu": 0, "busbw_gbps": 45.0}]
 
 
+def test_a_partner_rank_that_ran_no_pair_fails_its_own_node_not_its_partners(tmp_path):
+    """A GPU off the bus: its node joins the pair phase, but that GPU's pair rank fails before any pair (pair_failures,
+    no pair of that rank), and each partner's pair with it ends after the operation timeout as a measured 0. With one
+    or two partners the median cannot outvote it, and the healthy partner failed pair_busbw (found by the fault
+    simulator: "slurm n=2 s=0 | gpu_offbus@0.a0.r0.s0"). That rank's node fails (pair_busbw missing); its partners'
+    pairs with it are left out, as an absent partner's are."""
+    from harness import preflight
+
+    _pair_report(tmp_path, "a", 0, [], pair_failures={"0": "CUDA error: invalid device ordinal"})
+    _pair_report(tmp_path, "b", 1, [{"peer": "a", "busbw_gbps": 0.0, "error": "NCCL communicator init timed out"}])
+    verdicts = preflight.judge(tmp_path, ["a", "b"])
+    assert {n: v["ok"] for n, v in verdicts.items()} == {"a": False, "b": True}
+    [skip] = [c for c in verdicts["b"]["checks"] if c.name == "pair_busbw"]
+    assert skip.verdict == SKIPPED and "a" in skip.note
+    # A partner rank that measured a pair of its own before it failed is no such rank: its 0 stays in the median.
+    _pair_report(tmp_path, "a", 0, [{"peer": "b", "busbw_gbps": 0.0, "error": "timed out"}],
+                 pair_failures={"0": "died"})
+    assert not preflight.judge(tmp_path, ["a", "b"])["b"]["ok"]
+
+
 @pytest.mark.slow
 def test_a_missing_pair_partner_is_named_and_its_partners_keep_the_pairs_they_finished(tmp_path):
     """Three CPU nodes on gloo, the third (rank 2) never starts. a meets c in round 1 and b meets c in round 0:
