@@ -3,26 +3,31 @@
 A deterministic model (no processes, no sleeps, no network) of a job of N nodes x G ranks through its attempts,
 on each backend's semantics:
 - Slurm: a requeue per retried attempt (SLURM_RESTART_COUNT is the attempt), preflight judged again inside the
-  allocation with --blame-failures, one srun step per run of the campaign (every step records the same attempt);
-  a node agent that dies makes srun kill the step (SIGTERM to the others); --drain-bad-nodes drains.
+  allocation with --blame-failures, one srun step per run of the campaign (every step records the same attempt,
+  and the run it was launched for: `launch`); a node agent that dies makes srun kill the step (SIGTERM to the
+  others); --drain-bad-nodes drains, at most the cap per decision, and resumes a node the harness drained that
+  passes again (against a model of scontrol's drains).
 - Kubernetes (PyTorchJob, restartPolicy ExitCode): a pod that exits 128 or more is recreated from the job's
   template as it is then, begins the next attempt at once (harness.agent.next_attempt), and every pod still in
   the old one is stopped by NewerAttemptWatch; the watcher pod (kubernetes_blame.BlamedNodeWatcher, against an
-  in-memory API) judges each settled attempt, patches the template, marks and deletes; `harness run`'s
-  BlameReader reads what it decided.
+  in-memory API: its own poll, kubernetes_blame.judge and _keep_out) judges each settled attempt, patches the
+  template, deletes the pods on the blamed nodes, then marks them (a refused mark blocks nothing), waiting an API
+  outage out with its backoff; `harness run`'s BlameReader reads what it decided. A later job's preflight (again=1)
+  checks every node, the harness's tainted ones included, and untaints those that pass.
 - local: one node, attempts restarted in the agent (--restart-here).
 
-Each node writes the records the real agents write, with the real writers (harness.agent._append, classify,
-signalled, NewerAttemptWatch.failure, workloads.common.run_record.RunRecord, the health report's format), into a
-temporary folder, and the real code decides: harness.agent.decide (the restart budget), harness.blame.culprits
-through harness.preflight.blamed_nodes (with the straggler judgement), preflight.decide/judge, the watcher's
-decision, kubernetes_nodes.remediate and the Slurm launcher's remediate. `check` then holds the outcome to the
+Each node writes the records the real agents write, with the real writers (harness.agent._append, end_record,
+classify, signalled, NewerAttemptWatch.failure, workloads.common.run_record.RunRecord, the health report's
+format), into a temporary folder, and the real code decides: harness.agent.decide (the restart budget),
+harness.blame.culprits through harness.preflight.blamed_nodes (with the straggler judgement), preflight.decide/
+judge (with the scenario's cap, max_marked_share), the watcher's decision, kubernetes_nodes.remediate and the
+Slurm launcher's remediate. `check` then holds the outcome to the
 invariants (INVARIANTS). A scenario is one line (Scenario.spec / parse), so a failing one replays:
 
     python -m harness.simulate "k8s n=4 s=1 budget=3 mark=1 | nic_flap@1.a0.r0.s5"
 
-What it models of the health phase (harness.health.allreduce) is today's behaviour, written down in
-PAIR_PHASE below; the policy code it judges with is the real one.
+What it models of the health phase (harness.health.allreduce's pair phase, the deadlines of harness.health.__main__)
+is written down in write_health, after the code it follows; the policy code it judges with is the real one.
 """
 
 from __future__ import annotations
@@ -43,26 +48,29 @@ from unittest import mock
 
 from harness import agent, preflight
 from harness.agent import (CONFIGURATION_REFUSAL, EXIT_RETRY, NewerAttemptWatch, attempt_failure, classify, decide,
-                           newer_attempt, next_attempt, read_records, signalled)
+                           end_record, newer_attempt, next_attempt, read_records, signalled)
 from harness.health import FAIL, NODES_DIR, PASS, Check, equal
+from harness.health.__main__ import phase_seconds
 from harness.health.allreduce import pair_rounds
 from harness.health.thresholds import resolve
+from harness.launchers.kubernetes_api import Backoff
+from harness.launchers.slurm import DRAIN_REASON as SLURM_DRAIN_REASON
+from harness.profiles import PreflightSettings
 from workloads.common.run_record import RunRecord, run_record_path
 
 BACKENDS = ("slurm", "k8s", "local")
 GPU = "NVIDIA H100 80GB HBM3"
 STEPS = 30  # steps per run of the campaign
 WINDOW = 5  # steps per straggler window
-CAP_SHARE = 0.10  # of the allocation: the most one decision may mark (issue 36, defect 10), at least one node
+# Of the allocation: the most one decision may mark (issue 36, defect 10), at least one node: the profile's default
+# (preflight.max_marked_share), which the scenario's `cap` overrides and preflight.decide is given.
+CAP_SHARE = PreflightSettings().max_marked_share
 MAX_POLLS = 4  # the watcher's polls of one settled attempt before the model calls its exclusion lost
 HEALTHY_PAIR_GBPS, SLOW_SCORE = 46.0, 0.5
-# Today's pair phase (harness/health/allreduce.py), as the model plays it: every pair and world group meets at rank
-# 0's TCPStore, created outside any try (its absence fails every node's pairs); NCCL's communicator set-up has no
-# timeout, so a missing partner hangs its partner's child until the phase deadline (its later rounds and the world
-# group are lost); each node's deadline runs from its own process start, REPORT_MARGIN_S before the scheduler's.
-# The engineer who fixes defects 2 and 3 updates this with the fix.
-PAIR_PHASE = {"store_on_rank0_only": True, "nccl_init_bounded": False, "deadline_from_scheduler": False,
-              "report_margin_s": 30}
+_THRESHOLDS = resolve({}, GPU)  # the health checks' thresholds for the model's GPU (the profile's defaults)
+START_ALLOWANCE_S = PreflightSettings().start_allowance_s  # the scheduler's limit beyond deadline_s
+LOCAL_CHECKS_S = 60  # a node's own checks, before its between-node phase
+ROUND_S = 10  # one pair round (an all-reduce of pair_mib, a few seconds), or the whole-set all-reduce
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ FAULTS = {f.name: f for f in [
               "no node", "the exclusion still reaches the job; the refused mark is said once"),
     FaultKind("health0_absent", "the rank-0 health node never starts (image pull, device plugin)", True, True, False,
               "that node only (health_report missing)", "the others are judged on their own reports"),
-    FaultKind("pair_absent", "a pair partner absent (its pair process never starts)", True, True, False,
+    FaultKind("pair_absent", "a pair partner absent (its node never joins the pair phase)", True, True, False,
               "that node only", "its partners keep their other pairs' measurements and pass"),
 ]}
 RECURRING = {"oom", "workload", "config"}  # the job's own: at the same step of every attempt from the first
@@ -233,19 +241,21 @@ class Records:
     def time(self, host: str, attempt: int, run: int, step: float) -> float:
         return 1.0e9 + attempt * 10_000 + run * 1_000 + step + self.skew.get(host, 0)
 
+    def identity(self, node: str, host: str | None, run: int) -> dict:
+        """A start record's identity, as harness.agent._attempts writes it: the node, the host under a pod, and on
+        Slurm the run its step was launched for (--launch: every run's step shares the attempt)."""
+        return {"node": node, **({"host": host} if host else {}),
+                **({"launch": run} if self.scenario.backend == "slurm" else {})}
+
     def start(self, node: str, host: str | None, attempt: int, run: int) -> None:
-        identity = {"node": node, **({"host": host} if host else {})}
-        agent._append(self.out, node, {"event": "start", "attempt": attempt, **identity,
+        agent._append(self.out, node, {"event": "start", "attempt": attempt, **self.identity(node, host, run),
                                        "time": self.time(host or node, attempt, run, 0)})
 
     def end(self, node: str, host: str | None, attempt: int, run: int, step: float, failure) -> None:
-        identity = {"node": node, **({"host": host} if host else {})}
-        record = {"event": "end", "attempt": attempt, **identity, "time": self.time(host or node, attempt, run, step),
-                  "ok": failure is None}
-        if failure:
-            record.update(kind=failure.kind, cause=failure.cause, rank=failure.rank, exit_code=failure.exit_code,
-                          signal=failure.signal, run=run, step=int(step))
-        agent._append(self.out, node, record)
+        """The agent's own end record (harness.agent.end_record): `stopped_by` where NewerAttemptWatch ended it."""
+        agent._append(self.out, node, end_record(attempt, self.identity(node, host, run), failure,
+                                                 run if failure else None, int(step) if failure else None,
+                                                 now=self.time(host or node, attempt, run, step)))
 
 
 def worker_failure(kind: str, rank: int, attempt: int, step: int):
@@ -281,16 +291,35 @@ def sigterm():
 # --- the health phase ---------------------------------------------------------------------------------------------
 
 def write_health(out: Path, scenario: Scenario, allocated: list[str], broken: set[str], preflight_pass: int) -> None:
-    """Each allocated node's report (harness.health.__main__'s format), as today's pair phase leaves it."""
+    """Each allocated node's report as harness.health.__main__ leaves it with today's pair phase
+    (harness.health.allreduce.between_nodes and pair_rank):
+    - rank 0's health process never starting (health0_absent): it writes no report, and every other node, which
+      cannot reach its store, reports `store_unreachable` with its `rank` and no pair (between_nodes);
+    - a node that never joins the pair phase (pair_absent: its health process wrote its own checks, then never set
+      its name in the store): no `pairs` in its report; each partner, after waiting for it, records the pair as
+      `{"peer": "node #k", "absent": true, ...}` and goes on to its next round (pair_rank);
+    - a GPU off the bus: its node joins, the pair rank of the missing GPU fails at once (`pair_failures`), and each
+      partner's pair with it ends after the operation timeout (NCCL's non-blocking init, group_arguments) as a
+      measured 0 with an error, in that partner's median (preflight.pair_checks); the whole-set all-reduce of every
+      node misses a rank;
+    - each node's between-node phase gets its own deadline from its start, capped by the scheduler's end
+      (harness.health.__main__.phase_seconds; the scheduler's limit is deadline_s + start_allowance_s, counted
+      from before the image pull), and the pairs it finished are in its report as they finish (progress)."""
     faults = [f for f in scenario.faults if f.kind in HEALTH and f.attempt == preflight_pass]
     absent = {allocated[0]} if any(f.kind == "health0_absent" for f in faults) else set()
-    missing_rank = {scenario.cluster[f.node] for f in faults if f.kind == "pair_absent" and f.node is not None}
-    missing_rank |= broken  # a GPU off the bus has no pair rank either
-    th = resolve({}, GPU)
-    (out / NODES_DIR).mkdir(parents=True, exist_ok=True)
+    never_joined = {scenario.cluster[f.node] for f in faults if f.kind == "pair_absent" and f.node is not None}
+    th = _THRESHOLDS
+    nodes_dir = out / NODES_DIR
+    nodes_dir.mkdir(parents=True, exist_ok=True)
     schedule = pair_rounds(len(allocated), th["pair_rounds"])
     pull = {n: (scenario.pull[i] if i < len(scenario.pull) else 0) for i, n in enumerate(scenario.cluster)}
-    hang = not PAIR_PHASE["nccl_init_bounded"] and bool(missing_rank & set(allocated) - absent)
+    kill_at = th["deadline_s"] + START_ALLOWANCE_S  # the scheduler's end, from before the image pull
+    for node in allocated:  # a pull past the scheduler's whole limit: the node never runs its checks
+        if pull[node] + LOCAL_CHECKS_S >= kill_at:
+            absent.add(node)
+    joined = [n for n in allocated if n not in absent | never_joined]
+    lost_rank = scenario.gpus - 1  # the GPU off the bus: CUDA renumbers the rest, the last ordinal is missing
+    store_down = allocated[0] in absent
     for index, node in enumerate(allocated):
         if node in absent:
             continue
@@ -299,30 +328,39 @@ def write_health(out: Path, scenario: Scenario, allocated: list[str], broken: se
                   "checks": [equal("gpu_count", count, scenario.gpus).to_dict(),
                              Check("xid_events", FAIL if node in broken else PASS, "79" if node in broken else "none",
                                    "none during the checks").to_dict()]}
-        store_lost = PAIR_PHASE["store_on_rank0_only"] and allocated[0] in absent
-        killed = hang and not PAIR_PHASE["deadline_from_scheduler"] and pull[node] > PAIR_PHASE["report_margin_s"]
-        if len(allocated) > 1 and not store_lost and not killed:
-            pairs, failures = [], {}
-            for local in range(scenario.gpus):
-                if node in missing_rank and local == 0:
-                    failures[str(local)] = "the pair process never started"
-                    continue
-                for round_pairs in schedule:
-                    pair = next((p for p in round_pairs if index in p), None)
-                    if pair is None:
+        if len(allocated) > 1 and node not in never_joined:
+            if store_down:  # between_nodes: the store could not be reached, said and not raised
+                record.update(rank=index, pair_ranks=scenario.gpus, pairs=[], pair_failures={}, world_busbw_gbps=None,
+                              store_unreachable="could not reach the pair phase's store at n0:29501 (rank 0's node): "
+                                                "DistNetworkError: failed to connect")
+            else:
+                left = phase_seconds(th["deadline_s"], LOCAL_CHECKS_S, pull[node] + LOCAL_CHECKS_S, kill_at)
+                done_rounds = max(0, int(left // ROUND_S))  # the rounds it finishes before its own deadline
+                pairs, failures = [], {}
+                for local in range(scenario.gpus):
+                    if node in broken and local == lost_rank:
+                        failures[str(local)] = "CUDA error: invalid device ordinal"
                         continue
-                    peer = allocated[pair[1] if pair[0] == index else pair[0]]
-                    if peer in absent or (peer in missing_rank and local == 0):
-                        if not PAIR_PHASE["nccl_init_bounded"]:  # hung until the deadline: the rest is lost
-                            failures[str(local)] = f"timed out after {th['deadline_s']} s"
-                            break
-                        pairs.append({"peer": peer, "gpu": local, "busbw_gbps": 0.0, "error": "partner absent"})
-                        continue
-                    pairs.append({"peer": peer, "gpu": local, "busbw_gbps": HEALTHY_PAIR_GBPS})
-            record.update(pair_ranks=scenario.gpus, pairs=pairs, pair_failures=failures,
-                          world_busbw_gbps=None if hang or missing_rank & set(allocated) else HEALTHY_PAIR_GBPS)
+                    for number, round_pairs in enumerate(schedule[:done_rounds]):
+                        pair = next((p for p in round_pairs if index in p), None)
+                        if pair is None:
+                            continue
+                        k = pair[1] if pair[0] == index else pair[0]
+                        peer = allocated[k]
+                        if peer not in joined:
+                            pairs.append({"peer": f"node #{k}", "busbw_gbps": 0.0, "absent": True,
+                                          "error": f"never joined the pair phase (rank {k})", "gpu": local})
+                        elif peer in broken and local == lost_rank:
+                            pairs.append({"peer": peer, "busbw_gbps": 0.0, "gpu": local,
+                                          "error": "NCCL communicator initialization timed out"})
+                        else:
+                            pairs.append({"peer": peer, "busbw_gbps": HEALTHY_PAIR_GBPS, "gpu": local})
+                whole = (len(joined) == len(allocated) and not broken & set(allocated)
+                         and done_rounds > len(schedule))
+                record.update(rank=index, pair_ranks=scenario.gpus, pairs=pairs, pair_failures=failures,
+                              world_busbw_gbps=HEALTHY_PAIR_GBPS if whole else None)
         record["seconds"] = 60.0
-        (out / NODES_DIR / f"{node}.json").write_text(json.dumps(record) + "\n")
+        (nodes_dir / f"{node}.json").write_text(json.dumps(record) + "\n")
 
 
 # --- the Kubernetes API the watcher talks to ----------------------------------------------------------------------
@@ -336,7 +374,8 @@ class FakeApi:
         self.down, self.forbid_nodes, self.deleted, self.events = 0, False, [], []
 
     def _reach(self):
-        if self.down:
+        if self.down:  # each request dropped while the server is down brings its answer nearer
+            self.down -= 1
             from urllib3.exceptions import MaxRetryError, NewConnectionError
             raise MaxRetryError(None, "/apis/kubeflow.org/v1", NewConnectionError(None, "Connection refused"))
 
@@ -495,24 +534,23 @@ class SlurmJob(Job):
     def play(self) -> None:
         from harness.launchers.slurm import SlurmLauncher
         spare = [n for n in self.s.cluster]
-        drained: set[str] = set()
+        drained: dict[str, str] = {}  # node -> its drain reason (scontrol's view)
         for attempt in range(self.s.budget + 1):
-            allocated = [n for n in spare if n not in drained][:self.s.nodes + self.s.spares]
+            allocated = [n for n in spare if n not in drained][:self.s.nodes + self.s.spares]  # Slurm skips drains
             write_health(self.out, self.s, allocated, self.offbus, attempt)
             record = _real(self.o, preflight.decide, self.out, allocated, self.s.nodes,
-                           blame_failures=bool(self.s.budget) and attempt > 0, seconds=0.0)
+                           blame_failures=bool(self.s.budget) and attempt > 0, seconds=0.0,
+                           max_marked_share=self.s.cap_share)
             self.o.health.append(set(record["excluded"]) - set(self.blamed_in(record)))
             if attempt > 0:
                 self.o.excluded[attempt - 1] = set(record["excluded"])
                 self.o.blamed[attempt - 1] = self.blamed_in(record)
             if self.s.mark:
-                calls = []
-                with mock.patch("harness.launchers.slurm._run", lambda argv: calls.append(argv) or
-                                SimpleNamespace(returncode=0, stdout="", stderr="")):
+                before = set(drained)
+                with mock.patch("harness.launchers.slurm._run", self.scontrol(drained)):
                     _real(self.o, SlurmLauncher().remediate, SimpleNamespace(drain_bad_nodes=True), record)
-                newly = {a[2].removeprefix("NodeName=") for a in calls}
-                self.o.marks.append(newly)
-                drained |= newly
+                self.o.marks.append(set(drained) - before)
+            self.o.marked = {n for n, why in drained.items() if why.startswith(SLURM_DRAIN_REASON)}
             if not record["passed"]:
                 self.o.exit_code = preflight.EXIT_PREFLIGHT
                 return
@@ -565,6 +603,25 @@ class SlurmJob(Job):
                 return
         self.o.exit_code = agent.EXIT_BUDGET_SPENT
 
+    @staticmethod
+    def scontrol(drained: dict[str, str]):
+        """slurm._run as the remediation calls it, against the cluster's drains: `scontrol show node` (State and
+        Reason), `update ... State=DRAIN Reason=...` and `update ... State=RESUME`."""
+        def run(argv: list[str]):
+            if argv[1:3] == ["show", "node"]:
+                node = argv[3]
+                state = "IDLE+DRAIN" if node in drained else "IDLE"
+                reason = f" Reason={drained[node]} [slurm@2026-01-01T00:00:00]" if node in drained else ""
+                return SimpleNamespace(returncode=0, stdout=f"NodeName={node} State={state}\n  {reason}\n",
+                                       stderr="")
+            words = dict(w.split("=", 1) for w in argv[2:])
+            if words.get("State") == "DRAIN":
+                drained[words["NodeName"]] = words["Reason"]
+            elif words.get("State") == "RESUME":
+                drained.pop(words["NodeName"], None)
+            return SimpleNamespace(returncode=0, stdout="", stderr="")
+        return run
+
 
 class KubernetesJob(Job):
     """A PyTorchJob (restartPolicy ExitCode), its pods, NewerAttemptWatch, and the watcher pod."""
@@ -578,7 +635,8 @@ class KubernetesJob(Job):
                               uid="u")
         free = [n for n in self.s.cluster][:self.s.nodes + self.s.spares]
         write_health(self.out, self.s, free, self.offbus, 0)
-        record = _real(self.o, preflight.decide, self.out, free, self.s.nodes, seconds=0.0)
+        record = _real(self.o, preflight.decide, self.out, free, self.s.nodes, seconds=0.0,
+                       max_marked_share=self.s.cap_share)
         self.o.health.append(set(record["excluded"]))
         before = _marked(nodes)
         _real(self.o, kubernetes_nodes.remediate, user, record, ref, self.s.mark)
@@ -599,7 +657,10 @@ class KubernetesJob(Job):
         spec = SimpleNamespace(out_dir=self.out)
         with mock.patch.object(kubernetes_blame, "clients", lambda: (api, api)), \
                 contextlib.redirect_stdout(_Lines(self.o.log)):
-            watcher = kubernetes_blame.BlamedNodeWatcher("mlperf", "sim", self.out, taint=self.s.mark)
+            # An outage is waited out with the watcher's backoff; its waits pass no time here (the fake API counts
+            # the requests it drops instead).
+            watcher = kubernetes_blame.BlamedNodeWatcher("mlperf", "sim", self.out, taint=self.s.mark,
+                                                         backoff=Backoff(sleep=lambda seconds: None))
             reader = _real(self.o, kubernetes_blame.BlameReader, spec, SimpleNamespace(job_id="mlperf/sim")) \
                 if watching else None
             self.train(api, pods, watcher if watching else None, reader)
@@ -746,7 +807,6 @@ class KubernetesJob(Job):
         for _ in range(MAX_POLLS + api.down):
             _real(self.o, watcher)
             _real(self.o, reader)
-            api.down = max(0, api.down - 1)
             if attempt in decision(api.job)["judged"]:
                 break
         done = decision(api.job)
@@ -771,7 +831,8 @@ class KubernetesJob(Job):
         folder = self.out / "again"
         folder.mkdir()
         write_health(folder, dataclasses.replace(self.s, faults=()), checked, self.offbus, 0)
-        record = _real(self.o, preflight.decide, folder, checked, min(self.s.nodes, len(checked)), seconds=0.0)
+        record = _real(self.o, preflight.decide, folder, checked, min(self.s.nodes, len(checked)), seconds=0.0,
+                       max_marked_share=self.s.cap_share)
         _real(self.o, kubernetes_nodes.remediate, user, record, ref, self.s.mark)
         self.o.marked = _marked(self.nodes)
 
@@ -914,33 +975,6 @@ def check(scenario: Scenario, o: Outcome) -> list[str]:
     if o.exit_code == 0 and o.failed and max(o.failed) + 1 >= o.attempts:
         broken.append("success: the last attempt failed, yet the job exited 0")
     return broken
-
-
-def defect_classes(scenario: Scenario) -> set[int]:
-    """The defects of issue 36 that `scenario` may run into on the code they were found in (its scenario classes):
-    what the property test skips while those fixes are on other branches (tests/test_fault_simulator.py)."""
-    s = normalized(scenario)
-    kinds = {f.kind for f in s.faults}
-    found = set()
-    if s.backend == "k8s" and s.budget and kinds & {"nic_flap", "stale_nfs", "gpu_xid", "gpu_offbus", "oom", "slow"}:
-        found.add(1)  # a watch-stopped end read as the node's own failure (and the pod moves it causes)
-    if "health0_absent" in kinds:
-        found.add(2)
-    if "pair_absent" in kinds or ("gpu_offbus" in kinds and (s.backend == "slurm" or s.again)):
-        found.add(3)  # a missing pair partner hangs its partners (a GPU off the bus has no pair rank)
-    if s.backend == "k8s" and "node_403" in kinds:
-        found.add(5)
-    if "oom" in kinds:
-        found.add(6)
-    if s.backend == "slurm" and any(f.kind == "lost" and f.run > 0 for f in s.faults):
-        found.add(7)
-    if s.backend == "k8s" and "api_down" in kinds:
-        found.add(8)
-    faulty = {f.node % len(s.cluster) for f in s.faults if FAULTS[f.kind].node_fault and f.node is not None}
-    marks = s.mark or s.backend == "k8s"  # a Kubernetes node gets its condition either way
-    if (marks and len(faulty) > s.cap) or (s.backend == "k8s" and s.again):
-        found.add(10)  # no cap on one decision; no way back for a marked node
-    return found
 
 
 # --- the table the docs show --------------------------------------------------------------------------------------

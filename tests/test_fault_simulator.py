@@ -14,14 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import simulate
-from harness.simulate import BACKENDS, FAULTS, Fault, Scenario, check, defect_classes, describe
+from harness.simulate import BACKENDS, FAULTS, Fault, Scenario, check, describe
 
-# Issue 36's defects whose fixes are on other branches: the generated scenarios of these classes
-# (harness.simulate.defect_classes) are skipped until the fix merges. Remove a number when its fix lands.
-KNOWN_DEFECTS = frozenset({1, 2, 3, 5, 6, 7, 8, 10})
-
-# One scenario per defect, each found by the simulator on the code it was built against (the invariant it breaks
-# there is in the reason). Strict: when the fix merges the test passes, and the xfail mark must go.
+# One scenario per defect of issue 36, each found by the simulator on the code it was built against, before the
+# fixes merged (what it broke there, and which invariant, is in the words): kept as regular tests, so that the
+# fixes stay fixed.
 DEFECTS = {
     "1": ("k8s n=4 s=1 | nic_flap@1.a0.r0.s5",
           "defect 1: watch-stopped pods' ends read as their own failures: healthy n0 blamed, tainted and its pod "
@@ -52,6 +49,9 @@ REPLAY: list[str] = [
     "k8s n=4 s=1 mark=0 again=1 | lost@1.a0.r0.s5",
     "local n=1 | config.a0.r0.s5",
     "slurm n=4 s=1 runs=2 | gpu_xid@3.a0.r1.s7",
+    # after issue 36's fixes: a GPU off the bus failed its only pair partner's pair_busbw (preflight.unrun_pair_ranks)
+    "slurm n=2 s=0 g=1 runs=1 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; gpu_offbus@0.a0.r0.s0",
+    "slurm n=3 s=0 | gpu_offbus@0.a0.r0.s5",
 ]
 
 
@@ -62,22 +62,16 @@ def _holds(spec: str) -> None:
         describe(scenario, outcome)
 
 
-@pytest.mark.parametrize("defect", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-                                    for name, (_, reason) in DEFECTS.items()])
+@pytest.mark.parametrize("defect", DEFECTS)
 def test_defect_scenario_holds_the_invariants(defect):
+    """What the simulator found on the code before issue 36's fixes (DEFECTS: the defect, and the invariants it
+    broke there) holds every invariant now."""
     _holds(DEFECTS[defect][0])
 
 
 @pytest.mark.parametrize("spec", REPLAY)
 def test_replayed_scenario_holds_the_invariants(spec):
     _holds(spec)
-
-
-@pytest.mark.parametrize("defect", DEFECTS)
-def test_each_defect_scenario_is_in_its_class(defect):
-    """The property test skips a known defect's class: the defect's own scenario must be in it."""
-    number = int(defect.split("-")[0])
-    assert number in defect_classes(Scenario.parse(DEFECTS[defect][0]))
 
 
 @st.composite
@@ -97,8 +91,6 @@ def scenarios(draw) -> Scenario:
 
 def _property(scenario: Scenario) -> None:
     assert Scenario.parse(scenario.spec()).spec() == scenario.spec()
-    if defect_classes(scenario) & KNOWN_DEFECTS:
-        return  # a known defect's class: its fix is on another branch
     _holds(scenario.spec())
 
 
