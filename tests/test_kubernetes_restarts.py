@@ -527,6 +527,37 @@ def test_a_node_the_watcher_may_not_mark_is_still_kept_out_and_the_refusal_said_
     assert len(tries) == 1, tries
 
 
+def test_one_watcher_verdict_marks_at_most_its_share_of_the_jobs_nodes(operator, tmp_path, capsys):
+    """Both nodes of the job fail with GPU hardware errors in one attempt: both are kept out (the exclusion is not
+    capped), but one verdict marks at most max_marked_share of the job's nodes (at least one; preflight.marking),
+    as preflight's decision does: above it no Node is conditioned or tainted, and the failure is said to be
+    systemic. Found by the fault simulator ("k8s n=8 s=2 | gpu_xid@1.a0.r0.s5; gpu_xid@2.a0.r0.s5")."""
+    from harness import preflight
+    from harness.launchers.kubernetes_blame import BlamedNodeWatcher
+    from tests.test_preflight import _report
+
+    for node in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
+        operator.add_node(node, taints=[])
+        _report(tmp_path / JOB, node, 470)
+    preflight.decide(tmp_path / JOB, ["gpu-a", "gpu-b", "gpu-c", "gpu-d"], 2)
+    launcher = get_launcher("k8s")
+    launcher.submit(launcher.render(watched_spec(tmp_path, taint=True)))
+    host = {pod: operator.pods[(NS, pod)]["spec"]["nodeName"] for pod in ("rn-master-0", "rn-worker-0")}
+    out = tmp_path / "pvc" / Path(pod_arg(operator, "--out")).name
+    agents = {pod: NodeAgent(out, pod_arg(operator, "--job-token"), pod, host[pod]) for pod in host}
+    assert [agent.start() for agent in agents.values()] == [0, 0]
+    for rank, pod in enumerate(host):
+        code = agents[pod].end(Failure(INFRASTRUCTURE, f"rank {rank}: CUDA error: unspecified launch failure", rank,
+                                       1))
+        operator.exit_pod(NS, pod, code)
+    watch = BlamedNodeWatcher(NS, JOB, out, taint=True, max_marked_share=0.1)
+    watch()
+    assert kept_out(operator) == [["gpu-a", "gpu-b"], ["gpu-a", "gpu-b"]]
+    assert not any(t.get("key") == "mlperf-harness/preflight" for node in ("gpu-a", "gpu-b")
+                   for t in operator.nodes[node]["spec"].get("taints") or [])
+    assert "systemic failure: 2 of 2 node(s)" in capsys.readouterr().out
+
+
 class CountedBackoff:
     """The backoff's waits, recorded instead of slept: tests count tries, never seconds."""
 

@@ -138,8 +138,12 @@ def judge(job: dict, records: list[dict], blamed_nodes) -> Verdict | None:
 class BlamedNodeWatcher:
     """One PyTorchJob, watched from inside the cluster (see the module's notes); each call is one poll."""
 
-    def __init__(self, namespace: str, name: str, folder: Path, taint: bool, backoff: Backoff | None = None):
+    def __init__(self, namespace: str, name: str, folder: Path, taint: bool, backoff: Backoff | None = None,
+                 max_marked_share: float = preflight.MAX_MARKED_SHARE):
         self.namespace, self.name, self.folder, self.taint = namespace, name, Path(folder), taint
+        # The most of the job's nodes one verdict marks (preflight.marking: the profile's preflight.max_marked_share,
+        # at least one node); above it every blamed node is still kept out, and none is marked (systemic).
+        self.max_marked_share = max_marked_share
         # An unreachable API server (urllib3's errors): said once per outage, waited out with `backoff`
         # (kubernetes_api.BACKOFF by default), and a decision begun is carried through once it answers.
         self.outage = Outage(lambda line: print(f"harness watcher: {line}", flush=True), backoff)
@@ -176,7 +180,8 @@ class BlamedNodeWatcher:
         """Act on a verdict, the exclusion first: the job's templates (and, in the same patch, the annotation
         that the attempt is judged), then the pods on the blamed nodes. The Nodes (cluster-scoped, which a
         cluster may not grant) come last and only tell the cluster: a refused condition, taint or Event is said
-        once, in the lines, and blocks nothing; the attempt is judged, so no later poll tries it again."""
+        once, in the lines, and blocks nothing; the attempt is judged, so no later poll tries it again. One verdict
+        marks at most max_marked_share of the job's nodes (preflight.marking), as preflight's decision does."""
         done, blamed = decision(job), verdict.blamed
         reasons = {node: preflight.reason(preflight.blame_check(cause)) for node, cause in blamed.items()}
         lines = [f"{node}: kept out of the job's next attempt ({reasons[node]})" for node in blamed]
@@ -206,8 +211,9 @@ class BlamedNodeWatcher:
                       "elsewhere", flush=True)
         reference = k8s.V1ObjectReference(api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
                                           name=self.name, namespace=self.namespace, uid=job["metadata"].get("uid"))
+        marks, systemic = preflight.marking(sorted(blamed), max(len(pods), len(blamed)), self.max_marked_share)
         record = {"nodes": {node: {"ok": False} for node in blamed},
-                  "excluded": {node: [why] for node, why in reasons.items()}}
+                  "excluded": {node: [why] for node, why in reasons.items()}, "marked": marks, "systemic": systemic}
         marked = kubernetes_nodes.remediate(core, record, reference, self.taint, best_effort=True,
                                             node_events_namespace=self.namespace,
                                             attempt=lambda fn, *args: retrying(self.outage, fn, *args))
@@ -261,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", required=True, type=Path, help="the job's run folder on the results volume")
     parser.add_argument("--taint", action="store_true", help="taint the blamed nodes (--taint-bad-nodes)")
     parser.add_argument("--poll-s", type=float, default=POLL_S)
+    parser.add_argument("--max-marked-share", type=float, default=preflight.MAX_MARKED_SHARE,
+                        help="the most of the job's nodes one verdict marks (the profile's preflight.max_marked_share)")
     args = parser.parse_args(argv)
-    watcher = BlamedNodeWatcher(args.namespace, args.job, args.folder, args.taint)
+    watcher = BlamedNodeWatcher(args.namespace, args.job, args.folder, args.taint,
+                                max_marked_share=args.max_marked_share)
     print(f"harness watcher: watching {args.namespace}/{args.job} ({args.folder})", flush=True)
     while True:
         state = watcher()

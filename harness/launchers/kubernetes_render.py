@@ -343,7 +343,8 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
     calls (kubernetes_blame.WATCHER_RULES, manifests/rbac/watcher.yaml)."""
     kube, meta = spec.profile.kubernetes, job["metadata"]
     command = ["python", "-m", WATCHER_MODULE, "--namespace", meta["namespace"], "--job", meta["name"],
-               "--folder", folder] + (["--taint"] if spec.taint_bad_nodes else [])
+               "--folder", folder, "--max-marked-share", str(spec.profile.preflight.max_marked_share)] + \
+        (["--taint"] if spec.taint_bad_nodes else [])
     container = k8s.V1Container(
         name="watch", image=spec.profile.image, command=command[:1], args=command[1:],
         env=[k8s.V1EnvVar(name="PYTHONDONTWRITEBYTECODE", value="1")],
