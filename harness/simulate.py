@@ -660,7 +660,8 @@ class KubernetesJob(Job):
             # An outage is waited out with the watcher's backoff; its waits pass no time here (the fake API counts
             # the requests it drops instead).
             watcher = kubernetes_blame.BlamedNodeWatcher("mlperf", "sim", self.out, taint=self.s.mark,
-                                                         backoff=Backoff(sleep=lambda seconds: None))
+                                                         backoff=Backoff(sleep=lambda seconds: None),
+                                                         max_marked_share=self.s.cap_share)
             reader = _real(self.o, kubernetes_blame.BlameReader, spec, SimpleNamespace(job_id="mlperf/sim")) \
                 if watching else None
             self.train(api, pods, watcher if watching else None, reader)

@@ -52,6 +52,8 @@ REPLAY: list[str] = [
     # after issue 36's fixes: a GPU off the bus failed its only pair partner's pair_busbw (preflight.unrun_pair_ranks)
     "slurm n=2 s=0 g=1 runs=1 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; gpu_offbus@0.a0.r0.s0",
     "slurm n=3 s=0 | gpu_offbus@0.a0.r0.s5",
+    # after issue 36's fixes: the watcher marked both nodes one attempt blamed, above the cap (its verdict uncapped)
+    "k8s n=8 s=2 | gpu_xid@1.a0.r0.s5; gpu_xid@2.a0.r0.s5",
 ]
 
 
