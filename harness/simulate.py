@@ -33,10 +33,12 @@ is written down in write_health, after the code it follows; the policy code it j
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -88,7 +90,7 @@ FAULTS = {f.name: f for f in [
     FaultKind("lost", "a node lost (its agent dies, no end record)", True, True, False,
               "the lost node", "retried without it (Kubernetes: its pod elsewhere; Slurm: requeued, kept out)"),
     FaultKind("gpu_xid", "a GPU hardware error under the program (Xid 13/31/48, a dead launch)", True, True, False,
-              "that GPU's node", "retried without it; it may come back when it passes preflight again"),
+              "that GPU's node", "retried without it; its marks are removed when it passes preflight again"),
     FaultKind("gpu_offbus", "a GPU fallen off the bus (Xid 79), which stays off", True, True, False,
               "that GPU's node", "retried without it; preflight fails it (gpu_count) until it is repaired"),
     FaultKind("nic_flap", "a NIC flap that times out NCCL on every peer", True, False, False,
@@ -108,9 +110,10 @@ FAULTS = {f.name: f for f in [
     FaultKind("node_403", "a 403 on Nodes for the watcher (no cluster-wide node patch)", False, False, False,
               "no node", "the exclusion still reaches the job; the refused mark is said once"),
     FaultKind("health0_absent", "the rank-0 health node never starts (image pull, device plugin)", True, True, False,
-              "that node only (health_report missing)", "the others are judged on their own reports"),
+              "that node only (health_report missing)",
+              "the others, which could not reach its store (store_unreachable), are excused"),
     FaultKind("pair_absent", "a pair partner absent (its node never joins the pair phase)", True, True, False,
-              "that node only", "its partners keep their other pairs' measurements and pass"),
+              "that node only", "its partners name it absent, leave it out of their medians, and pass"),
 ]}
 RECURRING = {"oom", "workload", "config"}  # the job's own: at the same step of every attempt from the first
 HEALTH = {"health0_absent", "pair_absent"}  # faults of a preflight pass (the one before attempt `attempt`)
@@ -237,6 +240,7 @@ class Records:
     def __init__(self, scenario: Scenario, out: Path):
         self.scenario, self.out = scenario, out
         self.skew = {n: (scenario.skew[i] if i < len(scenario.skew) else 0) for i, n in enumerate(scenario.cluster)}
+        self.written = lambda: None  # told after each record (simulate's cache of read_attempts)
 
     def time(self, host: str, attempt: int, run: int, step: float) -> float:
         return 1.0e9 + attempt * 10_000 + run * 1_000 + step + self.skew.get(host, 0)
@@ -250,12 +254,14 @@ class Records:
     def start(self, node: str, host: str | None, attempt: int, run: int) -> None:
         agent._append(self.out, node, {"event": "start", "attempt": attempt, **self.identity(node, host, run),
                                        "time": self.time(host or node, attempt, run, 0)})
+        self.written()
 
     def end(self, node: str, host: str | None, attempt: int, run: int, step: float, failure) -> None:
         """The agent's own end record (harness.agent.end_record): `stopped_by` where NewerAttemptWatch ended it."""
         agent._append(self.out, node, end_record(attempt, self.identity(node, host, run), failure,
                                                  run if failure else None, int(step) if failure else None,
                                                  now=self.time(host or node, attempt, run, step)))
+        self.written()
 
 
 def worker_failure(kind: str, rank: int, attempt: int, step: int):
@@ -409,7 +415,8 @@ class FakeApi:
         self._reach()
         self._forbidden("read")
         from kubernetes import client as k8s
-        taints = [k8s.V1Taint(**t) for t in self.nodes[node].get("taints", [])]
+        taints = [k8s.V1Taint(**t, local_vars_configuration=_k8s_configuration())
+                  for t in self.nodes[node].get("taints", [])]
         return SimpleNamespace(spec=SimpleNamespace(taints=taints), metadata=SimpleNamespace(resource_version="1"))
 
     def patch_node(self, node, body):
@@ -431,6 +438,17 @@ class FakeApi:
     def delete_namespaced_pod(self, name, namespace):
         self._reach()
         self.deleted.append(name)
+
+
+def _k8s_configuration():
+    """One client Configuration for the models the fake API builds (each model makes its own otherwise)."""
+    if not _CONFIGURATION:
+        from kubernetes import client as k8s
+        _CONFIGURATION.append(k8s.Configuration())
+    return _CONFIGURATION[0]
+
+
+_CONFIGURATION: list = []
 
 
 def _marked(nodes: dict[str, dict]) -> set[str]:
@@ -901,15 +919,67 @@ def normalized(scenario: Scenario) -> Scenario:
     return dataclasses.replace(scenario, faults=tuple(keep), pull=pull)
 
 
+class _CompactJson:
+    """The json module as harness.preflight uses it, without the indent it writes preflight.json with (for people;
+    every reader parses it): the same records, written several times per scenario, in a fraction of the time."""
+
+    loads = staticmethod(json.loads)
+
+    @staticmethod
+    def dumps(obj, **kwargs) -> str:
+        kwargs.pop("indent", None)
+        return json.dumps(obj, **kwargs)
+
+
+class _AttemptsCache:
+    """read_attempts for the run folder, read once per change: every attempt record is written through Records
+    (agent._append), which calls changed(); in between, the real code's many reads (each agent's decide, blame,
+    the watcher's polls) get a copy of the same records instead of parsing every node's file again."""
+
+    def __init__(self, read):
+        self.read, self.cached = read, {}
+
+    def changed(self) -> None:
+        self.cached.clear()
+
+    def __call__(self, out) -> list[dict]:
+        key = str(out)
+        if key not in self.cached:
+            self.cached[key] = self.read(out)
+        return [dict(r) for r in self.cached[key]]
+
+
+_FOLDER: list[Path] = []  # one scratch folder per process, emptied between scenarios
+
+
+def _scratch() -> Path:
+    if not _FOLDER:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        _FOLDER.append(Path(tempfile.mkdtemp(prefix="harness-sim-", dir=shm)))
+        atexit.register(shutil.rmtree, _FOLDER[0], True)
+    folder = _FOLDER[0] / "run"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir()
+    return folder
+
+
 def simulate(scenario: Scenario) -> Outcome:
     """Play `scenario` through the real policy code; what happened."""
+    from harness.launchers import kubernetes_blame
+    from workloads.common import run_record
+
     scenario = normalized(scenario)
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    with tempfile.TemporaryDirectory(prefix="harness-sim-", dir=shm) as folder, \
-            mock.patch.dict(os.environ, {}, clear=False):
+    folder = _scratch()
+    attempts = _AttemptsCache(run_record.read_attempts)
+    with mock.patch.dict(os.environ, {}, clear=False), mock.patch.object(preflight, "json", _CompactJson), \
+            mock.patch.object(agent, "read_attempts", attempts), \
+            mock.patch.object(preflight, "read_attempts", attempts), \
+            mock.patch.object(kubernetes_blame, "read_attempts", attempts):
         for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
             os.environ.pop(name, None)
-        job = {"slurm": SlurmJob, "k8s": KubernetesJob, "local": LocalJob}[scenario.backend](scenario, Path(folder))
+        job = {"slurm": SlurmJob, "k8s": KubernetesJob, "local": LocalJob}[scenario.backend](scenario, folder)
+        job.rec.written = attempts.changed
         try:
             job.play()
         except _Traceback:
@@ -965,6 +1035,7 @@ def check(scenario: Scenario, o: Outcome) -> list[str]:
     program = {f.kind for f in s.faults if FAULTS[f.kind].program}
     for attempt, blamed in sorted(o.blamed.items()):
         kinds = o.fired.get(attempt, set())
+        blamed = set(blamed) - faulty  # a node at fault itself (a straggler) is blamed for its own fault
         if kinds and kinds <= program and blamed:
             broken.append(f"program: attempt {attempt} failed with {', '.join(sorted(kinds))}, and "
                           f"{', '.join(sorted(blamed))} was blamed")

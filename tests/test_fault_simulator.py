@@ -54,6 +54,8 @@ REPLAY: list[str] = [
     "slurm n=3 s=0 | gpu_offbus@0.a0.r0.s5",
     # after issue 36's fixes: the watcher marked both nodes one attempt blamed, above the cap (its verdict uncapped)
     "k8s n=8 s=2 | gpu_xid@1.a0.r0.s5; gpu_xid@2.a0.r0.s5",
+    # a real straggler blamed in an attempt a configuration error ended: its own fault, not the program's
+    "k8s n=2 s=0 g=1 runs=2 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; config@0.a0.r1.s0; slow@0.a0.r0.s0",
 ]
 
 
