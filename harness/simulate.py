@@ -503,7 +503,8 @@ class Job:
             if f.kind not in RECURRING and self.s.cluster[f.node % len(self.s.cluster)] not in hosts:
                 continue
             live.append(f)
-        when = lambda f: 0 if f.kind == "config" else f.step  # noqa: E731 - a refused command never starts
+        # A refused command never starts: its refusal comes before any step, and nothing else fires in that run.
+        when = lambda f: -1 if f.kind == "config" else f.step  # noqa: E731
         first = min(map(when, live), default=None)
         return sorted((f for f in live if when(f) == first), key=Fault.spec)
 
@@ -1024,7 +1025,14 @@ def check(scenario: Scenario, o: Outcome) -> list[str]:
     recovered = o.marked - o.unchecked - {node_of(f) for f in s.faults if f.kind == "gpu_offbus"}
     if s.again and s.backend == "k8s" and recovered:
         broken.append(f"unmarked: {', '.join(sorted(recovered))} passed again and is still marked")
+    # An attempt whose every node was lost left no end at all: nothing tells the nodes from a shared cause (the
+    # network, the batch host), and blaming all of them would be over the cap; such a loss is not "told".
+    lost = {a: {node_of(f) for f in o.fired_faults if f.kind == "lost" and f.attempt == a} for a in o.fired}
     for f in sorted(o.fired_faults, key=Fault.spec):  # told: kept out of the attempt after the one it failed
+        if f.kind == "lost" and len(lost[f.attempt]) >= s.nodes:
+            continue
+        if f.attempt + 1 >= o.attempts:  # the job stopped after it: there is no next attempt to keep it out of
+            continue
         if FAULTS[f.kind].told and f.attempt in o.excluded and node_of(f) not in o.excluded[f.attempt]:
             broken.append(f"told: {node_of(f)} ({f.kind} in attempt {f.attempt}) was not kept out of the next "
                           "attempt")

@@ -56,6 +56,12 @@ REPLAY: list[str] = [
     "k8s n=8 s=2 | gpu_xid@1.a0.r0.s5; gpu_xid@2.a0.r0.s5",
     # a real straggler blamed in an attempt a configuration error ended: its own fault, not the program's
     "k8s n=2 s=0 g=1 runs=2 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; config@0.a0.r1.s0; slow@0.a0.r0.s0",
+    # a model error: a GPU fault at step 0 fired beside a configuration error (a refused command never starts)
+    "k8s n=2 s=0 g=1 runs=1 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; config@0.a0.r0.s0; gpu_offbus@0.a0.r0.s0",
+    # every node of the attempt lost: no end tells them from a shared cause (the told invariant leaves it out)
+    "slurm n=2 s=0 g=1 runs=1 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; lost@0.a0.r0.s0; lost@1.a0.r0.s0",
+    # a node lost in the attempt that spent the budget: no next attempt to keep it out of
+    "k8s n=2 s=0 g=1 runs=1 budget=1 mark=0 again=0 | api_down@0.a0.r0.s0; lost@0.a1.r0.s0; lost@1.a0.r0.s0",
 ]
 
 
