@@ -132,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"{', '.join(RCP_GLOBAL_BATCHES)}: sequences per optimizer step, a batch MLPerf's RCPs were "
                           "measured at or one between two of them ("
                           + "; ".join(f"{name}: {rcp_batches_in_words(name)}" for name in RCP_GLOBAL_BATCHES)
-                          + "); the full preset takes a row's peak LR (and warmup, where the rows have one), or between two rows "
-                            "each interpolated linearly in batch, unless given (default: the preset's)")
+                          + "); the full preset takes a row's peak LR (and warmup, where the rows have one), or "
+                            "between two rows each interpolated linearly in batch, unless given (default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
-                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: accept a --global-batch outside the RCP table (the preset's "
-                          "LR and warmup unless given; its runs may fail the RCP check)")
+                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: accept a --global-batch outside the RCP table (the "
+                          "preset's LR and warmup unless given; its runs may fail the RCP check)")
     run.add_argument("--learning-rate", type=float, metavar="LR",
                      help=f"{', '.join(RCP_GLOBAL_BATCHES)}: the peak learning rate (logged as opt_base_learning_rate) "
                           "instead of the RCP row's or the interpolated one (default: those)")

@@ -290,7 +290,8 @@ def decide(out: Path, allocated: list[str], wanted: int, blame_failures: bool = 
     previous = read(out)
     world = [v["world_busbw_gbps"] for v in verdicts.values() if v.get("world_busbw_gbps") is not None]
     record = {"passed": passed, "message": message, "wanted": wanted, "allocated": allocated, "kept": kept,
-              "spare": spare, "excluded": excluded, "marked": marked, "systemic": systemic, "started": started, "seconds": round(seconds, 3),
+              "spare": spare, "excluded": excluded, "marked": marked, "systemic": systemic, "started": started,
+              "seconds": round(seconds, 3),
               "seconds_total": round(seconds + (previous or {}).get("seconds_total", 0.0), 3),
               "world_busbw_gbps": round(statistics.median(world), 3) if world else None,
               "nodes": {n: {"gpu": v["gpu"], "ok": v["ok"], "seconds": v["seconds"],

@@ -3,8 +3,8 @@
 It speaks just the endpoints the k8s launcher uses, through the official client:
 PyTorchJob and TrainJob custom objects (create, get, patch, delete: a job's pods, and the pods whose
 ownerReferences name it, go with it), pods (list by label, create, get, delete; a create under a name
-already taken is refused with 409 AlreadyExists, as the API server refuses it), pod logs, events (create), and Nodes (list, get, and
-strategic-merge patches of the node and of its status). Tests move a job
+already taken is refused with 409 AlreadyExists, as the API server refuses it), pod logs, events (create), and
+Nodes (list, get, and strategic-merge patches of the node and of its status). Tests move a job
 through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
 letting `reconcile` do what the training operator's controller does (below). A
 pod created through the API (the harness's results pods), or a job's pod passed

@@ -67,7 +67,8 @@ def draws_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
     model.init_weights()
     params = dict(model.named_parameters())
     for name, param in reference.named_parameters():
-        assert_close(full(params[name].detach()), param.detach(), rtol=0, atol=0, msg=lambda text, name=name: f"{name}: {text}")
+        assert_close(full(params[name].detach()), param.detach(), rtol=0, atol=0,
+                     msg=lambda text, name=name: f"{name}: {text}")
 
 
 def parity(layout: Layout, kind: str = "") -> None:
@@ -126,7 +127,8 @@ def parity(layout: Layout, kind: str = "") -> None:
 
 
 def shape_of(layout: Layout) -> str:
-    sizes = (layout.replicate, layout.shard, layout.context, layout.tensor) + ((layout.expert,) if layout.expert > 1 else ())
+    sizes = (layout.replicate, layout.shard, layout.context, layout.tensor)
+    sizes += (layout.expert,) if layout.expert > 1 else ()
     return ",".join(map(str, sizes))
 
 

@@ -261,16 +261,23 @@ class Launcher(ABC):
               ) -> Iterator[JobState]:
         """Yield each state change until the job reaches a terminal state; `tick` runs at every poll."""
         last = None
+        watched = self.watched_status()
         while True:
             if tick is not None:
                 tick()
-            state = self.status(handle)
+            state = watched(handle)
             if state != last:
                 yield state
                 last = state
             if state.terminal:
                 return
             time.sleep(poll_s or self.poll_s)
+
+
+    def watched_status(self) -> Callable[[Handle], JobState]:
+        """How `watch` asks for the state at each poll: `status`, unless a backend waits out what a one-shot
+        `status` would report (Kubernetes: an API server outage)."""
+        return self.status
 
 
 def rank_log_files(out_dir: Path) -> list[Path]:

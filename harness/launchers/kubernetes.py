@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import sys
-import time
 from pathlib import Path, PurePosixPath
 
 import yaml
@@ -138,23 +137,13 @@ class KubernetesLauncher(Launcher):
         handle.update(state=JobState.FAILED.value, failure=failure)
         raise HarnessError(failure, 1) from None
 
-    def watch(self, handle: Handle, poll_s: float | None = None, tick=None):
-        """Launcher.watch, through API server outages: an unreachable server (urllib3's errors, which the
+    def watched_status(self):
+        """Launcher.watch's poll, through API server outages: an unreachable server (urllib3's errors, which the
         client raises) is said once, with its address, and waited out with backoff (kubernetes_api.BACKOFF),
         with no deadline: the job runs on in the cluster either way, and the watch must not be lost. A refusal
         still ends it in one line."""
         outage = Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
-        last = None
-        while True:
-            if tick is not None:
-                tick()
-            state = retrying(outage, self.status, handle)
-            if state != last:
-                yield state
-                last = state
-            if state.terminal:
-                return
-            time.sleep(poll_s or self.poll_s)
+        return lambda handle: retrying(outage, self.status, handle)
 
     def status(self, handle: Handle) -> JobState:
         recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))

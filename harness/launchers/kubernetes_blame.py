@@ -10,8 +10,8 @@ at that moment (createNewPod copies spec.Template at each pass), so the exclusio
 With --preflight and --max-restarts, `harness run` creates, with the PyTorchJob, a small pod in the harness image
 (kubernetes_render.watcher_pod: `python -m harness.launchers.kubernetes_blame`), owned by the job (the garbage
 collector deletes it with the job) and run under a ServiceAccount of its own, granted exactly what it calls
-(WATCHER_RULES: manifests/rbac/watcher.yaml). It mounts the results volume read-only and, every --poll-s seconds, reads the job and its
-attempt records. Once every node is done with a failed attempt (preflight.settled), it judges it with the one
+(WATCHER_RULES: manifests/rbac/watcher.yaml). It mounts the results volume read-only and, every --poll-s seconds,
+reads the job and its attempt records. Once every node is done with a failed attempt (preflight.settled), it judges it with the one
 failure policy (preflight.blamed_nodes: harness.blame's culprits and the stragglers; `judge` is that decision,
 free of API calls) and, for each machine the failure points at, in this order:
 - patches every replica's pod template with the node affinity `metadata.name NotIn [...]`;
