@@ -74,7 +74,8 @@ SLOW_FIXTURES = {"tiny_campaign", "slurm_cluster", "scraped_campaign"}
 # The files with the longest real runs (Slurm requeues, warm starts, the shared campaign), started first: the two
 # workers take whole files in collection order, and one of these left to the end would leave the other worker idle.
 LONG_FILES = ("test_slurm.py", "test_resnet_campaign.py", "test_bert.py", "test_gpt3.py", "test_llama.py",
-              "test_resilience.py", "test_container.py")
+              "test_resilience.py", "test_container.py", "test_gpt_oss.py", "test_preflight.py",
+              "test_fault_simulator.py", "test_llama_parallel.py", "test_gpu_throughput_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,6 +19,7 @@ The tiny presets write their generated text in the same format, so they run thro
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from workloads.common import tiny_text
+from workloads.common.cache import build_once, cache_root
 from workloads.common.data import ResumableSampler
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -290,17 +292,37 @@ class GPTSamples(Dataset):
     """Dataset items 0..count-1 of Megatron-Core's GPTDataset over `data`, each a window of seq_len + 1 tokens
     (seq_len without extra_token), as GPTDataset._query_document_sample_shuffle_indices cuts them: from the
     first row's document and offset to the next row's, across the documents between them. A window the last
-    partial sample leaves short is padded with PAD. Keeps only each window's document ids and ends, not the
-    (possibly billions long) document index."""
+    partial sample leaves short is padded with PAD. Keeps only each window's document ids and ends (`windows`:
+    (document ids, offset in the first, end in the last)), not the (possibly billions long) document index."""
 
-    def __init__(self, data: IndexedDataset, indices: GPTIndices, seq_len: int, count: int | None = None,
-                 extra_token: bool = True):
-        self.data, self.length = data, seq_len + int(extra_token)
+    def __init__(self, data: IndexedDataset, windows: list[tuple[np.ndarray, int, int]], length: int):
+        self.data, self.samples, self.length = data, windows, length
+
+    @classmethod
+    def of(cls, data: IndexedDataset, indices: GPTIndices, seq_len: int, count: int | None = None,
+           extra_token: bool = True) -> "GPTSamples":
         count = len(indices.starts) if count is None else count
         if count > len(indices.starts):
             raise ValueError(f"{count} samples asked of a split that serves {len(indices.starts)}")
-        self.samples = [(np.array(indices.document[b:e + 1], dtype=np.int64), int(offset), int(end) + int(extra_token))
-                        for (b, offset), (e, end) in zip(indices.starts[:count], indices.ends[:count])]
+        windows = [(np.array(indices.document[b:e + 1], dtype=np.int64), int(offset), int(end) + int(extra_token))
+                   for (b, offset), (e, end) in zip(indices.starts[:count], indices.ends[:count])]
+        return cls(data, windows, seq_len + int(extra_token))
+
+    def save(self, path: Path) -> None:
+        """The windows as one .npz: every window's document ids back to back, where each begins, offsets, ends."""
+        lengths = [len(documents) for documents, _, _ in self.samples]
+        np.savez(path, documents=np.concatenate([d for d, _, _ in self.samples] or [np.zeros(0, np.int64)]),
+                 begins=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                 offsets=np.array([o for _, o, _ in self.samples], np.int64),
+                 ends=np.array([e for _, _, e in self.samples], np.int64), length=self.length)
+
+    @classmethod
+    def load(cls, data: IndexedDataset, path: Path) -> "GPTSamples":
+        saved = np.load(path)
+        begins = saved["begins"]
+        windows = [(saved["documents"][begins[i]:begins[i + 1]], int(offset), int(end))
+                   for i, (offset, end) in enumerate(zip(saved["offsets"], saved["ends"]))]
+        return cls(data, windows, int(saved["length"]))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -322,12 +344,23 @@ def megatron_eval_samples(data: IndexedDataset, seq_len: int, num_samples: int |
     """The sequences an eval over a validation file scores when its reference reads it through Megatron-Core's
     GPTDataset, built for `num_samples` samples (what the reference's data module asks the validation split for;
     None: one epoch) with the run's seed, and evaluates dataset items 0..count-1 (its validation sampler starts
-    at 0 every time: NeMo's MegatronDataSampler, Megatron-LM's MegatronPretrainingSampler)."""
-    indices = gpt_dataset_indices(data.sizes, seq_len, num_samples, seed, extra_token=extra_token, first=count)
-    if len(indices.shuffle) < count:
-        raise ValueError(f"holds {len(indices.shuffle)} sequences of {seq_len + int(extra_token)} tokens; the eval "
-                         f"scores {count}")
-    return GPTSamples(data, indices, seq_len, count, extra_token)
+    at 0 every time: NeMo's MegatronDataSampler, Megatron-LM's MegatronPretrainingSampler).
+
+    Building the indices shuffles every sample the split is asked for (409.6M for llama31_8b at batch 64: 1.6 GB
+    and half a minute), so one process per machine builds them and keeps the windows it scores under the cache
+    root, keyed by the file's document sizes and the arguments; the machine's other ranks, and later runs with the
+    same seed, read those (workloads.common.cache.build_once), as the reference keeps its index files."""
+    key = hashlib.sha256(data.sizes.tobytes() + repr((seq_len, num_samples, seed, count, extra_token)).encode())
+
+    def write(folder: Path) -> None:
+        indices = gpt_dataset_indices(data.sizes, seq_len, num_samples, seed, extra_token=extra_token, first=count)
+        if len(indices.shuffle) < count:
+            raise ValueError(f"holds {len(indices.shuffle)} sequences of {seq_len + int(extra_token)} tokens; the "
+                             f"eval scores {count}")
+        GPTSamples.of(data, indices, seq_len, count, extra_token).save(folder / "windows.npz")
+
+    folder = build_once(cache_root() / f"megatron-eval-{key.hexdigest()[:20]}", write)
+    return GPTSamples.load(data, folder / "windows.npz")
 
 
 class BlendedSamples(Dataset):
