@@ -9,7 +9,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,12 +16,12 @@ import yaml
 
 from tests.closed_proxy import GPT_OSS_MODEL
 from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.test_llama import closed_c4
 from tests.test_resilience import _restored_step
 from workloads.common.language_model import IGNORED, eod_masked_split
-from workloads.common.megatron_data import write_indexed_dataset
 from workloads.decoder.config import GPT_OSS_20B, GPT_OSS_PRESETS, GPT_OSS_RCP_BATCHES, MoeConfig, plan_layout, \
     preset_config
-from workloads.decoder.data import TRAIN, VALIDATION, reference_validation_samples
+from workloads.decoder.data import reference_validation_samples
 from workloads.decoder.model import Decoder, visible, windowed_attention
 from workloads.decoder.moe import MoE, Router
 from workloads.decoder.pretrain import megatron_lr_factor
@@ -243,12 +242,7 @@ def _eval_values(log: Path) -> list[float]:
 def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
     """The full preset (GBS 64, sequence 8,192, 1,024 eval sequences, every closed key) with tests/closed_proxy.py's
     small model, for 1 step on 2 processes (expert parallel 2): the checker's only complaint is the target."""
-    data = tmp_path / "c4"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, tokens in ((TRAIN, 64 * 8193 + 1), (VALIDATION, 1024 * 8193 + 1)):
-        write_indexed_dataset(data / prefix, [rng.integers(1, GPT_OSS_MODEL.vocab_size, tokens).astype(np.int32)],
-                              dtype=np.int32)
+    data = closed_c4(tmp_path / "c4", GPT_OSS_MODEL.vocab_size)
     out = tmp_path / "closed"
     result = closed_proxy_run("gpt_oss_20b", "--data", str(data), "--max-steps", "1", "--out", str(out), procs=2)
     assert result.returncode == 0, result.stdout + result.stderr

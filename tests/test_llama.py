@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -297,17 +298,22 @@ def test_tiny_llama_survives_a_killed_rank_reaches_its_target_and_passes_the_6_1
         assert f'"key": "{key}"' in log
 
 
+def closed_c4(folder: Path, vocab_size: int) -> Path:
+    """The C4 files a closed proxy of llama31_8b or gpt_oss_20b reads: random int32 tokens, enough for a step of
+    batch 64 and the 1,024 eval sequences of 8,193 tokens, under the real names."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, tokens in ((TRAIN, 64 * 8193 + 1), (VALIDATION, 1024 * 8193 + 1)):
+        write_indexed_dataset(folder / prefix, [rng.integers(1, vocab_size, tokens).astype(np.int32)], dtype=np.int32)
+    return folder
+
+
 @pytest.mark.slow
 def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
     """The full preset (GBS 64, sequence 8,192, 1,024 eval sequences, every closed key) with tests/closed_proxy.py's
     small model, for 1 step on 2 processes (tensor parallel 2, as in a node): the checker's only complaint is the
     target."""
-    data = tmp_path / "c4"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, tokens in ((TRAIN, 64 * 8193 + 1), (VALIDATION, 1024 * 8193 + 1)):
-        write_indexed_dataset(data / prefix, [rng.integers(1, LLAMA_PROXY.vocab_size, tokens).astype(np.int32)],
-                              dtype=np.int32)
+    data = closed_c4(tmp_path / "c4", LLAMA_PROXY.vocab_size)
     out = tmp_path / "closed"
     result = closed_proxy_run("llama31_8b", "--data", str(data), "--max-steps", "1", "--out", str(out), procs=2)
     assert result.returncode == 0, result.stdout + result.stderr
