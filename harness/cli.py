@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "2: refused (nothing written)."))
     export.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="run folders or result files; each benchmark needs exactly the runs the rules "
-                             "require (resnet 5, bert 10, gpt3 3, llama31_8b 10, llama2_70b_lora 10: mlperf-logging's counts)")
+                             "require (resnet 5, bert 10, gpt3 3, llama31_8b 10, gpt_oss_20b 10, llama2_70b_lora 10: mlperf-logging's counts)")
     export.add_argument("--submitter", required=True, metavar="ORG", help="the submitting organisation")
     export.add_argument("--out", required=True, type=Path, metavar="DIR", help="the package folder (new or empty)")
     export.add_argument("--system-desc", type=Path, metavar="FILE.json",

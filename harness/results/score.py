@@ -19,7 +19,7 @@ def max_dropped(benchmark: str) -> int:
 
 
 def required_runs(benchmark: str) -> int | None:
-    """Runs the rules require for a training benchmark (resnet 5, bert 10, gpt3 3, llama31_8b 10, llama2_70b_lora 10), None if unknown."""
+    """Runs the rules require for a training benchmark (resnet 5, bert 10, gpt3 3, llama31_8b 10, gpt_oss_20b 10, llama2_70b_lora 10), None if unknown."""
     return get_result_file_counts("training").get(benchmark)
 
 
