@@ -8,7 +8,8 @@ no restarts of its own, and this wrapper:
 1. records the attempt in its node's own file, <out>/attempts/<node>.jsonl: start, end, node,
    exit code or signal, the failed rank, the cause, and the run and step it reached (the
    decider merges every node's file into <out>/attempts.jsonl); on Slurm, where every run of a campaign is
-   a step of its own in the same attempt, also the run the step was launched for (`launch`, from --launch:
+   a step of its own in the same attempt, and for a closed campaign on Kubernetes, where every run is a job of its
+   own, also the run the step or job was launched for (`launch`, from --launch:
    an attempt's records are those of one (attempt, launch), workloads.common.run_record.attempt_key);
 2. classifies the failure: `infrastructure` (a signal, a lost peer, a NCCL or gloo
    error or timeout, a rendezvous that timed out or could not reach its store, the host out of memory),
@@ -55,7 +56,8 @@ from pathlib import Path
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
                            OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
                            STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
-from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_of, node_attempts_path,
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_key, attempt_of,
+                                         node_attempts_path,
                                          read_attempts, read_json_lines, records_of, run_records,
                                          write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
@@ -211,13 +213,21 @@ def started_marker(out: Path, attempt: int) -> Path:
     return Path(out) / ATTEMPTS_DIR / f"started-{attempt}"
 
 
-def next_attempt(records: list[dict], node: str) -> int:
+def next_attempt(records: list[dict], node: str, launch: int | None = None) -> int:
     """The attempt number for a (re)started node: Slurm counts requeues itself; elsewhere, one past the
-    newest attempt that ended anywhere or that this node started (a node killed outright wrote no end)."""
+    newest attempt that ended anywhere or that this node started (a node killed outright wrote no end).
+
+    With `launch` (Kubernetes' closed campaigns, a job per run), only that run's job's records count, and its first
+    attempt goes on at the campaign's newest: the runs before it ended their attempts by succeeding, which is no
+    failure to restart after, and the budget spent on them stays spent (one budget for the campaign, as on Slurm)."""
     if "SLURM_JOB_ID" in os.environ:
         return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    campaign = max((r["attempt"] for r in records), default=0)
+    if launch is not None:
+        records = [r for r in records if attempt_key(r)[1] == launch]
     seen = [r["attempt"] for r in records if r.get("event") == "end" or r.get("node") == node]
-    return max(seen) + 1 if seen else 0
+    newest = max(seen) + 1 if seen else 0
+    return max(newest, campaign) if launch is not None else newest
 
 
 def attempt_argv(torchrun_argv: list[str], attempt: int) -> list[str]:
@@ -472,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only decide, from the record, what follows the newest attempt (Slurm's script)")
     parser.add_argument("--launch", type=int,
                         help="the run of the campaign this launch is for, recorded with each attempt (Slurm starts "
-                             "one srun step per run, all in the same attempt: workloads.common.run_record.attempt_key)")
+                             "one srun step per run, all in the same attempt: workloads.common.run_record.attempt_key; "
+                             "a closed campaign on Kubernetes, one job per run: next_attempt)")
     parser.add_argument("--job", default="harness", help="the job's name, a label on every metric")
     parser.add_argument("--benchmark", default="", help="the benchmark, a label on every metric")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -553,9 +564,10 @@ def _attempts(args, node: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     torchrun_argv = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
-    attempt = next_attempt(read_records(args.out), node)
+    # The run this launch is for (--launch): Slurm's step per run, Kubernetes' job per run; absent elsewhere.
+    launch = getattr(args, "launch", None)
+    attempt = next_attempt(read_records(args.out), node, launch)
     # Where NODE_ENV names a pod, the machine under it: what a failure is blamed on (harness.preflight).
-    launch = getattr(args, "launch", None)  # the run whose Slurm step this is (--launch); absent elsewhere
     identity = {"node": node, **({"host": os.environ[HOST_ENV]} if os.environ.get(HOST_ENV) else {}),
                 **({"launch": launch} if launch is not None else {})}
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left

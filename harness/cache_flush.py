@@ -5,7 +5,7 @@ NVIDIA's run.sub does it in its loop over the experiments (`srun --ntasks="${SLU
 "... sync && ${DROPCACHE_CMD}"`, then that run's srun); the command is the profile's `slurm.flush_page_cache`.
 Kubernetes: where the profile opts in (`kubernetes.flush_page_cache`), a privileged init container in each pod,
 the only part of the job that asks for privilege. It runs once, when the pods start, so a closed campaign of
-several runs is refused there (each closed run is then a job of its own). Either leaves its node's record in
+several runs runs each run as a job of its own there (KubernetesLauncher.launches). Either leaves its node's record in
 the run folder, which the node's next run takes; a run whose flush failed says why, and a closed one stops
 unless the user accepts it (--allow-unflushed-cache).
 """
@@ -77,9 +77,15 @@ def _flush_wanted(spec: JobSpec) -> bool:
     if not kube.results_pvc:
         raise HarnessError("kubernetes.flush_page_cache needs kubernetes.results_pvc: the init step leaves its "
                            "record in the run folder on that volume, where the run reads it")
-    if spec.runs > 1 and division(spec.preset) == C.CLOSED and not spec.allow_unflushed_cache:
-        raise HarnessError(f"kubernetes.flush_page_cache flushes once, when the pods start, and closed runs 2 to "
-                           f"{spec.runs} would stop unflushed (the pods cannot flush): run each closed run as a job "
-                           f"of its own (--runs 1, then `harness export` their run folders together), or accept "
-                           f"the later runs unflushed with {ALLOW_FLAG}")
     return True
+
+
+def kubernetes_flush_problem(spec: JobSpec) -> str | None:
+    """Why a closed campaign on Kubernetes would stop unflushed, naming the fix; None where it will not. Without the
+    init step an unprivileged pod cannot drop its node's page cache, and a closed run stops before init_start."""
+    if spec.profile.kubernetes.flush_page_cache or division(spec.preset) != C.CLOSED or spec.allow_unflushed_cache:
+        return None
+    return (f"a closed run stops before init_start unless its nodes' page cache is flushed, which an unprivileged pod "
+            f"cannot do: --set kubernetes.flush_page_cache=true (a privileged init container, each run a job of its "
+            f"own; the namespace needs pod-security.kubernetes.io/enforce=privileged), or accept unflushed runs "
+            f"with {ALLOW_FLAG}")

@@ -64,7 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--procs-per-node", type=int,
                      help="worker processes per node, one per GPU at most (default: one per GPU, or the profile's "
                           "CPU default; local: 2 on a CPU-only machine)")
-    run.add_argument("--runs", type=int, default=1, help="timed runs, each with its own seed and result file")
+    run.add_argument("--runs", type=int, help="timed runs, each with its own seed and result file (default: for a "
+                                               "closed preset the count MLPerf's rules require, e.g. 10 for "
+                                               "llama31_8b; else 1)")
+    run.add_argument("--run-minutes", type=float, metavar="MIN",
+                     help="one run's expected time-to-train, for the campaign's wall-time plan (Slurm's --time) "
+                          "(default: the benchmark's cited GPU-minutes over this job's GPUs, times a margin; 10 for "
+                          "tiny presets)")
     run.add_argument("--seed", type=int, help="seed of the first run; run i uses seed+i "
                                               "(default: each run draws a random seed and logs it)")
     run.add_argument("--out", type=Path, help="output folder (default: results/runs/<benchmark>-<preset>-<time>)")
@@ -162,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--pod-monitor", action="store_true",
                      help="with --backend k8s: print a Prometheus Operator PodMonitor for the job's metrics and "
                           "submit nothing")
-    run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or "
-                                                            "manifest) and submit nothing")
+    run.add_argument("--dry-run", action="store_true", help="print the exact request (command, script or every "
+                                                            "object a Kubernetes run creates) and submit nothing; "
+                                                            "what would be refused is listed as problems")
+    run.add_argument("--strict", action="store_true",
+                     help="with --dry-run: exit 1 when the request has problems (for CI gates)")
     run.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=None,
                      help="check every node first (GPUs, NVML, matmul, all-reduce inside and between nodes, "
                           "InfiniBand, the shared folder) and keep failed nodes out of the training (default: on "
@@ -254,8 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _preflight_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--spare-nodes", type=int, default=0, metavar="N",
-                        help="allocate N more nodes than --nodes; the healthiest --nodes train")
+    parser.add_argument("--spare-nodes", type=int, metavar="N",
+                        help="allocate N more nodes than --nodes; the healthiest --nodes train (default: 0, or for a "
+                             "closed run with preflight what the profile's preflight.spare_share asks above "
+                             "preflight.spare_above_nodes nodes)")
     parser.add_argument("--drain-bad-nodes", action="store_true",
                         help="Slurm: drain the nodes preflight keeps out (scontrol update State=DRAIN Reason=...)")
     parser.add_argument("--taint-bad-nodes", action="store_true",
@@ -264,12 +275,14 @@ def _preflight_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    from harness.campaign_plan import asked_spares, default_runs
+
     preset = args.preset or ("full" if args.data else "tiny")
     overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
     profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
-    return JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                   procs_per_node=args.procs_per_node,
-                   runs=args.runs, seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
+    spec = JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   procs_per_node=args.procs_per_node, run_minutes=args.run_minutes,
+                   runs=args.runs if args.runs is not None else default_runs(args.benchmark, preset), seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
                    straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
                    optimizer=args.optimizer, compile=args.compile,
@@ -283,19 +296,27 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,
                    preflight=args.preflight if args.preflight is not None else (args.nodes > 1 and preset == "full"),
-                   spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
+                   spare_nodes=args.spare_nodes or 0, drain_bad_nodes=args.drain_bad_nodes,
                    taint_bad_nodes=args.taint_bad_nodes)
+    return spec if args.spare_nodes is not None else dataclasses.replace(spec, spare_nodes=asked_spares(spec))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from harness import campaign_plan
     from harness.launchers import get_launcher
 
     launcher = get_launcher(args.backend)
     spec = _spec_from_args(args)
     spec = spec.resolved(runs_root=launcher.runs_root(spec))
-    notes = validate(spec, dry_run=args.dry_run, paths_here=launcher.paths_here)
-    request = launcher.render(spec)
+    # What would fail at run time, found now: refused before anything is submitted, listed by a dry run.
+    problems = [*validate(spec, dry_run=True, paths_here=launcher.paths_here), *campaign_plan.problems(spec),
+                *launcher.problems(spec)]
     submits = not (args.dry_run or args.pod_monitor)
+    if problems and submits:
+        raise HarnessError("; ".join(problems))
+    if args.strict and not args.dry_run:
+        raise HarnessError("--strict gates a --dry-run on its problems; add --dry-run")
+    request = launcher.render(spec)
     if submits:  # before the request's notes: a folder the job cannot use is then the one line said
         if args.out is None:  # the default name, or the first free -2, -3 after it; rendered again for it
             spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
@@ -303,7 +324,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_writable(spec.out_dir)
         if any(spec.out_dir.glob("result_*.txt")):
             raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
-    for note in (*request.notes, *notes):
+    runs = campaign_plan.runs_note(spec, given=args.runs is not None)
+    for note in (*request.notes, *([runs] if runs else [])):
         print(f"harness: {note}", file=sys.stderr)
     if args.pod_monitor:
         if launcher.name != "k8s":
@@ -317,9 +339,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         print(request.text)
-        return 0
-    print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s) -> {spec.out_dir}",
-          flush=True)
+        for problem in problems:
+            print(f"harness: problem: {problem}", file=sys.stderr)
+        return 1 if problems and args.strict else 0
+    launches = launcher.launches(spec)
+    print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s)"
+          + (", one job each" if len(launches) > 1 else "") + f" -> {spec.out_dir}", flush=True)
     watcher = None
     # A CI timeout sends SIGTERM, not Ctrl-C: either stops what runs, the health job or the training job, so no
     # job outlives `harness run` to hold its nodes.
@@ -337,35 +362,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                                           f"the checks so far stay in {spec.out_dir}")
                 if not record["passed"]:
                     return _preflight_failed(record)
-                request = launcher.render(remediation.without_excluded(spec, record))
-        handle, state = None, None
-        try:
-            handle = launcher.submit(request)
-            ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
-
-            def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
-                for each in ticks:
-                    each()
-
-            for state in launcher.watch(handle, tick=tick):
-                if launcher.name != "local":  # local workers print their own progress
-                    print(f"harness: job {handle.job_id} {state.value}", flush=True)
-        except (KeyboardInterrupt, _Terminated) as stop:
-            if handle is None:
-                return _stopped(stop, "stopped while submitting: the job may have reached the scheduler before "
-                                      f"its record in {spec.out_dir} was written")
-            launcher.cancel(handle)
-            return _stopped(stop, f"cancelled; results so far stay in {spec.out_dir}")
+                launches = [remediation.without_excluded(launch, record) for launch in launches]
+        collected = True
+        for launch in launches:  # each after the one before succeeded and was collected
+            try:
+                handle, state, fetched = _launch(launcher, launcher.render(launch), watcher)
+            except (KeyboardInterrupt, _Terminated) as stop:
+                return _stopped(stop, stop.what)
+            collected = collected and fetched
+            if state is None or state.value != "SUCCEEDED":
+                break
     job_ok = state is not None and state.value == "SUCCEEDED"
-    collected = True
-    try:
-        _collect(launcher, handle)
-    except HarnessError as exc:
-        # Said and recorded (job.json's collect_error), never the run's verdict: the job's outcome stands, and
-        # its files stay on the cluster for `harness collect`. A failed job may have written nothing at all.
-        print(f"harness: {exc}", file=sys.stderr)
-        handle.update(collect_error=str(exc))
-        collected = False
     if watcher is not None:
         watcher()  # a preflight that finished between the last poll and the end
         from harness.preflight import read
@@ -378,6 +385,43 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"harness: {record['failure']}", file=sys.stderr)
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, ruleset=BENCHMARKS[spec.benchmark].ruleset,
                       exit_code=record.get("exit_code"), collected=collected)
+
+
+def _launch(launcher, request, watcher):
+    """Submit one job, watch it to its end and collect what it wrote: (handle, last state, collected).
+    A Ctrl-C or SIGTERM cancels the job and is raised again, with `what` it left."""
+    handle, state = None, None
+    try:
+        handle = launcher.submit(request)
+        if request.spec.launch is not None:
+            print(f"harness: run {request.spec.launch + 1}/{request.spec.runs}: job {handle.job_id}", flush=True)
+        ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
+
+        def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
+            for each in ticks:
+                each()
+
+        for state in launcher.watch(handle, tick=tick):
+            if launcher.name != "local":  # local workers print their own progress
+                print(f"harness: job {handle.job_id} {state.value}", flush=True)
+    except (KeyboardInterrupt, _Terminated) as stop:
+        if handle is None:
+            stop.what = ("stopped while submitting: the job may have reached the scheduler before its record in "
+                         f"{request.spec.out_dir} was written")
+        else:
+            launcher.cancel(handle)
+            stop.what = f"cancelled; results so far stay in {request.spec.out_dir}"
+        raise
+    collected = True
+    try:
+        _collect(launcher, handle)
+    except HarnessError as exc:
+        # Said and recorded (job.json's collect_error), never the run's verdict: the job's outcome stands, and
+        # its files stay on the cluster for `harness collect`. A failed job may have written nothing at all.
+        print(f"harness: {exc}", file=sys.stderr)
+        handle.update(collect_error=str(exc))
+        collected = False
+    return handle, state, collected
 
 
 def _preflight_failed(record: dict) -> int:
@@ -395,7 +439,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
     # The health job is described by a job spec like any other, with no workload to run after it.
     spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=args.out, env=parse_env(args.env), health_only=True,
-                   profile=profile, preflight=True, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
+                   profile=profile, preflight=True, spare_nodes=args.spare_nodes or 0,
+                   drain_bad_nodes=args.drain_bad_nodes,
                    taint_bad_nodes=args.taint_bad_nodes)
     if spec.out_dir is None:
         spec = dataclasses.replace(spec, out_dir=default_out_dir(launcher.runs_root(spec), "preflight"))

@@ -60,7 +60,7 @@ class SlurmSettings:
     partition: str | None = None
     account: str | None = None
     constraint: str | None = None
-    time: str = "04:00:00"
+    time: str | None = None  # --time; None: the campaign plan's (harness.campaign_plan.campaign_minutes)
     exclusive: bool = True
     requeue: bool = True
     use_gres: bool = False  # --gres=gpu:N instead of --gpus-per-node=N (older Slurm set-ups)
@@ -117,6 +117,10 @@ class PreflightSettings:
     # least one node). Above it nothing is marked and the failure is reported as systemic (the image, the store,
     # the network), as NVSentinel's circuit breaker does.
     max_marked_share: float = 0.1
+    # Spare nodes by default for a closed allocation of more than spare_above_nodes nodes: ceil(nodes x spare_share),
+    # so that a node preflight keeps out is replaced rather than stopping the job (harness.campaign_plan.asked_spares).
+    spare_share: float = 0.0
+    spare_above_nodes: int = 16
 
 
 @dataclass

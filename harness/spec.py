@@ -46,7 +46,7 @@ class JobSpec:
     nodes: int = 1
     gpus_per_node: int | None = None  # GPUs each node asks for; None: the profile's (local: the visible ones)
     procs_per_node: int | None = None  # None: one per GPU, or the profile's CPU default (local: 2)
-    runs: int = 1
+    runs: int = 1  # `harness run` without --runs: the rules' count for a closed preset (campaign_plan.default_runs)
     seed: int | None = None  # None: each run draws and logs its own random seed
     out_dir: Path | None = None  # None: results/runs/<benchmark>-<preset>-<time>
     max_restarts: int = 3  # restart budget for infrastructure failures, shared by every backend
@@ -76,6 +76,10 @@ class JobSpec:
     submitter: str = "harness"
     system: str | None = None  # the logged submission_platform; None: derived from the machine
     name: str | None = None  # the job's name on the cluster; None: <benchmark>-<preset>
+    # Where each run of a campaign is a job of its own (a closed campaign on Kubernetes, whose page cache is flushed
+    # as each job's pods start): the run this job does, after the ones before it (the workers' --last-run).
+    launch: int | None = None
+    run_minutes: float | None = None  # one run's expected time-to-train; None: the campaign plan's estimate
     # Preflight (harness.health, harness.preflight): check the nodes first and keep the bad ones out.
     preflight: bool = False
     spare_nodes: int = 0  # extra nodes allocated; the healthiest `nodes` train
@@ -130,6 +134,8 @@ class JobSpec:
                 "--runs", str(self.runs), "--submitter", self.submitter]
         if self.seed is not None:
             args += ["--seed", str(self.seed)]
+        if self.launch is not None:
+            args += ["--last-run", str(self.launch)]
         if self.system:
             args += ["--system", self.system]
         if self.data is not None:
@@ -182,7 +188,7 @@ class JobSpec:
                             ("--init-checkpoint", self.init_checkpoint), ("--max-steps", self.max_steps),
                             ("--batch-size", self.batch_size), ("--global-batch", self.global_batch),
                             ("--learning-rate", None if self.learning_rate is None else repr(self.learning_rate)),
-                            ("--warmup-samples", self.warmup_samples),
+                            ("--warmup-samples", self.warmup_samples), ("--run-minutes", self.run_minutes),
                             ("--packing-factor", self.packing_factor if self.packing_factor != 1 else None),
                             ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
@@ -248,7 +254,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
 
     `paths_here`: the nodes see this machine's paths (local, Slurm's shared file system),
     so dataset and checkpoint folders can be checked now; pods see their own volumes.
-    A dry run only shows the request, so missing inputs come back as notes instead of errors.
+    A dry run only shows the request, so missing inputs come back as problems (one line each) instead of errors.
     """
     if spec.benchmark not in BENCHMARKS:
         raise HarnessError(f"unknown benchmark {spec.benchmark!r}; choose one of: {', '.join(BENCHMARKS)}")
@@ -334,6 +340,9 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
                                  f"in a world of {world} processes (ranks 0 to {world - 1})")
     except ValueError as exc:
         raise HarnessError(str(exc)) from None
+    if spec.run_minutes is not None and not spec.run_minutes > 0:
+        raise HarnessError(f"--run-minutes must be above 0 (one run's expected time-to-train), got "
+                           f"{spec.run_minutes:g}")
     if spec.seed is not None and not 0 <= spec.seed < 2**31 - spec.runs:
         raise HarnessError(f"--seed must be between 0 and {2**31 - 1 - spec.runs}, got {spec.seed}")
     if not spec.submitter.strip():
@@ -351,7 +360,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     missing += missing_inputs(spec.benchmark, spec.preset, spec.data, spec.init_checkpoint, spec.synthetic)
     if missing and not dry_run:
         raise HarnessError("; ".join(missing))
-    return [f"note: {line}" for line in missing]
+    return missing
 
 
 def default_out_dir(runs_root: Path | None, kind: str) -> Path:

@@ -30,6 +30,15 @@ class Completed:
     stderr: str
 
 
+def training_job(text: str) -> dict:
+    """The (first) training job among the documents a Kubernetes dry run prints: after the health job with
+    --preflight, before its watcher pod; a closed campaign that flushes has one a run, the first run's first."""
+    import yaml
+
+    return next(doc for doc in yaml.safe_load_all(text) if doc and doc["kind"] in ("PyTorchJob", "TrainJob")
+                and not doc["metadata"]["name"].endswith("-preflight"))
+
+
 def harness(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> Completed:
     """Run the real CLI in a fresh interpreter, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd or REPO, capture_output=True,

@@ -4,7 +4,6 @@ timeouts that scale, per-rank output, per-node attempt files, SIGTERM, and value
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -13,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from harness.agent import EXIT_BUDGET_SPENT, EXIT_RETRY, read_records
 from harness.errors import HarnessError
 from harness.launchers.base import rendezvous_timeouts
 from harness.spec import JobSpec, parse_env
-from tests.conftest import REPO, free_port, harness, harness_stopped_by_sigterm
+from tests.conftest import REPO, free_port, harness, harness_stopped_by_sigterm, training_job
 from workloads.common.run_record import ATTEMPTS_FILE, node_attempts_path, read_attempts
 
 CW = ("--profile", "coreweave-h100")
@@ -72,7 +70,7 @@ def test_kubernetes_paths_must_lie_on_a_volume_the_pods_mount(tmp_path):
     ok = _dry("bert", "--preset", "full", "--backend", "k8s", *CW, "--nodes", "2", "--out", str(tmp_path / "o"),
               "--data", "/data/bert", "--init-checkpoint", "/data/model.ckpt-28252.pt")
     assert ok.returncode == 0, ok.stderr
-    job = yaml.safe_load(ok.stdout)
+    job = training_job(ok.stdout)
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     claims = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
@@ -92,7 +90,7 @@ def test_gpus_and_processes_per_node_stay_apart(tmp_path):
     k8s = _dry("resnet", "--backend", "k8s", *CW, "--gpus-per-node", "8", "--procs-per-node", "4",
                "--out", str(tmp_path / "k"))
     assert k8s.returncode == 0, k8s.stderr
-    master = yaml.safe_load(k8s.stdout)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    master = training_job(k8s.stdout)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert master["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert "--nproc-per-node=4" in master["containers"][0]["args"]
     slurm = _dry("resnet", "--backend", "slurm", *CW, "--gpus-per-node", "4", "--out", "/mnt/results/s")

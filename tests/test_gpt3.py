@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from mlperf_logging.mllog import constants as C
 
 from tests.closed_proxy import GPT3_MODEL as GPT3_PROXY
-from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import SHARED, closed_proxy_run, compliance, failed_checks, harness, training_job
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
 from workloads.common.language_model import IGNORED, optimizer_groups, rolled_split
@@ -238,7 +237,7 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
         assert "#SBATCH --nodes=448" in result.stdout and "#SBATCH --gpus-per-node=8" in result.stdout
         assert "srun " in result.stdout
     else:
-        job = yaml.safe_load(result.stdout)
+        job = training_job(result.stdout)
         if CRD.is_file():  # the same schema check as tests/test_kubernetes.py, where ../shared is present
             jsonschema.validate(job, pytorchjob_schema())
         container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]

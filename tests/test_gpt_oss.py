@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
 from tests.closed_proxy import GPT_OSS_MODEL
-from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import closed_proxy_run, compliance, failed_checks, harness, training_job
 from tests.test_llama import closed_c4
 from tests.test_resilience import _restored_step
 from workloads.common.language_model import IGNORED, eod_masked_split
@@ -206,7 +205,7 @@ def test_the_full_preset_dry_run_prints_layout_memory_and_bytes(tmp_path, backen
     assert "expert all-to-all" in err and "GB over NVLink" in err and "GB over InfiniBand" in err
     assert ("x context 2" if nodes == 16 else "x context 1") in err
     if backend == "k8s":
-        job = yaml.safe_load(result.stdout)
+        job = training_job(result.stdout)
         replicas = job["spec"]["pytorchReplicaSpecs"]
         assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == nodes
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from harness.launchers.base import Handle
 from harness.launchers.kubernetes_collect import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.results import load
 from harness.spec import JobSpec
-from tests.conftest import REPO, SHARED, harness
+from tests.conftest import REPO, SHARED, harness, training_job
 from tests.fake_kube_api import LOG_ROTATE_BYTES, FakeKubeAPI, served_log
 
 CRD = SHARED / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
@@ -69,7 +70,14 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
     args = (*AT_448, "--out", str(tmp_path / "o"))
     text = rendered(*args)
     assert rendered(*args) == text  # deterministic
-    job = yaml.safe_load(text)
+    health, job, *others = [doc for doc in yaml.safe_load_all(text) if doc]  # preflight is on for full multi-node runs
+    assert health["metadata"]["name"].endswith("-preflight") and job == training_job(text)
+    # Closed resnet: the rules' 5 runs, each a job of its own (the profile flushes), each with its watcher pod.
+    assert [doc["kind"] for doc in others] == ["Pod"] + ["PyTorchJob", "Pod"] * 4
+    assert [doc["metadata"]["name"].rsplit("-", 1)[1] for doc in [job, *others]] == [
+        "run0", "watch", *[part for run in range(1, 5) for part in (f"run{run}", "watch")]]
+    # 448 nodes and the profile's 3% spares: the health job checks 462, the healthiest 448 train.
+    assert sum(r["replicas"] for r in health["spec"]["pytorchReplicaSpecs"].values()) == 462
     jsonschema.validate(job, pytorchjob_schema())
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 448
@@ -105,7 +113,7 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
 
 @needs_crd
 def test_without_rdma_no_capability_is_added(tmp_path):
-    job = yaml.safe_load(rendered("--set", "image=python:3.11", "--nodes", "2", "--out", str(tmp_path),
+    job = training_job(rendered("--set", "image=python:3.11", "--nodes", "2", "--out", str(tmp_path),
                                   "--max-restarts", "3"))
     jsonschema.validate(job, pytorchjob_schema())
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
@@ -235,7 +243,7 @@ def test_harness_run_streams_the_job_states_and_collects_the_results(fake_api, t
 
 
 def test_tolerations_as_in_a_pod_spec_or_refused(tmp_path):
-    job = yaml.safe_load(rendered("--profile", "coreweave-h100", "--out", str(tmp_path), "--set",
+    job = training_job(rendered("--profile", "coreweave-h100", "--out", str(tmp_path), "--set",
                                   "kubernetes.tolerations=[{key: a, operator: Exists, tolerationSeconds: 30}]"))
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["tolerations"] == [{"key": "a", "operator": "Exists", "tolerationSeconds": 30}]
@@ -252,7 +260,7 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert harness("run", "resnet", "--backend", "k8s", "--dry-run", *args).stdout == result.stdout
     # What a TrainJob cannot carry is said, not dropped silently.
     assert "takes priority_class, --max-restarts from its ClusterTrainingRuntime 'torch-distributed'" in result.stderr
-    job = yaml.safe_load(result.stdout)
+    job = training_job(result.stdout)
     jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
     trainer = job["spec"]["trainer"]
@@ -287,7 +295,7 @@ def test_trainjob_pods_name_their_kubernetes_node_as_pytorchjob_pods_do(tmp_path
     without hostNetwork, and still the pod's own under it), from the downward API."""
     from harness.agent import HOST_ENV, NODE_ENV
 
-    job = yaml.safe_load(rendered("--profile", "h100-ib", "--nodes", "2", "--api", "trainjob",
+    job = training_job(rendered("--profile", "h100-ib", "--nodes", "2", "--api", "trainjob",
                                   "--out", str(tmp_path / "o")))
     jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
     env = job["spec"]["trainer"]["env"]
@@ -593,7 +601,7 @@ def test_the_opt_in_page_cache_flush_is_a_privileged_init_container(tmp_path):
 
     args = ("--profile", "coreweave-h100", "--nodes", "2", "--preset", "full", "--synthetic",
             "--out", str(tmp_path / "run"))
-    job = yaml.safe_load(rendered(*args, "--set", "kubernetes.flush_page_cache=true"))
+    job = training_job(rendered(*args, "--set", "kubernetes.flush_page_cache=true"))
     jsonschema.validate(job, pytorchjob_schema())
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         pod = replica["template"]["spec"]
@@ -603,7 +611,7 @@ def test_the_opt_in_page_cache_flush_is_a_privileged_init_container(tmp_path):
         assert init["image"] == main["image"] and init["volumeMounts"] == main["volumeMounts"]
         folder = next(arg for arg in main["args"] if arg.startswith("/results/run-"))
         assert init["command"] == ["bash", "-c", host_flush_script(folder, HOST_FLUSH_COMMAND)]
-    plain = yaml.safe_load(rendered(*args))
+    plain = training_job(rendered(*args, "--set", "kubernetes.flush_page_cache=false"))
     assert all("initContainers" not in r["template"]["spec"] for r in plain["spec"]["pytorchReplicaSpecs"].values())
     refused = harness("run", "resnet", "--backend", "k8s", "--dry-run", *args, "--set", "kubernetes.flush_page_cache=true",
                       "--set", "kubernetes.results_pvc=")
@@ -617,23 +625,101 @@ def _flush_spec(tmp_path, *overrides: str, **fields) -> JobSpec:
     return JobSpec("resnet", nodes=2, out_dir=tmp_path / "run", profile=profile, **fields).resolved()
 
 
-def test_a_closed_campaign_the_init_flush_cannot_cover_is_refused_before_anything_is_submitted(fake_api, tmp_path):
-    """The init container flushes once, when the pods start; a closed campaign's later runs would stop unflushed in
-    the middle of the job. So `harness run` refuses it up front, in one line naming the choices, and the cluster
-    sees no request. One closed run per job, an open campaign, or the user's acceptance go ahead."""
-    refused = harness("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--preset",
-                      "full", "--synthetic", "--runs", "5", "--set", "kubernetes.flush_page_cache=true",
-                      "--out", str(tmp_path / "run"), timeout=60)  # a job it submitted would be watched until then
+def test_a_closed_campaign_without_the_flush_is_refused_before_anything_is_submitted(fake_api, tmp_path):
+    """Without kubernetes.flush_page_cache an unprivileged pod cannot drop its node's page cache, and a closed run
+    stops before init_start: `harness run` refuses it up front, in one line naming the fixes, and the cluster sees no
+    request; a dry run prints the request and lists the problem, exiting 1 only under --strict. An open campaign,
+    or the user's acceptance of unflushed runs, goes ahead."""
+    args = ("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--preset", "full",
+            "--synthetic", "--runs", "5", "--no-preflight", "--set", "kubernetes.flush_page_cache=false",
+            "--out", str(tmp_path / "run"))
+    refused = harness(*args, timeout=60)  # a job it submitted would be watched until then
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     [line] = refused.stderr.strip().splitlines()
-    assert "flushes once, when the pods start, and closed runs 2 to 5 would stop unflushed" in line
-    assert "--runs 1" in line and "harness export" in line and "--allow-unflushed-cache" in line
+    assert "a closed run stops before init_start" in line and "--set kubernetes.flush_page_cache=true" in line
+    assert "--allow-unflushed-cache" in line and "pod-security.kubernetes.io/enforce=privileged" in line
     assert not fake_api.requests and not (tmp_path / "run").exists()
+    shown = harness(*args, "--dry-run")
+    assert shown.returncode == 0 and training_job(shown.stdout)["kind"] == "PyTorchJob"
+    assert f"harness: problem: {line.removeprefix('harness: error: ')}" in shown.stderr
+    gated = harness(*args, "--dry-run", "--strict")
+    assert gated.returncode == 1 and gated.stdout == shown.stdout
     launcher = get_launcher("k8s")
-    for fine in ({"preset": "full", "synthetic": True}, {"preset": "full", "synthetic": True, "runs": 5,
-                                                         "allow_unflushed_cache": True}, {"runs": 5}):
-        job = launcher.render(_flush_spec(tmp_path, **fine)).payload["body"]  # the last: open runs log cache_clear false
-        assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["initContainers"], fine
+    for fine in ({"runs": 5}, {"preset": "full", "synthetic": True, "allow_unflushed_cache": True}):
+        spec = _flush_spec(tmp_path, "kubernetes.flush_page_cache=false", **fine)
+        assert launcher.problems(spec) == [], fine
+
+
+NVIDIA_LLAMA = SHARED / "mlperf-results" / "training_v5.1" / "NVIDIA" / "results" / "theia_ngpu512_ngc25.09_nemo" / \
+    "llama31_8b"
+
+
+@pytest.mark.skipif(not NVIDIA_LLAMA.is_dir(), reason=f"NVIDIA's v5.1 llama31_8b logs not found at {NVIDIA_LLAMA}")
+def test_a_closed_ten_run_campaign_is_ten_flushed_jobs_in_one_run_folder_and_one_package(cluster_api, tmp_path):
+    """A closed llama31_8b campaign on Kubernetes, as a cluster operator runs it: `harness run` with no --runs runs
+    the rules' 10; preflight checks the nodes once; then each run is a job of its own, in order, each after the one
+    before succeeded and was collected, so that each run's pods flush their nodes' page cache as they start (the
+    privileged init container, the job's only privileged part). The jobs share one run folder on the volume (the
+    campaign's token, which the node agents' claim accepts), and each does its own run (--last-run, --launch).
+    Rank 0 of run i writes what NVIDIA's v5.1 run i wrote; the ten come back into one local folder and
+    `harness export` makes one package of them that MLCommons' package checker passes (against their round,
+    5.1.0: 6.1.0, the harness's llama31_8b ruleset, added keys they lack, which `harness run`'s summary says)."""
+    from workloads.common.page_cache import FLUSHED, HOST_FLUSH_COMMAND, RECORDS
+
+    volume = tmp_path / "pvc"
+    seen = []  # per job: (its run, the flush records its init containers left)
+
+    def rank0(job: dict, folder: Path) -> None:
+        pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        run = int(args[args.index("--last-run") + 1])
+        assert args[args.index("--launch") + 1] == str(run) and job["metadata"]["name"].endswith(f"-run{run}")
+        [init] = pod["initContainers"]
+        assert init["securityContext"] == {"privileged": True}
+        # The init container's own script, as its pod runs it (here without root: `true` stands for the flush).
+        script = init["command"][2].replace(HOST_FLUSH_COMMAND, "true").replace("/results/", f"{volume}/")
+        subprocess.run(["bash", "-c", script], check=True)
+        records = sorted(folder.joinpath(RECORDS).iterdir())
+        seen.append((run, [r.read_text().strip() for r in records]))
+        for record in records:  # each run's worker takes its node's record (page_cache.take_host_record)
+            record.unlink()
+        shutil.copy(NVIDIA_LLAMA / f"result_{run}.txt", folder / f"result_{run}.txt")
+
+    out = tmp_path / "campaign"
+    with FakeCluster(cluster_api, volume, rank0=rank0) as cluster:
+        result = harness("run", "llama31_8b", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2",
+                         "--spare-nodes", "1", "--preflight", "--max-restarts", "1", "--data", "/data/c4",
+                         "--out", str(out), env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    said = result.stdout + result.stderr
+    assert "closed llama31_8b runs 10 times, the count MLPerf's rules require" in result.stderr
+    assert "10 run(s), one job each" in result.stdout, said
+    assert [run for run, _ in seen] == list(range(10)) and all(records == [FLUSHED] for _, records in seen), seen
+    health = [name for name in cluster.done if name.endswith("-preflight")]
+    training = [name for name in cluster.done if name not in health]
+    assert len(health) == 1 and cluster.done[0] == health[0]  # preflight once, first
+    token = training[0].split("-")[-2]
+    assert training == [f"llama31-8b-full-{token}-run{i}" for i in range(10)]
+    assert said.count("fetched ") == 10  # collected as it goes
+    for i in range(10):
+        assert (out / f"result_{i}.txt").read_bytes() == (NVIDIA_LLAMA / f"result_{i}.txt").read_bytes()
+    record = json.loads((out / "job.json").read_text())
+    assert record["launch"] == 9 and [job["launch"] for job in record["earlier_jobs"]] == list(range(9))
+    assert all(job["state"] == "SUCCEEDED" for job in record["earlier_jobs"])
+    assert result.returncode == 1 and "10 left out by the compliance checker" in result.stderr, said
+
+    desc = tmp_path / "desc.json"
+    from tests.test_export import BY_HAND
+    desc.write_text(json.dumps({**BY_HAND, **{key: "x" for key in (
+        "number_of_nodes", "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
+        "host_processor_vcpu_count", "host_memory_capacity", "accelerators_per_node", "accelerator_model_name",
+        "accelerator_memory_capacity", "framework", "other_software_stack", "operating_system")}}))
+    package = tmp_path / "package"
+    exported = harness("export", str(out), "--submitter", "NVIDIA", "--system", "theia", "--ruleset", "5.1.0",
+                       "--system-desc", str(desc), "--out", str(package), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert "package checker: no errors" in exported.stdout
+    assert sorted(p.name for p in (package / "results" / "theia" / "llama31_8b").glob("result_*.txt")) == \
+        [f"result_{i}.txt" for i in range(10)]
 
 
 @needs_trainjob_crd
@@ -670,11 +756,14 @@ class FakeCluster:
     rank 0 writes the baseline result and it succeeds (unless `train` is False). Runs in a thread until stopped."""
 
     def __init__(self, api: FakeKubeAPI, volume: Path, namespace: str = "default", silent: tuple[str, ...] = (),
-                 train: bool = True):
+                 train: bool = True, rank0=None):
         from tests.test_preflight import _report
 
         self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
         self.train = train  # False: training jobs are left to the test
+        # What a training job's pods do on the volume, given the job and its run folder there: by default rank 0
+        # writes the baseline result.
+        self.rank0 = rank0 or (lambda job, folder: shutil.copy(BASELINE_LOG, folder / "result_0.txt"))
         self.done: list[str] = []  # the jobs it finished, in order
         self.reads_when_running: dict[str, int] = {}  # each job's reads when it was first found Running
         self.stop = threading.Event()
@@ -711,7 +800,7 @@ class FakeCluster:
                                 self.report(folder, pod["spec"]["nodeName"], 470)
                     else:
                         folder.mkdir(parents=True, exist_ok=True)
-                        shutil.copy(BASELINE_LOG, folder / "result_0.txt")
+                        self.rank0(job, folder)
                     self.done.append(name)
                     self.api.set_condition(namespace, name, "Succeeded")
 
@@ -753,7 +842,7 @@ def test_two_runs_in_a_row_in_one_namespace_each_get_jobs_of_their_own(cluster_a
     assert set(preferred) == {("gpu-a", "gpu-b", "gpu-c"), ("gpu-a", "gpu-b")}
     # A name given with --name is kept as it is.
     named = harness(*args, "--name", "rn", "--out", str(tmp_path / "named"), "--dry-run")
-    assert yaml.safe_load(named.stdout)["metadata"]["name"] == "rn"
+    assert training_job(named.stdout)["metadata"]["name"] == "rn"
 
 
 def test_each_harness_preflight_gets_a_health_job_name_of_its_own(tmp_path, capsys):

@@ -12,14 +12,13 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from tests.closed_proxy import LLAMA_MODEL as LLAMA_PROXY
-from tests.conftest import closed_proxy_run, compliance, failed_checks, harness
+from tests.conftest import closed_proxy_run, compliance, failed_checks, harness, training_job
 from tests.test_kubernetes import CRD, pytorchjob_schema
 from tests.test_resilience import _restored_step
 from workloads.common.megatron_data import IndexedDataset, gpt_dataset_indices, write_indexed_dataset
-from workloads.decoder.config import LLAMA31_8B, PRESETS, RCP_BATCHES, DecoderConfig, RopeScaling, \
+from workloads.decoder.config import LLAMA31_8B, PRESETS, RCP_BATCHES, DecoderConfig, \
     estimate_traffic, plan_layout, preset_config
 from workloads.decoder.data import TINY_VOCAB, TRAIN, VALIDATION, c4_loaders, reference_validation_samples, \
     tiny_entropy
@@ -263,7 +262,7 @@ def test_full_preset_on_64_h100_nodes_shows_its_layout_memory_and_traffic(tmp_pa
     assert "GB over NVLink" in result.stderr and "GB over InfiniBand" in result.stderr
     assert "give --data" in result.stderr  # a dry run names what a real run still needs
     if backend == "k8s":
-        job = yaml.safe_load(result.stdout)
+        job = training_job(result.stdout)
         if CRD.is_file():
             jsonschema.validate(job, pytorchjob_schema())
         replicas = job["spec"]["pytorchReplicaSpecs"]

@@ -18,7 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.metrics import PREFIX, Exporter, Source, metric_names
-from tests.conftest import REPO, free_port, harness
+from tests.conftest import REPO, free_port, harness, training_job
 
 DASHBOARD = REPO / "manifests" / "monitoring" / "grafana-dashboard.json"
 # Counts, not seconds: windows of 10 steps after the 5 calibration steps close five windows in 60 steps on
@@ -174,7 +174,7 @@ def test_a_pushgateway_receives_the_nodes_metrics(tmp_path):
 
 def test_kubernetes_pods_expose_the_metrics_port_and_a_pod_monitor_scrapes_it(tmp_path):
     args = ("resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--out", str(tmp_path / "o"))
-    job = yaml.safe_load(harness("run", *args, "--dry-run").stdout)
+    job = training_job(harness("run", *args, "--dry-run").stdout)
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         (container,) = replica["template"]["spec"]["containers"]
         assert container["ports"] == [{"containerPort": 9410, "name": "metrics"}]

@@ -65,7 +65,7 @@ def test_the_spec_refuses_what_the_worker_would_for_the_same_reason():
     with pytest.raises(HarnessError, match="fine-tunes pretrained weights.*also with --synthetic"):
         validate(JobSpec("llama2_70b_lora", synthetic=True))
     assert validate(JobSpec("llama2_70b_lora", synthetic=True), dry_run=True) == [
-        "note: llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR (a checkpoint `python -m "
+        "llama2_70b_lora fine-tunes pretrained weights: give --init-checkpoint DIR (a checkpoint `python -m "
         "workloads.decoder.convert` wrote from Hugging Face's), also with --synthetic"]
 
 

@@ -22,6 +22,9 @@ class Benchmark:
     init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
     fine_tunes: bool = False  # trains adapters on given weights: --init-checkpoint even on synthetic input
     presets_table: str | None = None  # "module:TABLE", torch-free, whose TABLE[preset].model.params counts the parameters
+    # One closed run's GPU-minutes in a cited MLPerf result (score x accelerators, official-scores.json): what the
+    # campaign plan divides by a job's GPUs for its expected time-to-train (harness.campaign_plan.run_minutes).
+    gpu_minutes: float | None = None
 
     def checkpoint_bytes(self, preset: str) -> int | None:
         """One checkpoint of `preset`: fp32 weights and the optimizer's two fp32 moments, 12 bytes a parameter (the
@@ -41,18 +44,23 @@ class Benchmark:
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0"),
+    # gpu_minutes: resnet v4.0 GigaComputing G593-SD1 (8 H100, 13.2 min); bert v5.0 ASUSTeK ESC_N8_E11 (8 H100,
+    # 5.1 min); gpt3 v3.0 NVIDIA+CoreWeave n96 (768 H100, 45.6 min); llama31_8b v5.1 NVIDIA Theia (512 GB300,
+    # 5.2 min: no H100 result is in the shared set); gpt_oss_20b v6.0 Cisco (128 H100, 34.0 min, docs/measured.md);
+    # llama2_70b_lora v5.0 ASUSTeK twcc_n2 (16 H100, 13.3 min).
+    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
-              init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS"),
+              init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS", gpu_minutes=41),
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
-              init_checkpoint="DIR (a torch.distributed.checkpoint folder)", presets_table="workloads.gpt3.config:PRESETS"),
+              init_checkpoint="DIR (a torch.distributed.checkpoint folder)", presets_table="workloads.gpt3.config:PRESETS",
+              gpu_minutes=35_025),
     Benchmark("llama31_8b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.decoder.config:PRESETS"),
+              presets_table="workloads.decoder.config:PRESETS", gpu_minutes=2_672),
     Benchmark("gpt_oss_20b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.decoder.config:GPT_OSS_PRESETS"),
+              presets_table="workloads.decoder.config:GPT_OSS_PRESETS", gpu_minutes=4_356),
     Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
-              fine_tunes=True),
+              fine_tunes=True, gpu_minutes=213),
 )}
 
 # Presets that read a real dataset unless --synthetic is given (the tiny ones generate theirs).

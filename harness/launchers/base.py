@@ -209,6 +209,17 @@ class Launcher(ABC):
     def render(self, spec: JobSpec) -> Request:
         """Build the exact request for a resolved, validated spec. Has no side effects."""
 
+    def launches(self, spec: JobSpec) -> list[JobSpec]:
+        """The jobs a campaign takes, in order, each rendered and submitted after the one before succeeded: one
+        job for every run, unless a backend must start a job per run (Kubernetes' closed campaigns, whose pods
+        flush their nodes' page cache as they start)."""
+        return [spec]
+
+    def problems(self, spec: JobSpec) -> list[str]:
+        """What would fail at run time on this backend, found at render time, one line each naming the fix:
+        `harness run` refuses to submit while any is left, and a dry run lists them (failing under --strict)."""
+        return []
+
     def render_preflight(self, spec: JobSpec) -> Request:
         """The health job alone (`harness preflight`): every node of the allocation runs harness.health."""
         raise HarnessError(f"the {self.name} backend cannot run a preflight")

@@ -20,6 +20,9 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
+from mlperf_logging.mllog import constants as C
+
+from harness.cache_flush import kubernetes_flush_problem
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
@@ -27,28 +30,60 @@ from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster
 from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
                                               retrying)
 from harness.launchers.kubernetes_blame import BlameReader
-from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, pvc_folder, pytorch_job,
-                                                 render_token, trainjob_notes, watcher_pod, watches_failures)
+from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, prerequisites, pvc_folder,
+                                                 pytorch_job, render_token, trainjob_notes, watcher_pod,
+                                                 watches_failures)
 from harness.spec import JobSpec
+from workloads.common.mlperf import division
 
 
 def _named(spec: JobSpec, token: str) -> JobSpec:
     """The spec with its job's name on the cluster: --name as given, else the default name and the job's token,
     so that each run's jobs (and health jobs) have names of their own in the namespace: the next run's create
-    is never refused (409) for a name an earlier run's job still holds."""
-    if spec.name != spec.default_name():
-        return spec
-    return dataclasses.replace(spec, name=f"{spec.name}-{token}")
+    is never refused (409) for a name an earlier run's job still holds. A campaign's job per run adds the run."""
+    name = spec.name if spec.name != spec.default_name() else f"{spec.name}-{token}"
+    return dataclasses.replace(spec, name=name if spec.launch is None else f"{name}-run{spec.launch}")
+
+
+def per_run_jobs(spec: JobSpec) -> bool:
+    """Whether each run of the campaign is a job of its own: a closed campaign of several runs whose pods flush their
+    nodes' page cache (kubernetes.flush_page_cache), which the init container does once, as the pods start. Jobs in
+    sequence, rather than one job whose pods flush between runs, since only a privileged container can flush and the
+    training container stays unprivileged; the jobs share the run folder (the campaign's token), its run numbering
+    and its restart budget, and preflight runs once before the first."""
+    return bool(spec.launch is None and spec.runs > 1 and spec.profile.kubernetes.flush_page_cache
+                and division(spec.preset) == C.CLOSED)
 
 
 class KubernetesLauncher(Launcher):
     name = "k8s"
     paths_here = False  # --data and --init-checkpoint name paths inside the pods
 
+    def launches(self, spec: JobSpec) -> list[JobSpec]:
+        return [dataclasses.replace(spec, launch=run) for run in range(spec.runs)] if per_run_jobs(spec) else [spec]
+
+    def problems(self, spec: JobSpec) -> list[str]:
+        flush = kubernetes_flush_problem(spec)
+        return [flush] if flush else []
+
     def render(self, spec: JobSpec) -> Request:
-        """The job with the token derived from the spec (a dry run prints the same bytes for the same
-        arguments); `submit` renders it again with a fresh random token."""
-        return self._request(spec, render_token(spec))
+        """Every object the campaign creates, in order, as YAML documents under the list of what must exist first:
+        the health job (with --preflight), then each job (one, or one per run) and its watcher pod. Tokens are
+        derived from the spec (a dry run prints the same bytes for the same arguments); `submit` renders the job
+        again with a fresh random token. The request's payload is the (first) training job's."""
+        token = render_token(spec)
+        requests = [self._request(launch, token) for launch in self.launches(spec)]
+        documents = [self._health_body(spec, render_token(dataclasses.replace(spec, health_only=True)))[1]] \
+            if spec.preflight else []
+        for request in requests:
+            documents.append(request.payload["body"])
+            if watches_failures(request.spec):  # its owner's uid exists only once the API server made the job
+                job = {"metadata": {**request.payload["body"]["metadata"], "uid": "<the job's uid, at submit>"}}
+                documents.append(watcher_pod(request.spec, job, pvc_folder(request.spec, token)))
+        header = "".join(f"# {line}\n" for line in prerequisites(spec))
+        text = header + yaml.safe_dump_all(documents, sort_keys=True, default_flow_style=False)
+        return dataclasses.replace(requests[0], text=text,
+                                   payload={**requests[0].payload, "launches": len(requests)})
 
     def _request(self, spec: JobSpec, token: str) -> Request:
         """`spec` as given (its name the default, or --name); the request's spec carries the job's own name."""
@@ -68,12 +103,16 @@ class KubernetesLauncher(Launcher):
     def render_preflight(self, spec: JobSpec) -> Request:
         """The health job: a PyTorchJob with a pod on each of nodes + spare_nodes nodes (kubernetes_nodes)."""
         token = secrets.token_hex(TOKEN_HEX // 2)  # a folder of its own: an earlier check's reports never count
-        checked = kubernetes_nodes.health_spec(_named(spec, token))
-        in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(pvc_folder(checked, token)))
-        body = kubernetes_nodes.health_job(excluding(pytorch_job(checked, token), spec.exclude_nodes), checked,
-                                           health_command(in_pod, "python"))
+        checked, body = self._health_body(spec, token)
         return Request(backend=self.name, spec=checked, text=yaml.safe_dump(body, sort_keys=True),
                        payload={"body": body, "token": token, "health": True})
+
+    @staticmethod
+    def _health_body(spec: JobSpec, token: str) -> tuple[JobSpec, dict]:
+        checked = kubernetes_nodes.health_spec(_named(dataclasses.replace(spec, launch=None), token))
+        in_pod = dataclasses.replace(checked, out_dir=PurePosixPath(pvc_folder(checked, token)))
+        return checked, kubernetes_nodes.health_job(excluding(pytorch_job(checked, token), spec.exclude_nodes),
+                                                    checked, health_command(in_pod, "python"))
 
     def remediate(self, spec: JobSpec, preflight: dict) -> list[str]:
         _, core = clients()
@@ -90,10 +129,21 @@ class KubernetesLauncher(Launcher):
             raise HarnessError(f"profile {spec.profile.name} names no results volume, so the MLPerf logs would "
                                "vanish with the pods: set kubernetes.results_pvc to a ReadWriteMany claim "
                                "(--set kubernetes.results_pvc=NAME)")
+        if request.payload.get("launches", 1) > 1:
+            raise HarnessError(f"this campaign is {request.payload['launches']} jobs, one per run: submit each of "
+                               "launcher.launches(spec) in turn (as `harness run` does)")
         # A token of its own, so that no earlier job's folder on the volume (same --out name, same
         # arguments) is taken for this one's; the node agents also refuse a folder another job claimed.
+        # A campaign's later runs go on in its first run's folder, with its token (per_run_jobs).
+        earlier: list[dict] = []
         if not request.payload.get("health"):  # the health job keeps its own (it trains nothing)
-            request = self._request(request.payload["spec"], secrets.token_hex(TOKEN_HEX // 2))
+            token = secrets.token_hex(TOKEN_HEX // 2)
+            if request.payload["spec"].launch:
+                previous = Handle.load(request.spec.out_dir).record()
+                token = previous["token"]
+                earlier = [*previous.get("earlier_jobs", []),
+                           {key: previous.get(key) for key in ("job_id", "launch", "state")}]
+            request = self._request(request.payload["spec"], token)
             spec = request.spec
         (spec.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         api = APIS[spec.profile.kubernetes.api]
@@ -103,7 +153,8 @@ class KubernetesLauncher(Launcher):
                        namespace, api.plural, request.payload["body"])
         handle = Handle(backend=self.name, job_id=f"{namespace}/{created['metadata']['name']}", out_dir=spec.out_dir)
         folder = pvc_folder(spec, request.payload["token"])
-        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder)
+        handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder,
+                    token=request.payload["token"], launch=spec.launch, earlier_jobs=earlier)
         if watches_failures(spec):  # the job's own, in the cluster: it goes on without this process
             _, core = clients()
             try:

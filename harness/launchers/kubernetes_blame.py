@@ -45,7 +45,7 @@ from harness.launchers import kubernetes_nodes
 from harness.launchers.base import Handle, JobState
 from harness.launchers.kubernetes_api import PYTORCHJOB, Backoff, Outage, Unreachable, call, clients, retrying
 from harness.spec import JobSpec
-from workloads.common.run_record import read_attempts
+from workloads.common.run_record import attempt_key, read_attempts
 
 BLAME_ANNOTATION = "mlperf-harness/blame"
 POLL_S = 10.0  # between two reads of the job and its attempt records
@@ -139,8 +139,11 @@ class BlamedNodeWatcher:
     """One PyTorchJob, watched from inside the cluster (see the module's notes); each call is one poll."""
 
     def __init__(self, namespace: str, name: str, folder: Path, taint: bool, backoff: Backoff | None = None,
-                 max_marked_share: float = preflight.MAX_MARKED_SHARE):
+                 max_marked_share: float = preflight.MAX_MARKED_SHARE, launch: int | None = None):
         self.namespace, self.name, self.folder, self.taint = namespace, name, Path(folder), taint
+        # A closed campaign's job per run (harness.agent --launch): the folder holds the runs before it too, whose
+        # attempts (numbered on from theirs) are not this job's to judge.
+        self.launch = launch
         # The most of the job's nodes one verdict marks (preflight.marking: the profile's preflight.max_marked_share,
         # at least one node); above it every blamed node is still kept out, and none is marked (systemic).
         self.max_marked_share = max_marked_share
@@ -170,8 +173,10 @@ class BlamedNodeWatcher:
         if job is None:
             return None
         state, _ = PYTORCHJOB.state(job)
-        verdict = judge(job, read_attempts(self.folder),
-                        lambda attempt: preflight.blamed_nodes(self.folder, attempt))
+        records = read_attempts(self.folder)
+        if self.launch is not None:
+            records = [r for r in records if attempt_key(r)[1] == self.launch]
+        verdict = judge(job, records, lambda attempt: preflight.blamed_nodes(self.folder, attempt))
         if verdict is not None:
             self._keep_out(jobs, core, job, verdict)
         return state
@@ -269,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=POLL_S)
     parser.add_argument("--max-marked-share", type=float, default=preflight.MAX_MARKED_SHARE,
                         help="the most of the job's nodes one verdict marks (the profile's preflight.max_marked_share)")
+    parser.add_argument("--launch", type=int, help="the run this job does, where each run is a job of its own")
     args = parser.parse_args(argv)
     watcher = BlamedNodeWatcher(args.namespace, args.job, args.folder, args.taint,
-                                max_marked_share=args.max_marked_share)
+                                max_marked_share=args.max_marked_share, launch=args.launch)
     print(f"harness watcher: watching {args.namespace}/{args.job} ({args.folder})", flush=True)
     while True:
         state = watcher()

@@ -81,7 +81,8 @@ def _pod_parts(spec: JobSpec, nproc: int, token: str) -> _PodParts:
     in_pod = dataclasses.replace(spec, out_dir=PurePosixPath(pvc_folder(spec, token)))
     # Both operators give every pod PET_MASTER_ADDR/PORT; the kubelet expands $(VAR) in arguments.
     command = agent_command(in_pod, "python", nproc, rendezvous="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-                            rdzv_id=spec.name, job_token=token)
+                            rdzv_id=spec.name, job_token=token,
+                            launch=None if spec.launch is None else str(spec.launch))
     return _PodParts(
         command=command, env=[k8s.V1EnvVar(name=k, value=v) for k, v in sorted(env.items())],
         resources=k8s.V1ResourceRequirements(limits=limits, requests=limits) if limits else None,
@@ -286,6 +287,61 @@ def pod_monitor(spec: JobSpec) -> dict:
                                                            "targetLabel": "host"}]}]}}
 
 
+PLACEHOLDER_REGISTRY = "registry.example.com/"  # the shipped profiles' image, until one is built and pushed
+
+
+def privileged_reasons(spec: JobSpec) -> list[str]:
+    """What in the training pods Pod Security's baseline level refuses, so that their namespace must enforce the
+    privileged level: a privileged container (the page-cache flush), a capability outside baseline's list
+    (IPC_LOCK, which RDMA's pinned memory needs), host networking."""
+    profile = spec.profile
+    return [reason for reason, present in (
+        ("the page-cache flush init container is privileged", profile.kubernetes.flush_page_cache),
+        ("RDMA adds the IPC_LOCK capability", bool(profile.rdma_resource)),
+        ("host_network uses the host's network namespace", profile.host_network)) if present]
+
+
+def prerequisites(spec: JobSpec) -> list[str]:
+    """What must exist in the cluster before the request is applied, one line each (the dry run's header);
+    `harness doctor` checks them."""
+    kube, profile = spec.profile.kubernetes, spec.profile
+    api = APIS[kube.api]
+    nodes = spec.nodes + spec.spare_nodes if spec.preflight else spec.nodes
+    devices = [f"{spec.gpus()} {profile.gpu_resource}"] if spec.gpus() else []
+    devices += [f"{profile.rdma_count} {profile.rdma_resource}"] if profile.rdma_resource else []
+    privileged = privileged_reasons(spec)
+    lines = [f"Must exist first (`harness doctor --profile {profile.name}` checks each):",
+             f"- the {api.kind} CRD ({api.plural}.{api.group})"
+             + (f" and the ClusterTrainingRuntime {kube.trainjob_runtime}" if api is TRAINJOB else ""),
+             f"- namespace {kube.namespace}, Pod Security "
+             + ("pod-security.kubernetes.io/enforce=privileged: " + "; ".join(privileged) if privileged
+                else "baseline or privileged")]
+    if kube.results_pvc:
+        lines.append(f"- PersistentVolumeClaim {kube.results_pvc}, ReadWriteMany, Bound (rank 0 writes the logs; "
+                     "the collection pods read them)")
+    lines += [f"- PersistentVolumeClaim {claim_mount(entry).source}, Bound, readable from every node"
+              for entry in kube.mounts]
+    if kube.priority_class:
+        lines.append(f"- PriorityClass {kube.priority_class}")
+    if kube.queue:
+        lines.append(f"- queue {kube.queue}: a Kueue LocalQueue in {kube.namespace} or a Volcano Queue")
+    if kube.service_account:
+        lines.append(f"- ServiceAccount {kube.service_account} in {kube.namespace}")
+    lines.append(f"- the submitter's RBAC in {kube.namespace} (manifests/rbac/harness-role.yaml"
+                 + (", and preflight-clusterrole.yaml for the node marks)" if spec.preflight else ")"))
+    if watches_failures(spec):
+        lines.append(f"- ServiceAccount {kube.watcher_service_account} in {kube.namespace} with the watcher's RBAC "
+                     "(manifests/rbac/watcher.yaml)")
+    lines.append(f"- {nodes} Node(s)" + (f" with {' and '.join(devices)} allocatable" if devices else "")
+                 + (f", labelled {', '.join(f'{k}={v}' for k, v in kube.node_selector.items())}"
+                    if kube.node_selector else ""))
+    image = profile.image or "(none)"
+    lines.append(f"- image {image}, pullable by the nodes"
+                 + (" (a placeholder: build manifests/image/Containerfile, push it, set `image`)"
+                    if image.startswith(PLACEHOLDER_REGISTRY) else ""))
+    return lines
+
+
 def trainjob_notes(spec: JobSpec) -> list[str]:
     """Settings a TrainJob cannot carry: said aloud rather than dropped silently."""
     kube, runtime = spec.profile.kubernetes, spec.profile.kubernetes.trainjob_runtime
@@ -344,7 +400,7 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
     kube, meta = spec.profile.kubernetes, job["metadata"]
     command = ["python", "-m", WATCHER_MODULE, "--namespace", meta["namespace"], "--job", meta["name"],
                "--folder", folder, "--max-marked-share", str(spec.profile.preflight.max_marked_share)] + \
-        (["--taint"] if spec.taint_bad_nodes else [])
+        (["--taint"] if spec.taint_bad_nodes else []) + (["--launch", str(spec.launch)] if spec.launch is not None else [])
     container = k8s.V1Container(
         name="watch", image=spec.profile.image, command=command[:1], args=command[1:],
         env=[k8s.V1EnvVar(name="PYTHONDONTWRITEBYTECODE", value="1")],

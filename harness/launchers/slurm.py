@@ -30,6 +30,7 @@ from mlperf_logging.mllog import constants as C
 
 from harness.agent import EXIT_RETRY
 from harness.cache_flush import slurm_flush_lines
+from harness.campaign_plan import campaign_minutes, parse_slurm_time, slurm_time
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
@@ -141,7 +142,7 @@ def sbatch_script(spec: JobSpec, train: bool = True) -> str:
                           else _directive("gpus-per-node", spec.gpus()))
     if slurm.exclusive:
         directives.append("#SBATCH --exclusive")
-    directives.append(_directive("time", slurm.time))
+    directives.append(_directive("time", slurm.time or slurm_time(campaign_minutes(spec)[0])))
     if slurm.requeue or spec.max_restarts:  # a lost node requeues the job too (the agent keeps the budget)
         directives.append("#SBATCH --requeue")
     for option in ("partition", "account", "constraint"):
@@ -255,7 +256,23 @@ class SlurmLauncher(Launcher):
     def render(self, spec: JobSpec) -> Request:
         script = sbatch_script(spec)
         plan = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
+        minutes, parts = campaign_minutes(spec)
+        if not spec.profile.slurm.time:
+            plan += (f"note: --time={slurm_time(minutes)} from the campaign's plan ({parts}); "
+                     "--run-minutes or --set slurm.time=... to change it",)
         return Request(backend=self.name, spec=spec, text=script, payload={"script": script}, notes=plan)
+
+    def problems(self, spec: JobSpec) -> list[str]:
+        """A profile's slurm.time shorter than the campaign's plan: the allocation would end mid-campaign."""
+        if not spec.profile.slurm.time:
+            return []
+        given = parse_slurm_time(spec.profile.slurm.time)
+        minutes, parts = campaign_minutes(spec)
+        if given is None or given >= minutes:
+            return []
+        return [f"slurm.time {spec.profile.slurm.time} is shorter than the campaign's plan, {slurm_time(minutes)} "
+                f"({parts}): --set slurm.time={slurm_time(minutes)}, fewer --runs, or --run-minutes if this "
+                "cluster's runs are faster"]
 
     def render_preflight(self, spec: JobSpec) -> Request:
         script = sbatch_script(spec, train=False)
