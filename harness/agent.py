@@ -56,8 +56,8 @@ from pathlib import Path
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
                            OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
                            STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
-from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_key, attempt_of,
-                                         node_attempts_path,
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_of, node_attempts_path,
+                                         of_launch,
                                          read_attempts, read_json_lines, records_of, run_records,
                                          write_merged_attempts)
 from workloads.common.refusals import ConfigurationError
@@ -224,7 +224,7 @@ def next_attempt(records: list[dict], node: str, launch: int | None = None) -> i
         return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     campaign = max((r["attempt"] for r in records), default=0)
     if launch is not None:
-        records = [r for r in records if attempt_key(r)[1] == launch]
+        records = of_launch(records, launch)
     seen = [r["attempt"] for r in records if r.get("event") == "end" or r.get("node") == node]
     newest = max(seen) + 1 if seen else 0
     return max(newest, campaign) if launch is not None else newest

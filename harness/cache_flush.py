@@ -89,3 +89,29 @@ def kubernetes_flush_problem(spec: JobSpec) -> str | None:
             f"cannot do: --set kubernetes.flush_page_cache=true (a privileged init container, each run a job of its "
             f"own; the namespace needs pod-security.kubernetes.io/enforce=privileged), or accept unflushed runs "
             f"with {ALLOW_FLAG}")
+
+
+# The setting that makes the flush work, per backend: said once when a campaign's runs went unflushed.
+FLUSH_FIXES = {
+    "slurm": "set slurm.flush_page_cache to a command that has root on the nodes, as NVIDIA's clusters do: "
+             "--set slurm.flush_page_cache='sudo /sbin/sysctl vm.drop_caches=3'",
+    "k8s": "--set kubernetes.flush_page_cache=true (a privileged init container; the namespace needs "
+           "pod-security.kubernetes.io/enforce=privileged)",
+    "local": "run the harness as root on the machine, or accept it (open runs only log cache_clear false)",
+}
+
+
+def unflushed_note(out_dir, backend: str) -> str | None:
+    """One line for a campaign whose runs went unflushed (their run records' cache_clear moment), with the first
+    reason and the profile setting that fixes it; None when every run was flushed. The workers say it per node
+    and run; this is what the user reads at the end."""
+    from workloads.common.run_record import read_json_lines, run_records
+
+    missed = [(run, moment) for run, path in run_records(out_dir).items() for moment in read_json_lines(path)
+              if moment.get("kind") == "cache_clear" and not moment.get("cleared")]
+    if not missed:
+        return None
+    run, first = missed[0]
+    why = "; ".join(first.get("why_not") or []) or "no reason recorded"
+    return (f"note: the page cache was not flushed before {len(missed)} run(s) (run {run + 1}: {why}); "
+            f"{FLUSH_FIXES.get(backend, FLUSH_FIXES['local'])}")

@@ -383,6 +383,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     record = handle.record()
     if record.get("failure"):
         print(f"harness: {record['failure']}", file=sys.stderr)
+    from harness.cache_flush import unflushed_note
+
+    unflushed = unflushed_note(spec.out_dir, launcher.name)
+    if unflushed:
+        print(f"harness: {unflushed}", file=sys.stderr)
     return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, ruleset=BENCHMARKS[spec.benchmark].ruleset,
                       exit_code=record.get("exit_code"), collected=collected)
 

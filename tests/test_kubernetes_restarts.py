@@ -185,6 +185,42 @@ def test_attempt_numbers_and_rendezvous(tmp_path):
     assert attempt_argv(["--standalone", "-m", "workloads"], 1) == ["--standalone", "-m", "workloads"]
 
 
+def test_a_closed_campaigns_job_per_run_numbers_its_attempts_on_from_the_runs_before(tmp_path):
+    """Each run of a closed Kubernetes campaign is a job of its own with new pods (--launch). Run 0 ended its attempts
+    by succeeding: run 1's first pods must not read those ends as a failure to restart after (one past them would
+    spend the budget on success and make the markers of attempt 1 stop run 1's other pods); they go on at the
+    campaign's newest attempt, so a restart spent in run 0 stays spent. A pod of run 1 recreated after its own
+    failure goes one past. The watcher of run 1's job judges run 1's attempts alone."""
+    from harness.launchers.kubernetes_blame import judge
+    from workloads.common.run_record import of_launch
+
+    run0 = [{"event": "start", "attempt": 0, "node": "r0-m", "launch": 0},
+            {"event": "end", "attempt": 0, "node": "r0-m", "launch": 0, "exit_code": 138},
+            {"event": "start", "attempt": 1, "node": "r0-m", "launch": 0},
+            {"event": "end", "attempt": 1, "node": "r0-m", "launch": 0, "exit_code": 0}]
+    assert next_attempt(run0, "r1-m", launch=1) == 1 and next_attempt(run0, "r1-w", launch=1) == 1
+    assert next_attempt(run0[:2] + [{"event": "start", "attempt": 0, "node": "x", "launch": 0}], "r1-m", launch=1) == 0
+    run1 = [*run0, {"event": "start", "attempt": 1, "node": "r1-m", "launch": 1},
+            {"event": "end", "attempt": 1, "node": "r1-m", "launch": 1, "exit_code": 138}]
+    assert next_attempt(run1, "r1-m", launch=1) == 2 and next_attempt(run1, "r1-w", launch=1) == 2
+    assert next_attempt(run1, "r1-m") == 2  # without --launch, as before: one past the newest end anywhere
+    # Run 1's watcher, polling before run 1 ended anything: run 0's settled attempt 1 is not its to judge (judged,
+    # it would leave run 1's own attempt 1, when it fails, marked judged already, and never acted on).
+    job = {"metadata": {"name": JOB}, "spec": {"pytorchReplicaSpecs": {}}}
+    assert judge(job, run0, lambda attempt: {}) is not None and judge(job, of_launch(run0, 1), lambda a: {}) is None
+    verdict = judge(job, of_launch(run1, 1), lambda attempt: {"gpu-b": "lost"} if attempt == 1 else {})
+    assert verdict.attempt == 1 and verdict.blamed == {"gpu-b": "lost"}
+    from harness import profiles
+    from harness.launchers.kubernetes_render import watcher_pod
+    from harness.spec import JobSpec
+
+    spec = JobSpec("resnet", preset="full", nodes=2, runs=5, launch=3, preflight=True, out_dir=tmp_path,
+                   profile=profiles.load("coreweave-h100")).resolved()
+    args = watcher_pod(spec, {"metadata": {"name": "j-run3", "namespace": NS, "uid": "u"}}, "/f")["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--launch") + 1] == "3"  # the pod's watcher filters by its run (BlamedNodeWatcher)
+
+
 def test_a_survivor_stops_when_another_node_begins_a_newer_attempt(tmp_path):
     stopped = threading.Event()
     _append(tmp_path, "a", {"event": "start", "attempt": 0, "node": "a", "time": 0})

@@ -45,7 +45,7 @@ from harness.launchers import kubernetes_nodes
 from harness.launchers.base import Handle, JobState
 from harness.launchers.kubernetes_api import PYTORCHJOB, Backoff, Outage, Unreachable, call, clients, retrying
 from harness.spec import JobSpec
-from workloads.common.run_record import attempt_key, read_attempts
+from workloads.common.run_record import of_launch, read_attempts
 
 BLAME_ANNOTATION = "mlperf-harness/blame"
 POLL_S = 10.0  # between two reads of the job and its attempt records
@@ -175,7 +175,7 @@ class BlamedNodeWatcher:
         state, _ = PYTORCHJOB.state(job)
         records = read_attempts(self.folder)
         if self.launch is not None:
-            records = [r for r in records if attempt_key(r)[1] == self.launch]
+            records = of_launch(records, self.launch)
         verdict = judge(job, records, lambda attempt: preflight.blamed_nodes(self.folder, attempt))
         if verdict is not None:
             self._keep_out(jobs, core, job, verdict)

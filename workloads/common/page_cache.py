@@ -107,6 +107,6 @@ def refuse_unflushed(run: int, problems: list[str]) -> str:
     """The one-line reason a closed run stops when its cache was not flushed."""
     return (f"workloads: closed run {run + 1} stops before init_start: MLPerf's rules require flushing the page cache "
             f"before each run, and it was not flushed ({'; '.join(problems)}). Flush it on the host (Slurm: the "
-            "job's per-node flush step, which needs root on the nodes; Kubernetes: the profile's "
-            f"kubernetes.flush_page_cache privileged init step), or accept it with {ALLOW_FLAG} (the log keeps "
-            "cache_clear false)")
+            "job's per-node flush step needs root on the nodes: set the profile's slurm.flush_page_cache to e.g. "
+            "'sudo /sbin/sysctl vm.drop_caches=3'; Kubernetes: the profile's kubernetes.flush_page_cache privileged "
+            f"init step), or accept it with {ALLOW_FLAG} (the log keeps cache_clear false)")

@@ -79,6 +79,11 @@ def attempt_of(records: list[dict], attempt: int | None = None) -> tuple[int, in
     return max(keys) if keys else None
 
 
+def of_launch(records: list[dict], launch: int) -> list[dict]:
+    """The records of one launch (see attempt_key): a Kubernetes job per run judges and numbers its own attempts."""
+    return [r for r in records if attempt_key(r)[1] == launch]
+
+
 def records_of(records: list[dict], key: tuple[int, int]) -> list[dict]:
     """One attempt's records (of one launch: see attempt_key)."""
     return [r for r in records if attempt_key(r) == key]
