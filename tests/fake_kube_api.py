@@ -115,6 +115,15 @@ def rbac_attributes(method: str, path: str) -> tuple[str, str, str, str]:
     return group, resource, verb, namespace
 
 
+def granted(docs: list[dict]) -> set[tuple[str, str, str, str]]:
+    """What RBAC documents grant, as (scope, apiGroup, resource, verb): a Role's rules "namespace" (its
+    namespace's), a ClusterRole's "cluster"; the tables in harness.launchers.kubernetes_rbac read the same."""
+    kinds = {"Role": "namespace", "ClusterRole": "cluster"}
+    return {(kinds[doc["kind"]], group, resource, verb) for doc in docs if doc["kind"] in kinds
+            for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
+
+
 class FakeKubeAPI:
     def __init__(self):
         self.jobs: dict[tuple[str, str], dict] = {}  # (namespace, name) -> job, of either kind
