@@ -36,7 +36,7 @@ INSTALL = {
     TRAINJOB.kind: 'kubectl apply --server-side -k "https://github.com/kubeflow/trainer.git/manifests/overlays/'
                    'manager?ref=v2.1.0" (Kubeflow Trainer v2)',
 }
-TOLERATED_EFFECTS = ("NoSchedule", "NoExecute")  # the taints that keep a pod off a node (PreferNoSchedule does not)
+REPELLING_EFFECTS = ("NoSchedule", "NoExecute")  # the taints that keep a pod off a node (PreferNoSchedule does not)
 
 
 @dataclass(frozen=True)
@@ -390,7 +390,7 @@ class Doctor:
             return ", ".join(short)
         if node.spec and node.spec.unschedulable:
             return "cordoned"
-        taints = [t for t in (node.spec.taints if node.spec else None) or [] if t.effect in TOLERATED_EFFECTS]
+        taints = [t for t in (node.spec.taints if node.spec else None) or [] if t.effect in REPELLING_EFFECTS]
         untolerated = [f"{t.key}{'=' + t.value if t.value else ''}:{t.effect}" for t in taints
                        if not any(_tolerates(toleration, t) for toleration in self.kube.tolerations)]
         return f"taint {', '.join(untolerated)} not tolerated" if untolerated else ""
