@@ -200,6 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
     _preflight_options(check)
     check.set_defaults(func=cmd_preflight)
 
+    doctor = sub.add_parser("doctor", help="check a Kubernetes cluster's prerequisites for a profile, read-only",
+                            formatter_class=_Help, description=(
+                                "Before the first run on --backend k8s: read, through the kubeconfig's identity,\n"
+                                "whether the cluster has what the profile needs (the job API's CRD and TrainJob\n"
+                                "runtime, the namespace and its Pod Security level, the results and data PVCs,\n"
+                                "the priority class, the queue, the ServiceAccounts, the submitter's permissions\n"
+                                "and the watcher's Role, enough Nodes with the GPUs and RDMA devices, the image).\n"
+                                "One row per check, with the fix of each that failed; nothing is changed.\n"
+                                "Exit 0: no check failed, 1: some did."))
+    doctor.add_argument("--profile", required=True, help="cluster profile (name or YAML file)")
+    doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one profile setting, e.g. kubernetes.namespace=mlperf (repeatable)")
+    doctor.add_argument("--api", choices=profiles.KUBERNETES_APIS,
+                        help="job resource: pytorchjob or trainjob; same as --set kubernetes.api=... "
+                             "(default: the profile's)")
+    doctor.add_argument("--nodes", type=int, default=1, help="nodes the job would need")
+    doctor.set_defaults(func=cmd_doctor)
+
     report = sub.add_parser("report", help="time-to-train report of MLPerf result logs", formatter_class=_Help,
                             description="Read result_*.txt files (ours or any submission's) and print each "
                                         "run's time-to-train, quality, throughput and status, and the MLPerf "
@@ -466,6 +484,15 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                                   f"{spec.out_dir}")
     print(f"harness: wrote {spec.out_dir / 'preflight.json'}")
     return 0 if record["passed"] else _preflight_failed(record)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from harness.doctor import doctor
+
+    if args.nodes < 1:
+        raise HarnessError(f"--nodes must be at least 1, got {args.nodes}")
+    overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
+    return doctor(profiles.apply_overrides(profiles.load(args.profile), overrides), args.nodes)
 
 
 class _Terminated(Exception):

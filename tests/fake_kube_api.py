@@ -4,7 +4,12 @@ It speaks just the endpoints the k8s launcher uses, through the official client:
 PyTorchJob and TrainJob custom objects (create, get, patch, delete: a job's pods, and the pods whose
 ownerReferences name it, go with it), pods (list by label, create, get, delete; a create under a name
 already taken is refused with 409 AlreadyExists, as the API server refuses it), pod logs, events (create), and
-Nodes (list, get, and strategic-merge patches of the node and of its status). Tests move a job
+Nodes (list, by label too, get, and strategic-merge patches of the node and of its status). For `harness doctor`,
+reads only, of objects held in plain dicts the tests fill (each shaped as the API server serves it): Namespaces,
+CustomResourceDefinitions, PersistentVolumeClaims, ServiceAccounts, Roles and RoleBindings (listed), PriorityClasses,
+Kueue LocalQueues, Volcano Queues and Kubeflow Trainer ClusterTrainingRuntimes (each served only while `crds` holds
+its CRD: otherwise the API server has no such path, and answers 404 in plain text), and SelfSubjectAccessReviews,
+answered from `denied`. Tests move a job
 through its life by editing `jobs` and `pods` directly, or, for PyTorchJobs, by
 letting `reconcile` do what the training operator's controller does (below). A
 pod created through the API (the harness's results pods), or a job's pod passed
@@ -86,6 +91,29 @@ def served_log(log: str) -> str:
     return data[len(data) - len(data) % LOG_ROTATE_BYTES:].decode(errors="replace") if len(data) > LOG_ROTATE_BYTES \
         else log
 NODES = re.compile(r"/api/v1/nodes$")
+# What `harness doctor` reads: (path, the FakeKubeAPI attribute that holds the objects, keyed by (namespace,
+# name) where the path has a namespace, else by name; the CRD that serves them, None for a built-in kind; the
+# List kind where the path lists them: the RBAC kinds alone).
+READS = [
+    (re.compile(r"/api/v1/namespaces/(?P<name>[^/]+)$"), "namespaces", None, None),
+    (re.compile(r"/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/(?P<name>[^/]+)$"), "crds", None, None),
+    (re.compile(r"/api/v1/namespaces/(?P<namespace>[^/]+)/persistentvolumeclaims/(?P<name>[^/]+)$"), "pvcs", None,
+     None),
+    (re.compile(r"/api/v1/namespaces/(?P<namespace>[^/]+)/serviceaccounts/(?P<name>[^/]+)$"), "service_accounts",
+     None, None),
+    (re.compile(r"/apis/rbac\.authorization\.k8s\.io/v1/namespaces/(?P<namespace>[^/]+)/roles$"), "roles", None,
+     "RoleList"),
+    (re.compile(r"/apis/rbac\.authorization\.k8s\.io/v1/namespaces/(?P<namespace>[^/]+)/rolebindings$"),
+     "role_bindings", None, "RoleBindingList"),
+    (re.compile(r"/apis/scheduling\.k8s\.io/v1/priorityclasses/(?P<name>[^/]+)$"), "priority_classes", None, None),
+    (re.compile(r"/apis/kueue\.x-k8s\.io/v1beta1/namespaces/(?P<namespace>[^/]+)/localqueues/(?P<name>[^/]+)$"),
+     "local_queues", "localqueues.kueue.x-k8s.io", None),
+    (re.compile(r"/apis/scheduling\.volcano\.sh/v1beta1/queues/(?P<name>[^/]+)$"), "volcano_queues",
+     "queues.scheduling.volcano.sh", None),
+    (re.compile(r"/apis/trainer\.kubeflow\.org/v1alpha1/clustertrainingruntimes/(?P<name>[^/]+)$"), "runtimes",
+     "clustertrainingruntimes.trainer.kubeflow.org", None),
+]
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 
 def merge_patch(target: dict, patch: dict) -> None:
@@ -106,13 +134,22 @@ def rbac_attributes(method: str, path: str) -> tuple[str, str, str, str]:
     parts = path.strip("/").split("/")
     group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
     namespace = ""
-    if rest[:1] == ["namespaces"] and len(rest) > 2:
-        namespace, rest = rest[1], rest[2:]
+    if rest[:1] == ["namespaces"] and len(rest) > 1:  # a namespace itself counts as in it (RequestInfoFactory)
+        namespace, rest = rest[1], rest[2:] if len(rest) > 2 else rest
     resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
     one = len(rest) > 1
     verb = {"GET": "get" if one else "list", "POST": "create", "PATCH": "patch", "PUT": "update",
             "DELETE": "delete"}[method]
     return group, resource, verb, namespace
+
+
+def granted(docs: list[dict]) -> set[tuple[str, str, str, str]]:
+    """What RBAC documents grant, as (scope, apiGroup, resource, verb): a Role's rules "namespace" (its
+    namespace's), a ClusterRole's "cluster"; the tables in harness.launchers.kubernetes_rbac read the same."""
+    kinds = {"Role": "namespace", "ClusterRole": "cluster"}
+    return {(kinds[doc["kind"]], group, resource, verb) for doc in docs if doc["kind"] in kinds
+            for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
 
 
 class FakeKubeAPI:
@@ -122,6 +159,21 @@ class FakeKubeAPI:
         self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> pod, with "log" text beside
         self.events: list[dict] = []
         self.nodes: dict[str, dict] = {}  # name -> Node; add_node() adds one
+        # What `harness doctor` reads (module notes): by name, or by (namespace, name) for a namespaced kind.
+        self.namespaces: dict[str, dict] = {}
+        self.crds: dict[str, dict] = {}  # by <plural>.<group>
+        self.pvcs: dict[tuple[str, str], dict] = {}
+        self.service_accounts: dict[tuple[str, str], dict] = {}
+        self.roles: dict[tuple[str, str], dict] = {}
+        self.role_bindings: dict[tuple[str, str], dict] = {}
+        self.priority_classes: dict[str, dict] = {}
+        self.local_queues: dict[tuple[str, str], dict] = {}  # Kueue's
+        self.volcano_queues: dict[str, dict] = {}
+        self.runtimes: dict[str, dict] = {}  # Kubeflow Trainer's ClusterTrainingRuntimes
+        # (apiGroup, resource[/subresource], verb) that a SelfSubjectAccessReview answers as not allowed (any
+        # namespace); `reviews` holds the resourceAttributes of each one asked.
+        self.denied: set[tuple[str, str, str]] = set()
+        self.reviews: list[dict] = []
         self.before_node_patch = None  # a callable(name), run before each node patch (a concurrent writer)
         # A callable(pod), run before the fake kubelet runs a pod created through the API: a string it returns
         # fails the pod, with that string as its log (a results pod that cannot read the volume).
@@ -202,11 +254,16 @@ class FakeKubeAPI:
             "metadata": {"name": name, "namespace": namespace, "labels": {label: job}},
             "status": {"phase": phase}, "log": log}
 
-    def add_node(self, name: str, taints: list[dict] | None = None) -> None:
+    def add_node(self, name: str, taints: list[dict] | None = None, labels: dict[str, str] | None = None,
+                 allocatable: dict[str, str] | None = None) -> None:
+        """A Node, labelled with its hostname (and `labels`), with `allocatable` beside its CPUs and memory."""
         taints = [{"key": "example.com/other", "effect": "NoExecute"}] if taints is None else taints
-        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "resourceVersion": "1"},
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node",
+                            "metadata": {"name": name, "resourceVersion": "1",
+                                         "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
                             "spec": {"taints": taints},
-                            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+                            "status": {"conditions": [{"type": "Ready", "status": "True"}],
+                                       "allocatable": {"cpu": "64", "memory": "515000Mi", **(allocatable or {})}}}
 
     def _schedule(self, pod: dict, job: str) -> str | None:
         """The fake scheduler (see the module's notes): the node the pod is bound to, or None (Pending)."""
@@ -461,7 +518,8 @@ class FakeKubeAPI:
                 fake.authorized.append((group, resource, verb, namespace))
                 if (code := fake.refuse.get((group, resource, verb))) is not None:
                     self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                    return self._send(code, {"kind": "Status", "status": "Failure", "code": code,
+                    return self._send(code, {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                                             "status": "Failure", "code": code,
                                              "reason": "Forbidden" if code == 403 else "Refused",
                                              "message": f"{resource} is forbidden: cannot {verb} {resource} "
                                                         f"(the fake's refuse)"})
@@ -521,13 +579,48 @@ class FakeKubeAPI:
                         return self._send(409, {"kind": "Status", "status": "Failure", "reason": "Conflict",
                                                 "code": 409, "message": "the object has been modified"})
                     return self._send(200, patched)
-                if NODES.match(url.path) and method == "GET":
-                    return self._send(200, {"apiVersion": "v1", "kind": "NodeList", "items": list(fake.nodes.values())})
+                if NODES.match(url.path) and method == "GET":  # equality selectors only: k=v,k2=v2
+                    selector = parse_qs(url.query).get("labelSelector", [""])[0]
+                    wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+                    items = [node for node in fake.nodes.values()
+                             if all(node["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())]
+                    return self._send(200, {"apiVersion": "v1", "kind": "NodeList", "items": items})
+                if url.path == ACCESS_REVIEWS and method == "POST":
+                    return self._review(self._body())
+                if method == "GET":
+                    for pattern, attribute, crd, list_kind in READS:
+                        if m := pattern.match(url.path):
+                            return self._read(getattr(fake, attribute), m.groupdict(), crd, list_kind)
                 self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404})
 
+            def _read(self, held: dict, found: dict, crd: str | None, list_kind: str | None) -> None:
+                """One object of `held` (or, with `list_kind`, the namespace's), as the API server serves it."""
+                if crd is not None and crd not in fake.crds:  # no such path on this server
+                    return self._send(404, "404 page not found\n")
+                namespace = found.get("namespace")
+                if list_kind is not None:
+                    items = [obj for (ns, _), obj in held.items() if ns == namespace]
+                    return self._send(200, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": list_kind,
+                                            "metadata": {"resourceVersion": "1"}, "items": items})
+                key = (namespace, found["name"]) if namespace is not None else found["name"]
+                if key not in held:
+                    return self._not_found(self.path.split("?")[0].split("/")[-2], found["name"])
+                return self._send(200, held[key])
+
+            def _review(self, review: dict) -> None:
+                """A SelfSubjectAccessReview, answered from `denied` (201 Created, as the API server answers)."""
+                asked = (review.get("spec") or {}).get("resourceAttributes") or {}
+                fake.reviews.append(asked)
+                resource = asked.get("resource", "") + (f"/{asked['subresource']}" if asked.get("subresource") else "")
+                allowed = (asked.get("group", ""), resource, asked.get("verb", "")) not in fake.denied
+                review.update(apiVersion="authorization.k8s.io/v1", kind="SelfSubjectAccessReview",
+                              metadata={"creationTimestamp": None}, status={"allowed": allowed})
+                return self._send(201, review)
+
             def _not_found(self, kind: str, name: str) -> None:
-                self._send(404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
-                                 "message": f"{kind} {name!r} not found"})
+                self._send(404, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                 "message": f"{kind} {name!r} not found", "reason": "NotFound",
+                                 "details": {"name": name, "kind": kind}, "code": 404})
 
             def _jobs(self, method: str, plural: str, namespace: str, name: str | None) -> None:
                 if method == "POST" and name is None:

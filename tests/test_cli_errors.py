@@ -38,6 +38,10 @@ from tests.conftest import harness
     (["report", "/no/such/results"], ["no such file or folder", "/no/such/results"]),
     (["logs", "/"], ["not a run folder", "job.json"]),
     (["frobnicate"], ["invalid choice", "run", "report"]),
+    (["doctor"], ["doctor", "required", "--profile"]),
+    (["doctor", "--profile", "nosuch"], ["unknown profile", "coreweave-h100"]),
+    (["doctor", "--profile", "h100-ib", "--nodes", "0"], ["--nodes must be at least 1"]),
+    (["doctor", "--profile", "h100-ib", "--api", "mpijob"], ["invalid choice", "pytorchjob", "trainjob"]),
 ])
 def test_bad_input_is_one_clear_line(argv, expected, capsys):
     code = main(argv)

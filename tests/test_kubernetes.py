@@ -949,6 +949,69 @@ def test_the_fake_cluster_sees_a_health_job_with_all_its_pods_however_slowly_the
     assert record["allocated"] == ["gpu-a", "gpu-b", "gpu-c"] and not record["excluded"], record
 
 
+def test_the_submitters_rbac_grants_exactly_what_harness_run_calls(cluster_api, tmp_path):
+    """`harness run --backend k8s --preflight --taint-bad-nodes` in namespace mlperf runs through all it calls: the
+    health job (created, read, its pods listed, deleted), a node that fails it (conditioned, tainted, told), the
+    training job with its watcher pod, and the collection (results pods created, read, their logs, deleted);
+    then a TrainJob is submitted, read and cancelled. The fake API records what RBAC would check for each
+    request: that set, the submitter's table (kubernetes_rbac.SUBMITTER_RULES) and the Role and ClusterRole
+    rendered from it are the same, nothing more, nothing less; nothing is asked outside the job's namespace but
+    the Nodes (preflight's Events on a Node go in the job's namespace)."""
+    from harness.launchers.kubernetes_nodes import TAINT
+    from harness.launchers.kubernetes_rbac import SUBMITTER, SUBMITTER_RULES, rbac
+    from tests.fake_kube_api import granted
+
+    with FakeCluster(cluster_api, tmp_path / "pvc", namespace="mlperf", silent=("gpu-c",)):
+        run = harness("run", "resnet", "--backend", "k8s", "--profile", "h100-ib", "--set",
+                      "kubernetes.namespace=mlperf", "--nodes", "2", "--spare-nodes", "1", "--preflight",
+                      "--taint-bad-nodes", "--out", str(tmp_path / "run"),
+                      env={"KUBECONFIG": str(tmp_path / "kubeconfig")})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [t["key"] for t in cluster_api.nodes["gpu-c"]["spec"]["taints"]] == [TAINT.key]
+    assert any(e["involvedObject"]["kind"] == "Node" for e in cluster_api.events)
+    launcher, handle = submitted(tmp_path / "tj", name="tj", api="trainjob")
+    launcher.cancel(handle)
+    used = set(cluster_api.authorized)
+    assert {namespace for *_, namespace in used} == {"mlperf", ""}
+    calls = {("namespace" if namespace else "cluster", group, resource, verb)
+             for group, resource, verb, namespace in used}
+    table = {(scope, group, resource, verb) for (scope, group, resource), verbs in SUBMITTER_RULES.items()
+             for verb in verbs}
+    assert calls == table
+    rendered = [doc for doc in rbac("mlperf")
+                if doc["metadata"]["name"] in (SUBMITTER, f"{SUBMITTER}-preflight-mlperf")]
+    assert [doc["kind"] for doc in rendered] == ["ServiceAccount", "Role", "RoleBinding", "ClusterRole",
+                                                 "ClusterRoleBinding"]
+    assert granted(rendered) == table
+    for doc in rendered:
+        if doc["kind"].endswith("Binding"):
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": SUBMITTER, "namespace": "mlperf"}]
+
+
+def test_the_shipped_rbac_is_what_the_harness_renders_for_the_default_namespace():
+    """manifests/rbac/*.yaml hold every document kubernetes_rbac.rbac renders for "default", and nothing else; for
+    another namespace every cluster-scoped name carries it, so that applying one namespace's RBAC never rebinds
+    another's, and every binding binds a role rendered beside it."""
+    from harness.launchers.kubernetes_rbac import rbac
+
+    shipped = [doc for path in sorted((REPO / "manifests" / "rbac").glob("*.yaml"))
+               for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+    def key(doc: dict) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    assert sorted(shipped, key=key) == sorted(rbac("default"), key=key)
+    elsewhere = rbac("mlperf")
+    assert len({key(doc) for doc in elsewhere}) == len(elsewhere)
+    for doc in elsewhere:
+        if doc["kind"].startswith("Cluster"):
+            assert doc["metadata"]["name"].endswith("-mlperf") and "namespace" not in doc["metadata"]
+        else:
+            assert doc["metadata"]["namespace"] == "mlperf"
+        if doc["kind"].endswith("Binding"):
+            assert (doc["roleRef"]["kind"], doc["roleRef"]["name"]) in {key(d) for d in elsewhere}
+
+
 def test_a_collection_that_fails_for_one_pod_leaves_a_successful_run_at_0_and_says_what_failed(fake_api, tmp_path):
     """The chunk pods run side by side (two of them meet at a barrier: one after the other, they never would), and
     one that fails costs only its files: the run's exit code stays the job's, the failure is said on the terminal

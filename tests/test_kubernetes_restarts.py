@@ -666,9 +666,11 @@ def test_the_watchers_rbac_grants_exactly_what_its_code_calls(operator, tmp_path
     manifests/rbac/watcher.yaml) are the same: nothing more, nothing less, and only Nodes cluster-wide."""
     import yaml
 
-    from harness.launchers.kubernetes_blame import WATCHER_RULES, BlamedNodeWatcher, watcher_rbac
+    from harness.launchers.kubernetes_blame import WATCHER_RULES, BlamedNodeWatcher
+    from harness.launchers.kubernetes_rbac import rbac
     from harness.profiles import KubernetesSettings
     from tests.conftest import REPO
+    from tests.fake_kube_api import granted
 
     out, _ = failed_on_gpu_b(operator, tmp_path, taint=True)
     before = len(operator.authorized)
@@ -687,14 +689,14 @@ def test_the_watchers_rbac_grants_exactly_what_its_code_calls(operator, tmp_path
              for verb in verbs}
     assert table == {("namespace", *a) for a in in_namespace} | {("cluster", *a) for a in cluster_wide}
 
-    def granted(docs: list[dict]) -> set:
-        kinds = {"Role": "namespace", "ClusterRole": "cluster"}
-        return {(kinds[doc["kind"]], group, resource, verb) for doc in docs if doc["kind"] in kinds
-                for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
-                for verb in rule["verbs"]}
-
     account = KubernetesSettings().watcher_service_account
-    rendered = watcher_rbac(NS, account)
+
+    def watcher_rbac(namespace: str) -> list[dict]:  # the watcher's own documents, of all the harness's
+        return [doc for doc in rbac(namespace) if doc["metadata"]["name"] in (account, f"{account}-{namespace}")]
+
+    rendered = watcher_rbac(NS)
+    assert [doc["kind"] for doc in rendered] == ["ServiceAccount", "Role", "RoleBinding", "ClusterRole",
+                                                 "ClusterRoleBinding"]
     assert granted(rendered) == table
     assert {r for _, _, r, _ in granted([d for d in rendered if d["kind"] == "ClusterRole"])} <= {"nodes",
                                                                                                    "nodes/status"}
@@ -704,7 +706,7 @@ def test_the_watchers_rbac_grants_exactly_what_its_code_calls(operator, tmp_path
             assert any(d["kind"] == doc["roleRef"]["kind"] and d["metadata"]["name"] == doc["roleRef"]["name"]
                        for d in rendered)
     shipped = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac" / "watcher.yaml").read_text()) if d]
-    assert shipped == watcher_rbac("default", account)
+    assert shipped == watcher_rbac("default")
     # The harness's own Role is not the watcher's: its ServiceAccount is bound to nothing else.
     assert account != "mlperf-harness"
     for path in (REPO / "manifests" / "rbac").glob("*.yaml"):

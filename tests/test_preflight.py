@@ -470,26 +470,6 @@ def test_kubernetes_nodes_are_conditioned_tainted_and_told_and_the_next_render_a
     assert term == {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-b"]}]}
 
 
-def test_the_preflight_cluster_role_grants_what_remediation_calls_and_stays_apart_from_the_job_role():
-    import yaml
-
-    from tests.conftest import REPO
-
-    rbac = REPO / "manifests" / "rbac"
-    cluster_role, binding = yaml.safe_load_all((rbac / "preflight-clusterrole.yaml").read_text())
-    granted = {(r, v) for rule in cluster_role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    assert cluster_role["kind"] == "ClusterRole" and binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
-    assert {("nodes/status", "patch"), ("nodes", "patch"), ("nodes", "get"), ("events", "create")} <= granted
-    job_role = yaml.safe_load((rbac / "harness-role.yaml").read_text())
-    assert job_role["kind"] == "Role" and not any("nodes" in r for rule in job_role["rules"] for r in rule["resources"])
-    # The watcher pod's ServiceAccount has a Role and ClusterRole of its own (watcher.yaml), bound to neither of
-    # these (tests/test_kubernetes_restarts.py checks its grants against the calls it makes).
-    from harness.profiles import KubernetesSettings
-
-    watcher = KubernetesSettings().watcher_service_account
-    assert watcher not in str(binding["subjects"])
-
-
 def test_the_slurm_health_step_has_a_deadline_from_the_profile():
     """srun's --time ends the health step of a node whose check hangs; the judge step then runs."""
     from harness import profiles

@@ -7,6 +7,8 @@ The backend is a few small modules, each with one job, imported one way (no cycl
 - kubernetes_collect: the run folder brought back from the results volume through short-lived pods;
 - kubernetes_blame: the watcher pod that keeps a failed attempt's node out of the next one, in the
   cluster beside the job, and the reader of what it decided;
+- kubernetes_rbac: what each identity calls (the submitter, `harness doctor`, the watcher), and the RBAC
+  rendered from it for a namespace (manifests/rbac/ is namespace default's);
 - this module: the launcher, which puts them together. The cluster is the system of record: each state
   change the harness sees is also recorded as a Kubernetes Event on the job.
 """

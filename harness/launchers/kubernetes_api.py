@@ -94,6 +94,13 @@ def handle_job(handle: Handle) -> tuple[JobSpec, JobApi, str, str]:
 
 def clients() -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
     """The official client, configured from KUBECONFIG / ~/.kube/config, or in-cluster."""
+    return apis(k8s.CustomObjectsApi, k8s.CoreV1Api)
+
+
+def apis(*kinds: type) -> tuple:
+    """One instance of each of the official client's API classes asked for (k8s.CoreV1Api,
+    k8s.RbacAuthorizationV1Api, ...), sharing one client configured as `clients` says: `harness doctor` reads
+    more kinds of object than the launcher, through the same configuration."""
     from kubernetes import config
 
     try:
@@ -108,7 +115,17 @@ def clients() -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
     # urllib3 logs each of its own retries as a warning; an outage is said once, by the loop that waits it out.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     api = k8s.ApiClient()
-    return k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
+    return tuple(kind(api) for kind in kinds)
+
+
+class Refused(HarnessError):
+    """The API server answered with an error (`status`: 403 forbidden, 404 not found, 409 conflict, ...), as one
+    line; `status` lets a caller that can go on (`harness doctor`, which turns a 403 into a failed check
+    naming the permission) tell a refusal from a missing object."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message, 1)
+        self.status = status
 
 
 class Unreachable(HarnessError):
@@ -138,15 +155,16 @@ def _why(exc: Exception) -> str:
 
 
 def call(what: str, fn, *args, missing_ok: bool = False, **kwargs):
-    """fn(*args, **kwargs), with an API error or an unreachable server as one line (a HarnessError; Unreachable
-    for the latter); with `missing_ok`, None where the object is not there (404)."""
+    """fn(*args, **kwargs), with an API error or an unreachable server as one line (Refused, with the status;
+    Unreachable); with `missing_ok`, None where the object is not there (404)."""
     try:
         return fn(*args, **kwargs)
     except k8s.ApiException as exc:
         if missing_ok and exc.status == 404:
             return None
         hint = "; pick another --name or delete the old job" if exc.status == 409 else ""
-        raise HarnessError(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", 1) from None
+        raise Refused(f"Kubernetes refused to {what}: {exc.status} {exc.reason}: {exc.body}{hint}", exc.status) \
+            from None
     except UNREACHABLE as exc:
         raise unreachable(what, fn, exc) from None
 

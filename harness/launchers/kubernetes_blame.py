@@ -51,8 +51,9 @@ BLAME_ANNOTATION = "mlperf-harness/blame"
 POLL_S = 10.0  # between two reads of the job and its attempt records
 
 # Every API call the watcher makes, as RBAC grants it: (scope, apiGroup, resource) -> verbs; scope "namespace"
-# is the job's (a Role), "cluster" the Nodes (a ClusterRole). watcher_rbac renders it, manifests/rbac/watcher.yaml
-# ships it, and a test runs the watcher against the fake API and checks the calls it records are exactly these.
+# is the job's (a Role), "cluster" the Nodes (a ClusterRole). Kept here, beside the calls; kubernetes_rbac renders
+# it with the harness's other identities (manifests/rbac/watcher.yaml ships it), and a test runs the watcher
+# against the fake API and checks the calls it records are exactly these.
 WATCHER_RULES: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("namespace", "kubeflow.org", "pytorchjobs"): ("get", "patch"),  # its state; the exclusion and the annotation
     ("namespace", "", "pods"): ("list", "delete"),  # the job's pods on a blamed node, moved
@@ -60,31 +61,6 @@ WATCHER_RULES: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("cluster", "", "nodes"): ("get", "patch"),  # the taint (--taint-bad-nodes): read, then the whole list
     ("cluster", "", "nodes/status"): ("patch",),  # the MLPerfPreflight condition
 }
-
-
-def watcher_rbac(namespace: str, account: str) -> list[dict]:
-    """The watcher's identity, in the job's namespace, granted WATCHER_RULES and nothing else: its
-    ServiceAccount, a Role and its RoleBinding there, and a ClusterRole and its ClusterRoleBinding for the Nodes
-    alone (cluster-scoped). Its own, apart from the harness's Role (harness-role.yaml), which creates and
-    deletes jobs and pods that the watcher never does."""
-    name = f"{account}-{namespace}" if namespace != "default" else account
-
-    def rules(scope: str) -> list[dict]:
-        return [{"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
-                for (where, group, resource), verbs in WATCHER_RULES.items() if where == scope]
-
-    subject = [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
-    rbac = "rbac.authorization.k8s.io"
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": namespace}},
-        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": {"name": account, "namespace": namespace},
-         "rules": rules("namespace")},
-        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": {"name": account, "namespace": namespace},
-         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": account}, "subjects": subject},
-        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules("cluster")},
-        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
-         "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name}, "subjects": subject},
-    ]
 
 
 def decision(job: dict) -> dict:
@@ -220,7 +196,6 @@ class BlamedNodeWatcher:
         record = {"nodes": {node: {"ok": False} for node in blamed},
                   "excluded": {node: [why] for node, why in reasons.items()}, "marked": marks, "systemic": systemic}
         marked = kubernetes_nodes.remediate(core, record, reference, self.taint, best_effort=True,
-                                            node_events_namespace=self.namespace,
                                             attempt=lambda fn, *args: retrying(self.outage, fn, *args))
         for line in marked:
             print(f"harness watcher: {line}", flush=True)

@@ -12,7 +12,8 @@ the excluded nodes.
 - The training pods get a required node affinity `metadata.name NotIn [excluded nodes]` (matchFields: the
   Node's name exactly, which is what preflight and the attempt records name; the kubernetes.io/hostname label
   need not equal it, on some clouds it does not).
-The ClusterRole this needs (nodes get/patch, nodes/status patch, events create) is manifests/rbac/.
+The RBAC this needs (nodes get/patch, nodes/status patch cluster-wide; events create in the job's namespace) is
+in kubernetes_rbac's tables (manifests/rbac/).
 """
 
 from __future__ import annotations
@@ -100,16 +101,16 @@ def health_job_reference(spec) -> k8s.V1ObjectReference:
 
 
 def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, taint: bool,
-              best_effort: bool = False, attempt=None, node_events_namespace: str = "default") -> list[str]:
+              best_effort: bool = False, attempt=None) -> list[str]:
     """Condition every Node `record` (preflight.json's shape) judged, taint the failed ones (with `taint`:
     --taint-bad-nodes), and record Events on the failed Nodes and on `job` (the health job, or the training job
     a failed attempt blamed the node in). The one remediation code for both, whoever runs it: `harness run` after
     preflight, the watcher pod after a failed attempt (kubernetes_blame). With `best_effort` (the watcher, which
     has kept the node out of the job already) a refused step (a 403 on the Node) is a line of its own and the
     next step is tried; otherwise it raises. `attempt(fn, *args)` runs each step (the watcher's retries through
-    an API server outage: kubernetes_api.retrying); by default, once. The Events on a Node go in
-    `node_events_namespace` ("default", as the kubelet's; the watcher's in the job's namespace, the one it is
-    granted: `kubectl describe node` finds them in any)."""
+    an API server outage: kubernetes_api.retrying); by default, once. The Events on a Node go in the job's
+    namespace, the one whoever runs this is granted (kubernetes_rbac: no right to write Events anywhere else is
+    needed); `kubectl describe node` finds a Node's Events in any namespace."""
     namespace = job.namespace
     now = datetime.now(timezone.utc).isoformat()
     done = [record["systemic"]] if record.get("systemic") else []
@@ -147,9 +148,9 @@ def remediate(core: k8s.CoreV1Api, record: dict, job: k8s.V1ObjectReference, tai
         if taint and step(node, _taint, core, node):
             done.append(f"{node}: tainted {TAINT.key}={TAINT.value}:{TAINT.effect}")
         node_ref = k8s.V1ObjectReference(api_version="v1", kind="Node", name=node)
-        for target, where in ((node_ref, node_events_namespace), (job, namespace)):
-            step(node, call, "record an event", core.create_namespaced_event, where,
-                 _event(where, target, "PreflightFailed", message, warning=True))
+        for target in (node_ref, job):
+            step(node, call, "record an event", core.create_namespaced_event, namespace,
+                 _event(namespace, target, "PreflightFailed", message, warning=True))
     return done
 
 
