@@ -11,6 +11,7 @@ a typo is an error naming the valid keys rather than a setting silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -53,6 +54,24 @@ class KubernetesSettings:
     # More claims in every training pod, "CLAIM:/path[:ro]" (a dataset, reference checkpoints). --data and
     # --init-checkpoint must lie under one of these paths or under results_mount.
     mounts: list[str] = field(default_factory=list)
+    # The training container's CPU and memory, requests equal to limits so that the training pods are Guaranteed
+    # (last to be evicted, while they hold a memory-backed /dev/shm); None: derived from the node shape
+    # (cpus_per_node, memory_gib_per_node) less a reserve for the node's own (harness.launchers.kubernetes_resources).
+    cpu: str | None = None  # a Kubernetes quantity: "200", "199500m"
+    memory: str | None = None  # a Kubernetes quantity, /dev/shm included: "1800Gi"
+    image_pull_secrets: list[str] = field(default_factory=list)  # on every pod the harness creates: a private registry
+    scheduler_name: str | None = None  # the training and health pods' scheduler (volcano, a Kueue-enabled one)
+    # A node affinity, podAffinity or podAntiAffinity as in a pod spec, on the training and health pods; the nodes
+    # preflight and the watcher keep out are ANDed into each of its required node selector terms.
+    affinity: dict[str, typing.Any] = field(default_factory=dict)
+    # On the training and health pods' metadata: Kueue's topology-aware scheduling reads
+    # kueue.x-k8s.io/podset-required-topology (or -preferred-topology) from the pod template's annotations.
+    pod_labels: dict[str, str] = field(default_factory=dict)
+    pod_annotations: dict[str, str] = field(default_factory=dict)
+    # A strategic-merge patch (metadata and spec, as in a pod template) applied to every pod the harness creates,
+    # for what no setting above says; refused where it would change what the harness manages
+    # (harness.launchers.kubernetes_patch).
+    pod_patch: dict[str, typing.Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,6 +149,10 @@ class Profile:
     gpus_per_node: int = 0  # 0: CPU nodes (gloo)
     procs_per_node: int | None = None  # processes per node when there are no GPUs; None: 1
     gpu_memory_gib: int = 80  # per GPU; workloads refuse configs whose estimate exceeds it
+    # The node's shape (its CPUs, hyperthreads counted, and memory), from which the Kubernetes pods' CPU and memory
+    # requests are derived (kubernetes.cpu, kubernetes.memory); None: unknown, and the pods ask for none.
+    cpus_per_node: int | None = None
+    memory_gib_per_node: int | None = None
     gpu_resource: str = "nvidia.com/gpu"
     rdma_resource: str | None = None  # e.g. rdma/ib, or an SR-IOV/hostdev resource name
     rdma_count: int = 0
@@ -159,6 +182,8 @@ def _check_value(value, kind, where: str):
         return _check_value(value, next(a for a in args if a is not type(None)), where)
     if dataclasses.is_dataclass(kind):
         return _build(kind, value, where)
+    if origin is dict and args[1] is typing.Any:
+        return _mapping(value, where)
     if origin is dict:
         if not isinstance(value, dict):
             raise HarnessError(f"{where} must be a mapping, got {value!r}")
@@ -180,6 +205,27 @@ def _check_value(value, kind, where: str):
             raise HarnessError(f"{where} must be a whole number, 0 or more, got {value!r}")
         return value
     return _text(value, where)
+
+
+def _mapping(value, where: str) -> dict:
+    """A free-form mapping (an affinity, a pod patch) as JSON would carry it to the API server: text keys, and
+    values that are mappings, lists, text, numbers, booleans or null (not YAML's dates)."""
+    def check(node, at: str):
+        if isinstance(node, dict):
+            for key, item in node.items():
+                if not isinstance(key, str):
+                    raise HarnessError(f"{at} has the key {key!r}; keys must be text")
+                check(item, f"{at}.{key}")
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                check(item, f"{at}[{i}]")
+        elif node is not None and not isinstance(node, (str, int, float, bool)):
+            raise HarnessError(f"{at} must be text, a number, true/false, a list or a mapping, got {node!r}")
+
+    if not isinstance(value, dict):
+        raise HarnessError(f"{where} must be a mapping, got {value!r}")
+    check(value, where)
+    return value
 
 
 def _text(value, where: str) -> str:
@@ -245,10 +291,15 @@ def load(name_or_path: str) -> Profile:
     return from_dict(data, str(path))
 
 
+# Mappings set whole by --set (`--set 'kubernetes.pod_patch={spec: {hostIPC: false}}'`): their keys hold dots
+# (label names) or nest freely, so they are not dotted into --set keys.
+_WHOLE = {"affinity", "pod_patch", "pod_labels", "pod_annotations"}
+
+
 def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
     flat = {}
     for key, value in data.items():
-        if isinstance(value, dict) and key != "tolerations" and (value or not prefix):
+        if isinstance(value, dict) and key not in _WHOLE and (value or not prefix):
             flat.update(_leaves(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -260,8 +311,12 @@ def overrides(profile: Profile) -> list[str]:
     if profile.name not in available():
         return []
     base = _leaves(load(profile.name).to_dict())
-    return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-            for key, value in _leaves(profile.to_dict()).items() if base.get(key, object()) != value]
+
+    def text(value) -> str:  # one line (no wrap): a pair is one argument of the command that reproduces the job
+        return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip().removesuffix('...').strip()
+
+    return [f"{key}={text(value)}" for key, value in _leaves(profile.to_dict()).items()
+            if base.get(key, object()) != value]
 
 
 def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:

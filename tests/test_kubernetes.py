@@ -88,7 +88,10 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
     for replica in replicas.values():
         pod = replica["template"]["spec"]
         [container] = pod["containers"]
-        assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
+        # CPU and memory: coreweave-h100's node shape less the reserve, requests = limits (Guaranteed pods)
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1", "cpu": "115",
+                                                    "memory": "1843Gi"}
+        assert container["resources"]["requests"] == container["resources"]["limits"]
         env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
         assert env["NCCL_COLLNET_ENABLE"] == "1" and "NCCL_IB_HCA" in env and "NCCL_SOCKET_IFNAME" in env
         # The node agent knows itself by its pod's name, which a recreated pod keeps.
@@ -265,7 +268,8 @@ def test_448_h100_nodes_render_one_valid_trainjob(tmp_path):
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
     trainer = job["spec"]["trainer"]
     assert trainer["numNodes"] == 448 and trainer["numProcPerNode"] == 8
-    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1", "cpu": "115",
+                                                     "memory": "1843Gi"}
     assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in trainer["args"]
     assert {e["name"]: e.get("value") for e in trainer["env"]}["NCCL_COLLNET_ENABLE"] == "1"
     assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",

@@ -26,7 +26,7 @@ from mlperf_logging.mllog import constants as C
 
 from harness.cache_flush import kubernetes_flush_problem
 from harness.errors import HarnessError
-from harness.launchers import kubernetes_collect, kubernetes_nodes
+from harness.launchers import kubernetes_collect, kubernetes_nodes, kubernetes_resources
 from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
                                     record_cancel, record_state, workload_plan)
 from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
@@ -95,6 +95,7 @@ class KubernetesLauncher(Launcher):
         text = yaml.safe_dump(body, sort_keys=True, default_flow_style=False)
         notes = workload_plan(spec, cluster_procs_per_node(spec), spec.profile.gpu_memory_gib if spec.gpus() else None)
         notes += tuple(trainjob_notes(spec)) if api is TRAINJOB else ()
+        notes += tuple(kubernetes_resources.notes(spec.profile, cluster_procs_per_node(spec)))
         if watches_failures(spec):
             notes += (f"note: with the job, a watcher pod in the same image keeps the nodes a failed attempt points "
                       f"at out of the next one (ServiceAccount {spec.profile.kubernetes.watcher_service_account}, "

@@ -31,6 +31,7 @@ attempt, leaves that attempt short of a node: it counts against --max-restarts l
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -76,14 +77,15 @@ def decision(job: dict) -> dict:
 
 
 def excluded_nodes(job: dict) -> set[str]:
-    """The nodes the job's pod templates keep out now (preflight's, and those blamed since)."""
+    """The nodes the job's pod templates keep out now (preflight's, and those blamed since): those every required
+    node selector term of a template excludes (the terms are ORed: kubernetes_nodes.with_exclusions)."""
     kept_out = set()
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         terms = ((((replica["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
             "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
-        kept_out |= {node for term in terms for field in term.get("matchFields", [])
-                     if field["key"] == kubernetes_nodes.NODE_NAME_FIELD and field["operator"] == "NotIn"
-                     for node in field["values"]}
+        excluded = [{node for field in term.get("matchFields") or [] if kubernetes_nodes.is_exclusion(field)
+                     for node in field.get("values") or []} for term in terms]
+        kept_out |= set.intersection(*excluded) if excluded else set()
     return kept_out
 
 
@@ -167,10 +169,11 @@ class BlamedNodeWatcher:
         reasons = {node: preflight.reason(preflight.blame_check(cause)) for node, cause in blamed.items()}
         lines = [f"{node}: kept out of the job's next attempt ({reasons[node]})" for node in blamed]
         patch: dict = {"spec": {"pytorchReplicaSpecs": {}}}
-        if blamed:
-            affinity = kubernetes_nodes.with_exclusions({}, sorted(verdict.kept_out))["affinity"]
-            patch["spec"]["pytorchReplicaSpecs"] = {replica: {"template": {"spec": {"affinity": affinity}}}
-                                                    for replica in job["spec"]["pytorchReplicaSpecs"]}
+        if blamed:  # each template's own affinity with the exclusion in each of its terms (a merge patch's list is
+            # replaced whole: the profile's terms are sent with it)
+            patch["spec"]["pytorchReplicaSpecs"] = {replica: {"template": {"spec": {"affinity": (
+                kubernetes_nodes.with_exclusions(copy.deepcopy(held["template"]["spec"]), sorted(verdict.kept_out))[
+                    "affinity"])}}} for replica, held in job["spec"]["pytorchReplicaSpecs"].items()}
         decided = {"judged": sorted({*done["judged"], verdict.attempt}), "blamed": {**done["blamed"], **blamed},
                    "lines": done["lines"] + lines}
         patch["metadata"] = {"annotations": {BLAME_ANNOTATION: json.dumps(decided, sort_keys=True)}}

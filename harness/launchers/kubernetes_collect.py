@@ -26,9 +26,10 @@ from kubernetes import client as k8s
 
 from harness.errors import HarnessError
 from harness.launchers.base import Handle
-from harness.launchers.kubernetes_api import Outage, call, clients, handle_job, retrying
+from harness.launchers.kubernetes_api import Outage, call, clients, handle_job, retrying, to_dict
 from harness.launchers.kubernetes_nodes import NODE_NAME_FIELD
-from harness.launchers.kubernetes_render import results_volume, tolerations
+from harness.launchers.kubernetes_render import own_pod, pull_secrets, results_volume, tolerations
+from harness.launchers.kubernetes_resources import SMALL_POD
 from harness.spec import JobSpec
 
 MANIFEST_SCRIPT = """\
@@ -167,7 +168,7 @@ def merge_run_folder(staging: Path, files: list[RemoteFile], out_dir: Path) -> t
     return fetched, kept
 
 
-def collector_pod(spec: JobSpec, name: str, script: str, args: list[str], near: list[str] = ()) -> k8s.V1Pod:
+def collector_pod(spec: JobSpec, name: str, script: str, args: list[str], near: list[str] = ()) -> dict:
     """A one-shot pod that runs `script` on the results volume, read-only and unprivileged. Its image is the
     profile's kubernetes.collect_image (the scripts need only a Python, any small one), else the training image;
     the scheduler is asked to prefer the Nodes in `near` (those the job ran on: the training image is there
@@ -180,17 +181,17 @@ def collector_pod(spec: JobSpec, name: str, script: str, args: list[str], near: 
     container = k8s.V1Container(
         name="collect", image=kube.collect_image or spec.profile.image, command=["python", "-c", script, *args],
         volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
-        resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}),
+        resources=SMALL_POD,
         security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
                                                read_only_root_filesystem=True,
                                                capabilities=k8s.V1Capabilities(drop=["ALL"])))
-    return k8s.V1Pod(
+    return own_pod(spec, to_dict(k8s.V1Pod(
         api_version="v1", kind="Pod",
         metadata=k8s.V1ObjectMeta(name=name, namespace=kube.namespace,
                                   labels={"app.kubernetes.io/name": "mlperf-harness", "mlperf-harness/role": "collect"}),
         spec=k8s.V1PodSpec(containers=[container], volumes=[results_volume(kube.results_pvc)],
                            restart_policy="Never", automount_service_account_token=False,
-                           tolerations=tolerations(kube), affinity=affinity))
+                           tolerations=tolerations(kube), image_pull_secrets=pull_secrets(kube), affinity=affinity))))
 
 
 def collect(handle: Handle, poll_s: float = 1.0) -> list[Path]:

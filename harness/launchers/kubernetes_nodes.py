@@ -11,7 +11,7 @@ the excluded nodes.
   (mlperf-harness/preflight=failed). An Event goes on each failed Node and on the health job.
 - The training pods get a required node affinity `metadata.name NotIn [excluded nodes]` (matchFields: the
   Node's name exactly, which is what preflight and the attempt records name; the kubernetes.io/hostname label
-  need not equal it, on some clouds it does not).
+  need not equal it, on some clouds it does not), ANDed into each of the profile's required node selector terms.
 The RBAC this needs (nodes get/patch, nodes/status patch cluster-wide; events create in the job's namespace) is
 in kubernetes_rbac's tables (manifests/rbac/).
 """
@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from kubernetes import client as k8s
 
 from harness.errors import HarnessError
-from harness.launchers.kubernetes_api import UNREACHABLE, call, unreachable
+from harness.launchers.kubernetes_api import PYTORCHJOB, UNREACHABLE, call, unreachable
 from harness.preflight import to_mark
 
 CONDITION = "MLPerfPreflight"
@@ -35,16 +35,6 @@ NODE_NAME_FIELD = "metadata.name"  # a Node's name, exactly (node affinity's mat
 ROLE_LABEL = "mlperf-harness/role"
 HEALTH_JOB_TTL_S = 3600  # the operator deletes an ended health job that no harness deleted (its submitter gone)
 MESSAGE_LIMIT = 1000  # a condition message and an Event message stay readable in `kubectl describe`
-
-
-def exclusion_affinity(nodes: list[str]) -> k8s.V1Affinity | None:
-    """Required node affinity that keeps pods off `nodes`; None when there are none."""
-    if not nodes:
-        return None
-    return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
-        required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
-            k8s.V1NodeSelectorTerm(match_fields=[
-                k8s.V1NodeSelectorRequirement(key=NODE_NAME_FIELD, operator="NotIn", values=sorted(nodes))])])))
 
 
 def preflight_name(spec) -> str:
@@ -79,7 +69,8 @@ def health_job(job: dict, spec, command: list[str]) -> dict:
         # A node the harness tainted is checked again (and untainted when it passes): the harness's own taint only.
         tolerations = template["spec"].get("tolerations") or []
         template["spec"]["tolerations"] = tolerations + [dict(OWN_TOLERATION)]  # a copy: no YAML anchors
-        [container] = template["spec"]["containers"]
+        # The training container (a profile's pod patch may add sidecars beside it).
+        [container] = [c for c in template["spec"]["containers"] if c["name"] == PYTORCHJOB.container]
         container["command"], container["args"] = command[:1], command[1:]
         container.setdefault("env", []).append(
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
@@ -203,11 +194,28 @@ def _untaint(core: k8s.CoreV1Api, node: str, tries: int = 5) -> bool:
 
 
 def with_exclusions(pod_spec: dict, nodes: list[str]) -> dict:
-    """A pod spec (as a dict) with the node affinity that keeps it off `nodes`."""
-    affinity = exclusion_affinity(nodes)
-    if affinity is not None:
-        pod_spec.setdefault("affinity", {}).update(k8s.ApiClient().sanitize_for_serialization(affinity))
+    """A pod spec (as a dict) with the node affinity that keeps it off `nodes` as well as the nodes it kept out
+    already. Required node selector terms are ORed, so the exclusion is ANDed into each of the pod's own (a term
+    without it would still admit an excluded node); the pod's preferences and pod (anti-)affinity stay as they are."""
+    if not nodes:
+        return pod_spec
+    node_affinity = pod_spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    required["nodeSelectorTerms"] = [_excluding(term, nodes) for term in required.get("nodeSelectorTerms") or [{}]]
     return pod_spec
+
+
+def is_exclusion(requirement: dict) -> bool:
+    """Whether a node selector requirement is the harness's exclusion (a Node's name NotIn a list)."""
+    return requirement.get("key") == NODE_NAME_FIELD and requirement.get("operator") == "NotIn"
+
+
+def _excluding(term: dict, nodes: list[str]) -> dict:
+    """One node selector term with one exclusion of `nodes` and of those it excluded already."""
+    fields = term.get("matchFields") or []
+    kept_out = sorted({*nodes, *(node for f in fields if is_exclusion(f) for node in f.get("values") or [])})
+    return {**term, "matchFields": [*(f for f in fields if not is_exclusion(f)),
+                                    {"key": NODE_NAME_FIELD, "operator": "NotIn", "values": kept_out}]}
 
 
 def health_spec(spec):

@@ -6,14 +6,20 @@ PyTorchJob (the default): a Master pod and `nodes - 1` Worker pods. TrainJob
 our pod settings as a runtime patch. Either way each pod runs one elastic agent
 with one process per GPU, and the agents meet at a c10d rendezvous on the
 PET_MASTER_ADDR/PORT the operator gives every pod. Pods ask for the profile's
-GPUs and RDMA devices, get a memory-backed /dev/shm, add IPC_LOCK only when RDMA
-is requested, never run privileged, and mount no service-account token. Rank 0
-writes the MLPerf logs to the job's own folder on the results volume (a PVC),
-named with a token drawn at submit (see kubernetes.KubernetesLauncher.submit).
+GPUs and RDMA devices, and CPU and memory with requests equal to limits where the
+profile gives them (kubernetes_resources: Guaranteed pods), get a memory-backed
+/dev/shm, add IPC_LOCK only when RDMA is requested, never run privileged, and mount
+no service-account token. Rank 0 writes the MLPerf logs to the job's own folder on
+the results volume (a PVC), named with a token drawn at submit (see
+kubernetes.KubernetesLauncher.submit). The profile fits the pods to the cluster
+(pull secrets, scheduler, affinity, labels and annotations, and a pod patch:
+kubernetes_patch) on every pod the harness creates, the watcher's and the
+collector's included.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -27,7 +33,7 @@ from harness import preflight
 from harness.agent import HOST_ENV, NODE_ENV
 from harness.cache_flush import RUNTIME_INIT, kubernetes_flush_init, trainjob_flush_patch
 from harness.errors import HarnessError
-from harness.launchers import kubernetes_nodes
+from harness.launchers import kubernetes_nodes, kubernetes_patch, kubernetes_resources
 from harness.launchers.base import agent_command, cluster_procs_per_node
 from harness.launchers.kubernetes_api import APIS, PYTORCHJOB, TRAINJOB, to_dict
 from harness.mounts import Mount, check_inside, claim_mount
@@ -60,6 +66,7 @@ def _pod_parts(spec: JobSpec, nproc: int, token: str) -> _PodParts:
         limits[profile.gpu_resource] = str(spec.gpus())
     if profile.rdma_resource:
         limits[profile.rdma_resource] = str(profile.rdma_count)
+    limits.update(kubernetes_resources.training(profile, nproc))
     # Pinned memory for RDMA needs IPC_LOCK; nothing else does, and nothing needs privileged mode.
     capabilities = k8s.V1Capabilities(add=["IPC_LOCK"]) if profile.rdma_resource else None
     volumes = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory",
@@ -112,7 +119,7 @@ def results_volume(claim: str) -> k8s.V1Volume:
         claim_name=claim))
 
 
-def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpec:
+def _pod_template(spec: JobSpec, nproc: int, token: str) -> dict:
     profile, kube = spec.profile, spec.profile.kubernetes
     parts = _pod_parts(spec, nproc, token)
     # The operator recreates a failed pod under the same name, while its hostname is the node's under
@@ -127,16 +134,62 @@ def _pod_template(spec: JobSpec, nproc: int, token: str) -> k8s.V1PodTemplateSpe
         env=[*parts.env, node, host], resources=parts.resources, volume_mounts=parts.mounts,
         security_context=parts.security,
         ports=[k8s.V1ContainerPort(name="metrics", container_port=spec.metrics())] if spec.metrics() else None)
-    return k8s.V1PodTemplateSpec(
-        metadata=k8s.V1ObjectMeta(labels=_labels(spec, job=False)),
+    init = kubernetes_flush_init(spec, pvc_folder(spec, token), parts.mounts)
+    figures = {name: value for name, value in kubernetes_resources.INIT_CONTAINER.items()
+               if parts.resources and name in parts.resources.limits}
+    for step in init or []:  # a Guaranteed pod's init containers ask for equal requests and limits too
+        step.resources = k8s.V1ResourceRequirements(requests=figures, limits=figures) if figures else None
+    template = to_dict(k8s.V1PodTemplateSpec(
+        metadata=_pod_metadata(spec),
         spec=k8s.V1PodSpec(
-            init_containers=kubernetes_flush_init(spec, pvc_folder(spec, token), parts.mounts),
-            containers=[container], volumes=parts.volumes, host_network=profile.host_network or None,
+            init_containers=init, containers=[container], volumes=parts.volumes,
+            host_network=profile.host_network or None,
             dns_policy="ClusterFirstWithHostNet" if profile.host_network else None,
             node_selector=kube.node_selector or None,
-            tolerations=tolerations(kube),
+            tolerations=tolerations(kube), affinity=affinity(kube), image_pull_secrets=pull_secrets(kube),
+            scheduler_name=kube.scheduler_name,
             priority_class_name=kube.priority_class, service_account_name=kube.service_account,
-            automount_service_account_token=False))  # training needs no access to the API
+            automount_service_account_token=False)))  # training needs no access to the API
+    template = _patched(spec, template, PYTORCHJOB.container, "V1PodTemplateSpec")
+    if {"cpu", "memory"} <= set(parts.resources.limits if parts.resources else {}):
+        kubernetes_resources.check_guaranteed(template["spec"])
+    return template
+
+
+def _pod_metadata(spec: JobSpec) -> k8s.V1ObjectMeta:
+    """The training and health pods' labels and annotations: the harness's labels and the profile's pod_labels
+    and pod_annotations (Kueue's topology annotations among them); a pod label the harness sets is refused."""
+    kube, own = spec.profile.kubernetes, _labels(spec, job=False)
+    taken = sorted(set(kube.pod_labels) & set(own))
+    if taken:
+        raise HarnessError(f"kubernetes.pod_labels sets {', '.join(taken)}, which the harness sets on its pods (it "
+                           "selects them by it): choose other label names")
+    return k8s.V1ObjectMeta(labels={**kube.pod_labels, **own}, annotations=dict(kube.pod_annotations) or None)
+
+
+def _patched(spec: JobSpec, pod: dict, container: str, model: str, sidecars: bool = True) -> dict:
+    """`pod` (a pod, or a pod template) with the profile's pod patch, its fields checked against the Pod API."""
+    kube = spec.profile.kubernetes
+    if not kube.pod_patch:
+        return pod
+    target = kubernetes_patch.Target(container, kube.results_mount if kube.results_pvc else None, sidecars)
+    return kubernetes_patch.check_pod_fields(kubernetes_patch.apply(pod, kube.pod_patch, target), model)
+
+
+def pull_secrets(kube) -> list[k8s.V1LocalObjectReference] | None:
+    return [k8s.V1LocalObjectReference(name=name) for name in kube.image_pull_secrets] or None
+
+
+def affinity(kube) -> dict | None:
+    """The profile's affinity, as in a pod spec, checked against the client's V1Affinity model."""
+    if not kube.affinity:
+        return None
+    read = kubernetes_patch.read_back(kube.affinity, "V1Affinity", "kubernetes.affinity")
+    where = kubernetes_patch.first_difference(kube.affinity, read)
+    if where:
+        raise HarnessError(f"kubernetes.affinity: {where} is not a field of that name and type of a pod's affinity "
+                           "(nodeAffinity, podAffinity, podAntiAffinity, as in a pod spec)")
+    return copy.deepcopy(kube.affinity)
 
 
 def tolerations(kube) -> list[k8s.V1Toleration] | None:
@@ -216,7 +269,7 @@ def train_job(spec: JobSpec, token: str) -> dict:
     nproc = cluster_procs_per_node(spec)
     parts = _pod_parts(spec, nproc, token)
     pod = k8s.V1PodSpec(containers=[], volumes=parts.volumes, node_selector=kube.node_selector or None,
-                        tolerations=tolerations(kube),
+                        tolerations=tolerations(kube), affinity=affinity(kube), image_pull_secrets=pull_secrets(kube),
                         service_account_name=kube.service_account)
     pod_patch = to_dict(pod)
     pod_patch["containers"] = [{"name": TRAINJOB.container, "volumeMounts": to_dict(parts.mounts),
@@ -224,11 +277,12 @@ def train_job(spec: JobSpec, token: str) -> dict:
     flush = trainjob_flush_patch(spec, pvc_folder(spec, token), to_dict(parts.mounts))
     if flush:
         pod_patch["initContainers"] = flush
+    template = _trainjob_fields(_patched(spec, {"metadata": to_dict(_pod_metadata(spec)), "spec": pod_patch},
+                                         TRAINJOB.container, "V1PodTemplateSpec"), kube.trainjob_runtime)
     patch = tj.TrainerV1alpha1RuntimePatch(
         manager=MANAGER,
         training_runtime_spec=tj.TrainerV1alpha1TrainingRuntimeSpecPatch.from_dict({"template": {"spec": {
-            "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
-                "metadata": {"labels": _labels(spec, job=False)}, "spec": pod_patch}}}}]}}}))
+            "replicatedJobs": [{"name": "node", "template": {"spec": {"template": template}}}]}}}))
     job = tj.TrainerV1alpha1TrainJob(
         api_version=TRAINJOB.api_version, kind=TRAINJOB.kind,
         metadata=tj.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=spec.name, namespace=kube.namespace,
@@ -244,6 +298,27 @@ def train_job(spec: JobSpec, token: str) -> dict:
                 if parts.resources else None),
             runtime_patches=[patch]))
     return job.to_dict()
+
+
+def _trainjob_fields(template: dict, runtime: str) -> dict:
+    """The runtime patch's pod template, refused in one line where it holds a field that a TrainJob's runtime patch
+    cannot carry (Trainer v2.3's CRD: the API server would drop it): the pod patch's, most likely."""
+    import kubeflow_trainer_api.models as tj
+    from pydantic import ValidationError
+
+    try:
+        read = tj.TrainerV1alpha1PodTemplatePatch.from_dict(template).to_dict()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise HarnessError(f"{kubernetes_patch.SETTING}: not valid in a TrainJob's runtime patch: "
+                           f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+    where = kubernetes_patch.first_difference(template, read)
+    if where:
+        fields = ", ".join(f.alias or name for name, f in tj.TrainerV1alpha1PodSpecPatch.model_fields.items())
+        raise HarnessError(f"{kubernetes_patch.SETTING}: a TrainJob's runtime patch cannot carry {where} (its pod "
+                           f"fields, in Trainer v2.3's CRD: {fields}; a container's: env, name, securityContext, "
+                           f"volumeMounts): set it in ClusterTrainingRuntime {runtime!r}, or use --api pytorchjob")
+    return template
 
 
 def _field(name: str, path: str) -> k8s.V1EnvVar:
@@ -346,6 +421,7 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
     """Settings a TrainJob cannot carry: said aloud rather than dropped silently."""
     kube, runtime = spec.profile.kubernetes, spec.profile.kubernetes.trainjob_runtime
     unsaid = [name for name, value in (("priority_class", kube.priority_class),
+                                       ("scheduler_name", kube.scheduler_name),
                                        ("host_network", spec.profile.host_network),
                                        ("--max-restarts", spec.max_restarts)) if value]
     # The runtime patch's pod spec has no automountServiceAccountToken (trainer v2.3's CRD), so the
@@ -357,7 +433,8 @@ def trainjob_notes(spec: JobSpec) -> list[str]:
                      "(podGroupPolicy, pod template, JobSet failurePolicy); set them there")
     if kube.flush_page_cache:  # a TrainJob's patch cannot add an init container, only patch the runtime's
         notes.append(f"note: kubernetes.flush_page_cache on a TrainJob patches the init container of its "
-                     f"ClusterTrainingRuntime {runtime!r}, which must hold {RUNTIME_INIT}")
+                     f"ClusterTrainingRuntime {runtime!r}, which must hold {RUNTIME_INIT}, with cpu and memory "
+                     "requests equal to its limits (the runtime patch cannot carry them) for Guaranteed pods")
     return notes
 
 
@@ -405,7 +482,7 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
         name="watch", image=spec.profile.image, command=command[:1], args=command[1:],
         env=[k8s.V1EnvVar(name="PYTHONDONTWRITEBYTECODE", value="1")],
         volume_mounts=[k8s.V1VolumeMount(name="results", mount_path=kube.results_mount, read_only=True)],
-        resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "256Mi"}, limits={"memory": "1Gi"}),
+        resources=kubernetes_resources.SMALL_POD,
         security_context=k8s.V1SecurityContext(privileged=False, allow_privilege_escalation=False,
                                                read_only_root_filesystem=True,
                                                capabilities=k8s.V1Capabilities(drop=["ALL"])))
@@ -419,8 +496,15 @@ def watcher_pod(spec: JobSpec, job: dict, folder: str) -> dict:
             containers=[container], volumes=[results_volume(kube.results_pvc)],
             # A crash restarts it in place; what it decided is on the job, where it reads it back.
             restart_policy="OnFailure", service_account_name=kube.watcher_service_account,
-            automount_service_account_token=True, tolerations=tolerations(kube),
+            automount_service_account_token=True, tolerations=tolerations(kube), image_pull_secrets=pull_secrets(kube),
             security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=WATCHER_UID,
                                                       run_as_group=WATCHER_UID,
                                                       seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"))))
-    return to_dict(pod)
+    return own_pod(spec, to_dict(pod))
+
+
+def own_pod(spec: JobSpec, pod: dict) -> dict:
+    """One of the harness's own small pods (the watcher, a collector) with the profile's pod patch: its one
+    container stays the harness's (kubernetes_patch: no sidecar joins it)."""
+    [container] = pod["spec"]["containers"]
+    return _patched(spec, pod, container["name"], "V1Pod", sidecars=False)
