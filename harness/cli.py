@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="job resource: pytorchjob or trainjob; same as --set kubernetes.api=... "
                              "(default: the profile's)")
     doctor.add_argument("--nodes", type=int, default=1, help="nodes the job would need")
+    doctor.add_argument("--rbac", action="store_true",
+                        help="print the RBAC every harness identity needs in the profile's namespace (for kubectl "
+                             "apply -f -) and check nothing")
     doctor.set_defaults(func=cmd_doctor)
 
     report = sub.add_parser("report", help="time-to-train report of MLPerf result logs", formatter_class=_Help,
@@ -492,7 +495,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise HarnessError(f"--nodes must be at least 1, got {args.nodes}")
     overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
-    return doctor(profiles.apply_overrides(profiles.load(args.profile), overrides), args.nodes)
+    profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
+    if args.rbac:
+        import yaml
+
+        from harness.launchers.kubernetes_rbac import rbac
+
+        kube = profile.kubernetes
+        print(yaml.safe_dump_all(rbac(kube.namespace, watcher_account=kube.watcher_service_account), sort_keys=True),
+              end="")
+        return 0
+    return doctor(profile, args.nodes)
 
 
 class _Terminated(Exception):

@@ -12,6 +12,8 @@ check, naming the permission; an unreachable API server ends it in one line (kub
 
 from __future__ import annotations
 
+import shlex
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,12 +23,12 @@ from kubernetes.utils import parse_quantity
 from harness.launchers.kubernetes_api import APIS, PYTORCHJOB, TRAINJOB, Refused, apis, call
 from harness.launchers.kubernetes_blame import WATCHER_RULES
 from harness.launchers.kubernetes_rbac import RBAC_API, SUBMITTER_RULES
+from harness.launchers.kubernetes_render import PLACEHOLDER_REGISTRY, privileged_reasons
 from harness.mounts import claim_mount
 from harness.profiles import KubernetesSettings, Profile
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 PSA_LABEL = "pod-security.kubernetes.io/enforce"
-PLACEHOLDER_IMAGE = "registry.example.com/"  # the shipped profiles' image, to be replaced by the user's own
 RUNTIMES = ("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes")
 LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
 VOLCANO_QUEUES = ("scheduling.volcano.sh", "v1beta1", "queues")
@@ -99,9 +101,8 @@ class Doctor:
         watcher = self.kube.watcher_service_account
         if self.namespace == "default" and watcher == KubernetesSettings.watcher_service_account:
             return f"kubectl apply -f manifests/rbac/{file}"
-        return (f"python -c \"import sys, yaml; from harness.launchers.kubernetes_rbac import rbac; "
-                f"yaml.safe_dump_all(rbac('{self.namespace}', watcher_account='{watcher}'), sys.stdout)\" "
-                "| kubectl apply -f -")
+        return (f"harness doctor --profile {shlex.quote(self.profile.name)} (and its --set) --rbac | "
+                "kubectl apply -f -")
 
     def rows(self) -> list[Row]:
         """Every check's rows, in the order of the module's notes. A namespace that is not there is one failed
@@ -175,14 +176,9 @@ class Doctor:
                            f"kubectl label --overwrite namespace {ns} {PSA_LABEL}={needed}")]
 
     def _pod_security(self) -> tuple[str, str]:
-        """The Pod Security Standards level the training pods need, and why. Baseline forbids privileged
-        containers, hostNetwork and any added capability outside its short list (IPC_LOCK is not on it);
-        restricted also wants runAsNonRoot, a seccomp profile and every capability dropped (the Pod Security
-        Standards, kubernetes.io/docs/concepts/security/pod-security-standards)."""
-        needs = [why for on, why in ((self.kube.flush_page_cache, "kubernetes.flush_page_cache: the flush's init "
-                                                                  "container is privileged"),
-                                     (self.profile.rdma_resource, "RDMA's pinned memory adds IPC_LOCK"),
-                                     (self.profile.host_network, "host_network")) if on]
+        """The Pod Security Standards level the training pods need, and why (kubernetes_render.privileged_reasons);
+        restricted also wants runAsNonRoot, a seccomp profile and every capability dropped."""
+        needs = privileged_reasons(self.profile)
         if needs:
             return "privileged", "; ".join(needs)
         return "baseline", ("restricted wants runAsNonRoot, a seccomp profile and every capability dropped, "
@@ -400,7 +396,7 @@ class Doctor:
         image = self.profile.image
         if not image:
             return Row("image", FAIL, "the profile names none", "--set image=REGISTRY/mlperf-harness:TAG")
-        if image.startswith(PLACEHOLDER_IMAGE):
+        if image.startswith(PLACEHOLDER_REGISTRY):
             return Row("image", FAIL, f"{image} is the shipped profiles' placeholder",
                        "build manifests/image/Containerfile, push it, then --set image=REGISTRY/mlperf-harness:TAG")
         return Row("image", PASS, image)

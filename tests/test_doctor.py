@@ -135,10 +135,10 @@ MISSING = [
      "runtime torch-distributed", "no ClusterTrainingRuntime torch-distributed", "kubernetes.trainjob_runtime"),
     ("namespace", _drop("namespaces", NS), (), f"namespace {NS}", "not there", f"kubectl create namespace {NS}"),
     ("restricted, flush on", _label("restricted"),
-     ("kubernetes.flush_page_cache=true",), f"pod security of {NS}", "flush's init container is privileged",
+     ("kubernetes.flush_page_cache=true",), f"pod security of {NS}", "the page-cache flush init container is privileged",
      f"kubectl label --overwrite namespace {NS} {PSA}=privileged"),
     ("baseline, RDMA", _label("baseline"), (),
-     f"pod security of {NS}", "RDMA's pinned memory adds IPC_LOCK", f"{PSA}=privileged"),
+     f"pod security of {NS}", "RDMA adds the IPC_LOCK capability", f"{PSA}=privileged"),
     ("results PVC", _drop("pvcs", (NS, "mlperf-results")), (), "results PVC mlperf-results",
      "no PVC mlperf-results", "create it (ReadWriteMany)"),
     ("results PVC not RWX", lambda api: api.pvcs.update({(NS, "mlperf-results"): pvc("mlperf-results",
@@ -160,7 +160,7 @@ MISSING = [
     ("watcher's ServiceAccount", _drop("service_accounts", (NS, WATCHER)), (), f"ServiceAccount {WATCHER}",
      f"not in namespace {NS} (kubernetes.watcher_service_account", f"kubectl create serviceaccount {WATCHER} -n {NS}"),
     ("watcher's Role", _drop("role_bindings", (NS, WATCHER)), (), f"watcher {WATCHER}'s Role",
-     "not granted: create events, delete pods, list pods, get pytorchjobs.kubeflow.org", f"rbac('{NS}'"),
+     "not granted: create events, delete pods, list pods, get pytorchjobs.kubeflow.org", "--rbac | kubectl apply"),
     ("a denied verb", lambda api: api.denied.add(("", "pods/log", "get")), (), f"permissions in {NS}",
      "denied: get pods/log", "| kubectl apply -f -"),
     ("a denied Node verb", lambda api: api.denied.add(("", "nodes/status", "patch")), (),
@@ -239,3 +239,29 @@ def test_an_unreachable_api_server_is_one_line(cluster, tmp_path):
     assert result.returncode == 1 and not result.stdout
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"cannot reach the Kubernetes API server at {cluster.url}" in result.stderr
+
+
+def test_the_rbac_for_a_namespace_is_one_command_and_the_dry_run_prints_the_same(tmp_path):
+    """`harness doctor --rbac` prints every identity's RBAC for the profile's namespace (the fix doctor names
+    outside "default"); a Kubernetes dry run prints the same documents first, and its watcher pod runs as the
+    ServiceAccount they bind, in the same namespace."""
+    import yaml
+
+    from harness.launchers.kubernetes_rbac import rbac
+
+    shown = harness("doctor", "--profile", "coreweave-h100", "--set", "kubernetes.namespace=mlperf", "--rbac")
+    assert shown.returncode == 0, shown.stderr
+    documents = [doc for doc in yaml.safe_load_all(shown.stdout) if doc]
+    assert documents == rbac("mlperf")
+    assert {doc["metadata"]["namespace"] for doc in documents if "namespace" in doc["metadata"]} == {"mlperf"}
+    assert all(doc["metadata"]["name"].endswith("-mlperf") for doc in documents if "namespace" not in doc["metadata"])
+    run = harness("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--set",
+                  "kubernetes.namespace=mlperf", "--nodes", "2", "--preflight", "--max-restarts", "1", "--dry-run",
+                  "--out", str(tmp_path / "o"))
+    assert run.returncode == 0, run.stderr
+    printed = [doc for doc in yaml.safe_load_all(run.stdout) if doc]
+    assert printed[:len(documents)] == documents
+    [watcher] = [doc for doc in printed if doc["kind"] == "Pod"]
+    accounts = {doc["metadata"]["name"] for doc in documents if doc["kind"] == "ServiceAccount"}
+    assert watcher["metadata"]["namespace"] == "mlperf" and watcher["spec"]["serviceAccountName"] in accounts
+    assert [doc["kind"] for doc in printed[len(documents):]] == ["PyTorchJob", "PyTorchJob", "Pod"]  # health, job

@@ -70,7 +70,11 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
     args = (*AT_448, "--out", str(tmp_path / "o"))
     text = rendered(*args)
     assert rendered(*args) == text  # deterministic
-    health, job, *others = [doc for doc in yaml.safe_load_all(text) if doc]  # preflight is on for full multi-node runs
+    documents = [doc for doc in yaml.safe_load_all(text) if doc]
+    rbac = [doc for doc in documents if doc["apiVersion"].startswith("rbac.") or doc["kind"] == "ServiceAccount"]
+    assert {doc["metadata"]["namespace"] for doc in rbac if "namespace" in doc["metadata"]} == {"default"}
+    assert documents[:len(rbac)] == rbac  # the RBAC first, then what the run creates
+    health, job, *others = documents[len(rbac):]  # preflight is on for full multi-node runs
     assert health["metadata"]["name"].endswith("-preflight") and job == training_job(text)
     # Closed resnet: the rules' 5 runs, each a job of its own (the profile flushes), each with its watcher pod.
     assert [doc["kind"] for doc in others] == ["Pod"] + ["PyTorchJob", "Pod"] * 4
@@ -737,7 +741,7 @@ def test_a_trainjob_patches_the_runtimes_privileged_flush_init_container(tmp_pat
 
     launcher = get_launcher("k8s")
     request = launcher.render(_flush_spec(tmp_path, "kubernetes.api=trainjob"))
-    job = yaml.safe_load(request.text)
+    job = training_job(request.text)
     jsonschema.validate(job, crd_schema(TRAINJOB_CRD, "v1alpha1"))
     assert tj.TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
     [patch] = job["spec"]["runtimePatches"]

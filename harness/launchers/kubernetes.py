@@ -32,6 +32,7 @@ from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster
 from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
                                               retrying)
 from harness.launchers.kubernetes_blame import BlameReader
+from harness.launchers.kubernetes_rbac import rbac_documents
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, prerequisites, pvc_folder,
                                                  pytorch_job, render_token, trainjob_notes, watcher_pod,
                                                  watches_failures)
@@ -69,8 +70,9 @@ class KubernetesLauncher(Launcher):
         return [flush] if flush else []
 
     def render(self, spec: JobSpec) -> Request:
-        """Every object the campaign creates, in order, as YAML documents under the list of what must exist first:
-        the health job (with --preflight), then each job (one, or one per run) and its watcher pod. Tokens are
+        """Every object the campaign creates, in order, as YAML documents under the list of what must exist first
+        and the RBAC for the profile's namespace: the health job (with --preflight), then each job (one, or one per
+        run) and its watcher pod. Tokens are
         derived from the spec (a dry run prints the same bytes for the same arguments); `submit` renders the job
         again with a fresh random token. The request's payload is the (first) training job's."""
         token = render_token(spec)
@@ -83,7 +85,10 @@ class KubernetesLauncher(Launcher):
                 job = {"metadata": {**request.payload["body"]["metadata"], "uid": "<the job's uid, at submit>"}}
                 documents.append(watcher_pod(request.spec, job, pvc_folder(request.spec, token)))
         header = "".join(f"# {line}\n" for line in prerequisites(spec))
-        text = header + yaml.safe_dump_all(documents, sort_keys=True, default_flow_style=False)
+        text = (header + "# The RBAC, for the profile's namespace (applied once, as manifests/rbac is for default):\n"
+                + yaml.safe_dump_all(rbac_documents(spec), sort_keys=True, default_flow_style=False)
+                + "---\n# What the run creates, in order:\n"
+                + yaml.safe_dump_all(documents, sort_keys=True, default_flow_style=False))
         return dataclasses.replace(requests[0], text=text,
                                    payload={**requests[0].payload, "launches": len(requests)})
 

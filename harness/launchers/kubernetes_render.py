@@ -365,11 +365,11 @@ def pod_monitor(spec: JobSpec) -> dict:
 PLACEHOLDER_REGISTRY = "registry.example.com/"  # the shipped profiles' image, until one is built and pushed
 
 
-def privileged_reasons(spec: JobSpec) -> list[str]:
-    """What in the training pods Pod Security's baseline level refuses, so that their namespace must enforce the
-    privileged level: a privileged container (the page-cache flush), a capability outside baseline's list
-    (IPC_LOCK, which RDMA's pinned memory needs), host networking."""
-    profile = spec.profile
+def privileged_reasons(profile) -> list[str]:
+    """What in a profile's training pods Pod Security's baseline level refuses, so that their namespace must enforce
+    the privileged level: a privileged container (the page-cache flush), a capability outside baseline's short list
+    (IPC_LOCK, which RDMA's pinned memory needs), host networking (the Pod Security Standards,
+    kubernetes.io/docs/concepts/security/pod-security-standards). `harness doctor` checks the namespace for it."""
     return [reason for reason, present in (
         ("the page-cache flush init container is privileged", profile.kubernetes.flush_page_cache),
         ("RDMA adds the IPC_LOCK capability", bool(profile.rdma_resource)),
@@ -384,7 +384,7 @@ def prerequisites(spec: JobSpec) -> list[str]:
     nodes = spec.nodes + spec.spare_nodes if spec.preflight else spec.nodes
     devices = [f"{spec.gpus()} {profile.gpu_resource}"] if spec.gpus() else []
     devices += [f"{profile.rdma_count} {profile.rdma_resource}"] if profile.rdma_resource else []
-    privileged = privileged_reasons(spec)
+    privileged = privileged_reasons(profile)
     lines = [f"Must exist first (`harness doctor --profile {profile.name}` checks each):",
              f"- the {api.kind} CRD ({api.plural}.{api.group})"
              + (f" and the ClusterTrainingRuntime {kube.trainjob_runtime}" if api is TRAINJOB else ""),
