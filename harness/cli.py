@@ -383,15 +383,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                                           f"the checks so far stay in {spec.out_dir}")
                 if not record["passed"]:
                     return _preflight_failed(record)
-                launches = [remediation.without_excluded(launch, record) for launch in launches]
         collected = True
         for launch in launches:  # each after the one before succeeded and was collected
+            if spec.preflight and not launcher.preflight_in_allocation:
+                # preflight.json as it is now: the nodes an earlier run's failures were blamed on are kept out too.
+                from harness.preflight import read
+
+                launch = remediation.without_excluded(launch, read(spec.out_dir))
             try:
                 handle, state, fetched = _launch(launcher, launcher.render(launch), watcher)
             except (KeyboardInterrupt, _Terminated) as stop:
-                return _stopped(stop, stop.what)
+                return _stopped(stop, getattr(stop, "what", f"stopped; results so far stay in {spec.out_dir}"))
             collected = collected and fetched
             if state is None or state.value != "SUCCEEDED":
+                break
+            if handle.record().get("campaign_cancelled"):  # `harness cancel` between two of the campaign's jobs
+                print(f"harness: the campaign was cancelled after run {launch.launch + 1}; results so far stay in "
+                      f"{spec.out_dir}", file=sys.stderr)
+                state = None
                 break
     job_ok = state is not None and state.value == "SUCCEEDED"
     if watcher is not None:
@@ -441,6 +450,10 @@ def _launch(launcher, request, watcher):
     collected = True
     try:
         _collect(launcher, handle)
+    except (KeyboardInterrupt, _Terminated) as stop:
+        stop.what = (f"stopped while collecting job {handle.job_id}'s files (it ended {state.value if state else '?'})"
+                     f"; `harness collect {request.spec.out_dir}` copies them")
+        raise
     except HarnessError as exc:
         # Said and recorded (job.json's collect_error), never the run's verdict: the job's outcome stands, and
         # its files stay on the cluster for `harness collect`. A failed job may have written nothing at all.
@@ -661,6 +674,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     launcher, handle = _launcher_and_handle(args.run_dir)
     state = launcher.status(handle)
+    record = handle.record()
+    later = record.get("launch") is not None and record["launch"] < record["spec"]["runs"] - 1
+    if state.terminal and later:  # between two of a campaign's jobs: the `harness run` submitting them stops
+        handle.update(campaign_cancelled=True)
+        print(f"harness: job {handle.job_id} has ended ({state.value}); the campaign's later runs will not be "
+              "submitted")
+        return 0
     if state.terminal:
         print(f"harness: job {handle.job_id} has already ended ({state.value}); nothing to cancel")
         return 0

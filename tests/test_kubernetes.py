@@ -658,6 +658,47 @@ def test_a_closed_campaign_without_the_flush_is_refused_before_anything_is_submi
         assert launcher.problems(spec) == [], fine
 
 
+def test_a_campaign_of_jobs_stops_at_a_failed_run_or_a_cancel_between_two_runs(cluster_api, tmp_path):
+    """A closed campaign's job per run: when run 2's job fails, run 3's is never submitted, what runs 1 and 2 wrote
+    comes back, and `harness run` fails; a `harness cancel` that finds the current run's job ended (between two
+    runs) stops the campaign before its next job, where before it said "nothing to cancel" and the next 64-node job
+    went in."""
+    volume, ended = tmp_path / "pvc", {}
+
+    def rank0(job: dict, folder: Path):
+        run = int(job["metadata"]["name"].rsplit("run", 1)[1])
+        shutil.copy(BASELINE_LOG, folder / f"result_{run}.txt")
+        return ended.get(run)
+
+    args = ("run", "resnet", "--backend", "k8s", "--profile", "coreweave-h100", "--nodes", "2", "--preset", "full",
+            "--synthetic", "--runs", "3", "--no-preflight", "--max-restarts", "0")
+    env = {"KUBECONFIG": str(tmp_path / "kubeconfig")}
+    ended[1] = "Failed"
+    with FakeCluster(cluster_api, volume, rank0=rank0) as cluster:
+        failed = harness(*args, "--out", str(tmp_path / "failed"), env=env)
+    assert failed.returncode == 1 and "the job failed" in failed.stderr, failed.stdout + failed.stderr
+    assert [name.rsplit("-", 1)[1] for name in cluster.done] == ["run0", "run1"]
+    assert sorted(p.name for p in (tmp_path / "failed").glob("result_*.txt")) == ["result_0.txt", "result_1.txt"]
+    record = json.loads((tmp_path / "failed" / "job.json").read_text())
+    assert record["launch"] == 1 and record["state"] == "FAILED" and record["earlier_jobs"][0]["state"] == "SUCCEEDED"
+
+    ended.clear()
+    out = tmp_path / "cancelled"
+
+    def cancel_after_run0(job: dict, folder: Path):
+        if job["metadata"]["name"].endswith("-run0"):  # what `harness cancel` records once run 0's job has ended
+            Handle.load(out).update(campaign_cancelled=True)
+        return rank0(job, folder)
+
+    with FakeCluster(cluster_api, volume, rank0=cancel_after_run0) as cluster:
+        cancelled = harness(*args, "--out", str(out), env=env)
+    assert cancelled.returncode == 1 and "the campaign was cancelled after run 1" in cancelled.stderr
+    assert [name.rsplit("-", 1)[1] for name in cluster.done] == ["run0"]
+    said = harness("cancel", str(out), env=env)  # its job ended and later runs remain: the campaign's cancel
+    assert said.returncode == 0 and "the campaign's later runs will not be submitted" in said.stdout
+    assert json.loads((out / "job.json").read_text())["campaign_cancelled"] is True
+
+
 NVIDIA_LLAMA = SHARED / "mlperf-results" / "training_v5.1" / "NVIDIA" / "results" / "theia_ngpu512_ngc25.09_nemo" / \
     "llama31_8b"
 
@@ -770,7 +811,7 @@ class FakeCluster:
         self.api, self.volume, self.namespace, self.silent, self.report = api, volume, namespace, silent, _report
         self.train = train  # False: training jobs are left to the test
         # What a training job's pods do on the volume, given the job and its run folder there: by default rank 0
-        # writes the baseline result.
+        # writes the baseline result. It may return the job's end ("Failed"); None: it succeeds.
         self.rank0 = rank0 or (lambda job, folder: shutil.copy(BASELINE_LOG, folder / "result_0.txt"))
         self.done: list[str] = []  # the jobs it finished, in order
         self.reads_when_running: dict[str, int] = {}  # each job's reads when it was first found Running
@@ -801,16 +842,16 @@ class FakeCluster:
                     if name in self.done or namespace != self.namespace or not (
                             self.train or name.endswith("-preflight")) or not self._seen_running(namespace, name, job):
                         continue
-                    folder = pod_folder(self.api, self.volume, name, namespace)
+                    folder, end = pod_folder(self.api, self.volume, name, namespace), None
                     if name.endswith("-preflight"):
                         for pod in self.api.job_pods(namespace, name).values():
                             if pod["spec"]["nodeName"] not in self.silent:
                                 self.report(folder, pod["spec"]["nodeName"], 470)
                     else:
                         folder.mkdir(parents=True, exist_ok=True)
-                        self.rank0(job, folder)
+                        end = self.rank0(job, folder)
                     self.done.append(name)
-                    self.api.set_condition(namespace, name, "Succeeded")
+                    self.api.set_condition(namespace, name, end or "Succeeded")
 
 
 @pytest.fixture

@@ -85,6 +85,9 @@ class KubernetesLauncher(Launcher):
                 job = {"metadata": {**request.payload["body"]["metadata"], "uid": "<the job's uid, at submit>"}}
                 documents.append(watcher_pod(request.spec, job, pvc_folder(request.spec, token)))
         header = "".join(f"# {line}\n" for line in prerequisites(spec))
+        if len(requests) > 1:
+            header += (f"# The {len(requests)} jobs run one after another, each once the one before succeeded and was "
+                       "collected: `harness run` applies them in order (applied at once, they would run at once)\n")
         text = (header + "# The RBAC, for the profile's namespace (applied once, as manifests/rbac is for default):\n"
                 + yaml.safe_dump_all(rbac_documents(spec), sort_keys=True, default_flow_style=False)
                 + "---\n# What the run creates, in order:\n"
@@ -157,8 +160,12 @@ class KubernetesLauncher(Launcher):
         api = APIS[spec.profile.kubernetes.api]
         jobs, _ = clients()
         namespace = spec.profile.kubernetes.namespace
-        created = call(f"create the {api.kind}", jobs.create_namespaced_custom_object, api.group, api.version,
-                       namespace, api.plural, request.payload["body"])
+        create = (call, f"create the {api.kind}", jobs.create_namespaced_custom_object, api.group, api.version,
+                  namespace, api.plural, request.payload["body"])
+        # A campaign's later runs are submitted unattended, hours in: an API server outage then is waited out (said
+        # once), as the watch waits it out, rather than ending the campaign between two runs.
+        created = retrying(Outage(lambda line: print(f"harness: {line}", file=sys.stderr, flush=True)), *create) \
+            if spec.launch else create[0](*create[1:])
         handle = Handle(backend=self.name, job_id=f"{namespace}/{created['metadata']['name']}", out_dir=spec.out_dir)
         folder = pvc_folder(spec, request.payload["token"])
         handle.save(request, state=JobState.PENDING.value, uid=created["metadata"].get("uid"), pvc_folder=folder,
