@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--api", choices=profiles.KUBERNETES_APIS,
                         help="job resource: pytorchjob or trainjob; same as --set kubernetes.api=... "
                              "(default: the profile's)")
-    doctor.add_argument("--nodes", type=int, default=1, help="nodes the job would need")
+    doctor.add_argument("--nodes", type=int, default=1,
+                        help="nodes the job would need, its spare nodes included (preflight checks them all)")
     doctor.add_argument("--rbac", action="store_true",
                         help="print the RBAC every harness identity needs in the profile's namespace (for kubectl "
                              "apply -f -) and check nothing")

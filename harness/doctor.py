@@ -24,6 +24,7 @@ from harness.launchers.kubernetes_api import APIS, PYTORCHJOB, TRAINJOB, Refused
 from harness.launchers.kubernetes_blame import WATCHER_RULES
 from harness.launchers.kubernetes_rbac import RBAC_API, SUBMITTER_RULES
 from harness.launchers.kubernetes_render import PLACEHOLDER_REGISTRY, privileged_reasons
+from harness.launchers.kubernetes_resources import training
 from harness.mounts import claim_mount
 from harness.profiles import KubernetesSettings, Profile
 
@@ -363,6 +364,9 @@ class Doctor:
         found = _read(("list", "", "nodes"), "list the Nodes", self.core.list_node, label_selector=selector or None)
         wants = [(self.profile.gpu_resource, self.profile.gpus_per_node)] if self.profile.gpus_per_node else []
         wants += [(self.profile.rdma_resource, self.profile.rdma_count)] if self.profile.rdma_resource else []
+        # The training container's Guaranteed cpu and memory (requests = limits), where the profile gives them.
+        procs = self.profile.gpus_per_node or self.profile.procs_per_node or 1
+        wants += [(resource, figure) for resource, figure in sorted(training(self.profile, procs).items())]
         fit, refused = [], []
         for node in sorted(found.items if found else [], key=lambda n: n.metadata.name):
             why = self._unfit(node, wants)
@@ -373,15 +377,16 @@ class Doctor:
             return [Row(f"nodes ({self.nodes} needed)", PASS, found_text)]
         shown = "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else "")
         return [Row(f"nodes ({self.nodes} needed)", FAIL, found_text + (f": {shown}" if shown else ""),
-                    f"--nodes {len(fit)} or fewer, or a node_selector, tolerations, gpus_per_node or rdma_count "
-                    "that the Nodes meet" if fit else "a node_selector, tolerations, gpus_per_node or rdma_count "
-                                                      "that the Nodes meet")]
+                    f"--nodes {len(fit)} or fewer, or a node_selector, tolerations, gpus_per_node, rdma_count or "
+                    "kubernetes.cpu/memory that the Nodes meet" if fit else
+                    "a node_selector, tolerations, gpus_per_node, rdma_count or kubernetes.cpu/memory that the Nodes "
+                    "meet")]
 
     def _unfit(self, node: k8s.V1Node, wants: list[tuple[str, int]]) -> str:
         """Why a Node cannot take one of the training pods ("" where it can)."""
         allocatable = (node.status.allocatable if node.status else None) or {}
         short = [f"{resource} {allocatable.get(resource, 0)} < {count}" for resource, count in wants
-                 if parse_quantity(allocatable.get(resource, "0")) < count]
+                 if parse_quantity(allocatable.get(resource, "0")) < parse_quantity(count)]
         if short:
             return ", ".join(short)
         if node.spec and node.spec.unschedulable:

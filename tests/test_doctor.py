@@ -72,7 +72,7 @@ def prepare(api: FakeKubeAPI, gpu_nodes: int = 2) -> None:
     for i in range(gpu_nodes):
         api.add_node(f"gpu-{i}", taints=[{"key": "is_cpu_compute", "effect": "NoSchedule"}],
                      labels={"gpu.nvidia.com/class": "H100_NVLINK_80GB"},
-                     allocatable={"nvidia.com/gpu": "8", "rdma/ib": "1"})
+                     allocatable={"nvidia.com/gpu": "8", "rdma/ib": "1", "cpu": "126", "memory": "2000Gi"})
     api.add_node("cpu-0", taints=[])
 
 
@@ -167,7 +167,10 @@ MISSING = [
      "permissions on Nodes (--preflight)", "denied: patch nodes/status", "kubectl apply -f -"),
     ("too few GPU nodes", lambda api: api.nodes["gpu-1"]["status"]["allocatable"].update({"nvidia.com/gpu": "4"}),
      (), "nodes (2 needed)", "1 of 2 Node(s) fit (labels gpu.nvidia.com/class=H100_NVLINK_80GB, nvidia.com/gpu "
-                             ">= 8, rdma/ib >= 1): gpu-1: nvidia.com/gpu 4 < 8", "--nodes 1 or fewer"),
+                             ">= 8, rdma/ib >= 1, cpu >= 115, memory >= 1843Gi): gpu-1: nvidia.com/gpu 4 < 8",
+     "--nodes 1 or fewer"),
+    ("too little memory for the Guaranteed pods", lambda api: api.nodes["gpu-1"]["status"]["allocatable"].update(
+        {"memory": "1500Gi"}), (), "nodes (2 needed)", "gpu-1: memory 1500Gi < 1843Gi", "kubernetes.cpu/memory"),
     ("an untolerated taint", lambda api: api.nodes["gpu-1"]["spec"]["taints"].append(
         {"key": "nvidia.com/gpu-fault", "value": "xid79", "effect": "NoExecute"}),
      (), "nodes (2 needed)", "gpu-1: taint nvidia.com/gpu-fault=xid79:NoExecute not tolerated", "tolerations"),
