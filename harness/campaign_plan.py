@@ -2,8 +2,8 @@
 
 Each is decided here once, from the rules and the profile, so that `harness run` fills in the defaults and a
 render refuses what would fail at run time (`problems`), with the same numbers:
-- runs: a closed preset runs the count MLPerf's rules require for a result (mlperf-logging's result file counts,
-  which `harness export` checks a package against), unless --runs says otherwise;
+- runs: a closed preset on its dataset runs the count MLPerf's rules require for a result (mlperf-logging's result
+  file counts, which `harness export` checks a package against), unless --runs says otherwise;
 - spare nodes: a closed allocation above the profile's `preflight.spare_above_nodes` gets
   ceil(nodes x `preflight.spare_share`) spares by default, so that one node preflight keeps out does not
   waste the allocation;
@@ -33,9 +33,10 @@ RUN_MARGIN = 3.0
 PLAN_ROUND_MINUTES = 15
 
 
-def default_runs(benchmark: str, preset: str) -> int:
-    """Runs a campaign does without --runs: the rules' count for a closed preset, else 1."""
-    if division(preset) != "closed":
+def default_runs(benchmark: str, preset: str, synthetic: bool = False) -> int:
+    """Runs a campaign does without --runs: the rules' count for a closed preset on its dataset, else 1 (a run on
+    synthetic input is a throughput run, never a result)."""
+    if division(preset) != "closed" or synthetic:
         return 1
     from harness.results.score import required_runs  # mlperf-logging: only when a closed campaign asks
 
@@ -44,7 +45,7 @@ def default_runs(benchmark: str, preset: str) -> int:
 
 def runs_note(spec: JobSpec, given: bool) -> str | None:
     """The one line a closed campaign gets about its run count: the rules' default taken, or fewer asked."""
-    if division(spec.preset) != "closed":
+    if division(spec.preset) != "closed" or spec.synthetic:
         return None
     needed = default_runs(spec.benchmark, spec.preset)
     if not given:

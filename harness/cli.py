@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes per node, one per GPU at most (default: one per GPU, or the profile's "
                           "CPU default; local: 2 on a CPU-only machine)")
     run.add_argument("--runs", type=int, help="timed runs, each with its own seed and result file (default: for a "
-                                               "closed preset the count MLPerf's rules require, e.g. 10 for "
-                                               "llama31_8b; else 1)")
+                                               "closed preset on its dataset the count MLPerf's rules require, e.g. "
+                                               "10 for llama31_8b; else 1)")
     run.add_argument("--run-minutes", type=float, metavar="MIN",
                      help="one run's expected time-to-train, for the campaign's wall-time plan (Slurm's --time) "
                           "(default: the benchmark's cited GPU-minutes over this job's GPUs, times a margin; 10 for "
@@ -304,7 +304,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
     spec = JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=args.procs_per_node, run_minutes=args.run_minutes,
-                   runs=args.runs if args.runs is not None else default_runs(args.benchmark, preset), seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
+                   runs=args.runs if args.runs is not None else default_runs(args.benchmark, preset, args.synthetic),
+                   seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
                    straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
                    optimizer=args.optimizer, compile=args.compile,

@@ -13,15 +13,24 @@ from harness.errors import HarnessError
 from harness.spec import JobSpec
 from tests.conftest import harness, training_job
 
-CLOSED_64 = ("llama31_8b", "--profile", "coreweave-h100", "--nodes", "64", "--preset", "full", "--synthetic")
+CLOSED_64 = ("llama31_8b", "--profile", "coreweave-h100", "--nodes", "64", "--preset", "full")
 
 
-def test_a_closed_preset_runs_the_rules_count_unless_told_and_a_smaller_count_is_said_once(tmp_path):
+@pytest.fixture
+def c4(tmp_path):
+    """A dataset folder Slurm's nodes see as it is here: the profile without its image (no container mounts)."""
+    (tmp_path / "c4").mkdir()
+    return ("--data", str(tmp_path / "c4"), "--set", "image=")
+
+
+def test_a_closed_preset_runs_the_rules_count_unless_told_and_a_smaller_count_is_said_once(tmp_path, c4):
     """mlperf-logging's result counts (what `harness export` checks a package against): 10 for llama31_8b, 5 for
-    resnet; an open (tiny) preset runs once. The line is said once, on stderr."""
+    resnet; an open (tiny) preset, or one on synthetic input (a throughput run), runs once. The line is said once,
+    on stderr."""
     assert campaign_plan.default_runs("llama31_8b", "full") == 10 and campaign_plan.default_runs("resnet", "full") == 5
     assert campaign_plan.default_runs("llama31_8b", "tiny") == 1
-    args = ("run", *CLOSED_64, "--backend", "slurm", "--dry-run", "--out", str(tmp_path / "o"))
+    assert campaign_plan.default_runs("llama31_8b", "full", synthetic=True) == 1
+    args = ("run", *CLOSED_64, *c4, "--backend", "slurm", "--dry-run", "--out", str(tmp_path / "o"))
     default = harness(*args)
     assert default.returncode == 0, default.stderr
     assert default.stderr.count("closed llama31_8b runs 10 times, the count MLPerf's rules require") == 1
@@ -31,11 +40,11 @@ def test_a_closed_preset_runs_the_rules_count_unless_told_and_a_smaller_count_is
     assert "rules require" not in harness("run", "resnet", "--dry-run", "--out", str(tmp_path / "t")).stderr
 
 
-def test_spares_default_from_the_profile_and_fewer_are_refused_listed_and_gated(tmp_path):
+def test_spares_default_from_the_profile_and_fewer_are_refused_listed_and_gated(tmp_path, c4):
     """coreweave-h100 asks 3% spares above 16 nodes: 64 closed nodes with preflight allocate 66 on Slurm. Asking
     for none is refused before anything is submitted, in one line naming both fixes; a dry run prints the request and
     lists the problem (exit 0), and exits 1 under --strict."""
-    args = ("run", *CLOSED_64, "--backend", "slurm", "--out", str(tmp_path / "o"))
+    args = ("run", *CLOSED_64, *c4, "--backend", "slurm", "--out", str(tmp_path / "o"))
     shown = harness(*args, "--dry-run")
     assert shown.returncode == 0 and "#SBATCH --nodes=66" in shown.stdout and "problem" not in shown.stderr
     refused = harness(*args, "--spare-nodes", "0")
@@ -55,7 +64,7 @@ def test_spares_default_from_the_profile_and_fewer_are_refused_listed_and_gated(
     assert "--strict gates a --dry-run" in harness(*args, "--strict").stderr
 
 
-def test_slurm_time_comes_from_the_plan_and_a_shorter_profile_time_is_refused(tmp_path):
+def test_slurm_time_comes_from_the_plan_and_a_shorter_profile_time_is_refused(tmp_path, c4):
     """Without slurm.time the script asks for the plan's wall time: preflight's phase (deadline + start allowance),
     then each run's init allowance and its expected time-to-train (the benchmark's cited GPU-minutes over the job's
     GPUs, times a margin), rounded up to 15 minutes. A profile time shorter than that is refused, naming the time
@@ -66,7 +75,7 @@ def test_slurm_time_comes_from_the_plan_and_a_shorter_profile_time_is_refused(tm
     per_run = campaign_plan.RUN_MARGIN * 2_672 / 512  # NVIDIA v5.1's GPU-minutes over 512 GPUs, times the margin
     assert minutes == pytest.approx(30 + 10 * (campaign_plan.INIT_MINUTES + per_run))
     assert parts == "preflight 30 min + 10 run(s) x (10 min init + 16 min to train)"
-    args = ("run", *CLOSED_64, "--backend", "slurm", "--out", str(tmp_path / "o"))
+    args = ("run", *CLOSED_64, *c4, "--backend", "slurm", "--out", str(tmp_path / "o"))
     planned = harness(*args, "--dry-run")
     assert campaign_plan.slurm_time(minutes) == "05:00:00" and "#SBATCH --time=05:00:00" in planned.stdout
     assert "note: --time=05:00:00 from the campaign's plan" in planned.stderr

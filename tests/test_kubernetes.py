@@ -67,7 +67,7 @@ AT_448 = ("--profile", "coreweave-h100", "--nodes", "448", "--gpus-per-node", "8
 
 @needs_crd
 def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
-    args = (*AT_448, "--out", str(tmp_path / "o"))
+    args = (*AT_448, "--runs", "5", "--out", str(tmp_path / "o"))
     text = rendered(*args)
     assert rendered(*args) == text  # deterministic
     documents = [doc for doc in yaml.safe_load_all(text) if doc]
@@ -76,7 +76,7 @@ def test_448_h100_nodes_render_one_valid_pytorchjob(tmp_path):
     assert documents[:len(rbac)] == rbac  # the RBAC first, then what the run creates
     health, job, *others = documents[len(rbac):]  # preflight is on for full multi-node runs
     assert health["metadata"]["name"].endswith("-preflight") and job == training_job(text)
-    # Closed resnet: the rules' 5 runs, each a job of its own (the profile flushes), each with its watcher pod.
+    # A closed campaign of 5 runs: each a job of its own (the profile flushes), each with its watcher pod.
     assert [doc["kind"] for doc in others] == ["Pod"] + ["PyTorchJob", "Pod"] * 4
     assert [doc["metadata"]["name"].rsplit("-", 1)[1] for doc in [job, *others]] == [
         "run0", "watch", *[part for run in range(1, 5) for part in (f"run{run}", "watch")]]
@@ -812,7 +812,7 @@ class FakeCluster:
         self.train = train  # False: training jobs are left to the test
         # What a training job's pods do on the volume, given the job and its run folder there: by default rank 0
         # writes the baseline result. It may return the job's end ("Failed"); None: it succeeds.
-        self.rank0 = rank0 or (lambda job, folder: shutil.copy(BASELINE_LOG, folder / "result_0.txt"))
+        self.rank0 = rank0 or (lambda job, folder: shutil.copy(BASELINE_LOG, folder / "result_0.txt") and None)
         self.done: list[str] = []  # the jobs it finished, in order
         self.reads_when_running: dict[str, int] = {}  # each job's reads when it was first found Running
         self.stop = threading.Event()

@@ -144,11 +144,11 @@ def test_every_container_of_a_training_pod_at_448_nodes_is_guaranteed(profile, t
     args = list(AT_448)
     args[args.index("--profile") + 1] = profile
     result = harness("run", "resnet", "--backend", "k8s", "--dry-run", *args, "--out", str(tmp_path / "o"),
-                     "--set", "kubernetes.flush_page_cache=true")
+                     "--set", "kubernetes.flush_page_cache=true", "--runs", "5")
     assert result.returncode == 0, result.stderr
     jobs = [doc for doc in yaml.safe_load_all(result.stdout) if doc and doc["kind"] == "PyTorchJob"
             and not doc["metadata"]["name"].endswith("-preflight")]
-    assert len(jobs) == 5  # closed resnet's 5 runs, a job each (the flush)
+    assert len(jobs) == 5  # a closed campaign of 5 runs, a job each (the flush)
     for template in [pod for job in jobs for pod in _training_pods(job)]:
         pod = template["spec"]
         assert pod["initContainers"]

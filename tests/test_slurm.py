@@ -36,9 +36,9 @@ def test_the_448_node_h100_script(tmp_path):
     assert first.stdout == second.stdout  # deterministic: a dry run can be diffed and reviewed
     script = first.stdout
     # 448 nodes and the profile's 3% spares (preflight is on for a full multi-node run); the plan's time: preflight's
-    # 30 minutes and the rules' 5 closed runs, each 10 minutes of init and 10 to train (harness.campaign_plan).
+    # 30 minutes and one synthetic run (a throughput run), 10 minutes of init and 10 to train (harness.campaign_plan).
     for line in ("#SBATCH --nodes=462", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --partition=h100", "#SBATCH --time=02:15:00",
+                 "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --partition=h100", "#SBATCH --time=01:00:00",
                  "export NCCL_COLLNET_ENABLE=1", "export NCCL_IB_HCA=ibp", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script.splitlines(), line
     [srun] = [line.strip() for line in script.splitlines() if "srun " in line and "--kill-on-bad-exit" in line]
