@@ -391,7 +391,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 # preflight.json as it is now: the nodes an earlier run's failures were blamed on are kept out too.
                 from harness.preflight import read
 
-                launch = remediation.without_excluded(launch, read(spec.out_dir))
+                launch = remediation.without_excluded(launch, read(spec.out_dir) or record)
             try:
                 handle, state, fetched = _launch(launcher, launcher.render(launch), watcher)
             except (KeyboardInterrupt, _Terminated) as stop:
