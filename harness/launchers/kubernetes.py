@@ -21,7 +21,6 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import yaml
-
 from mlperf_logging.mllog import constants as C
 
 from harness.cache_flush import kubernetes_flush_problem
@@ -72,9 +71,9 @@ class KubernetesLauncher(Launcher):
     def render(self, spec: JobSpec) -> Request:
         """Every object the campaign creates, in order, as YAML documents under the list of what must exist first
         and the RBAC for the profile's namespace: the health job (with --preflight), then each job (one, or one per
-        run) and its watcher pod. Tokens are
-        derived from the spec (a dry run prints the same bytes for the same arguments); `submit` renders the job
-        again with a fresh random token. The request's payload is the (first) training job's."""
+        run) and its watcher pod. Tokens are derived from the spec (a dry run prints the same bytes for the same
+        arguments); `submit` renders the job again with a fresh random token. The request's payload is the (first)
+        training job's."""
         token = render_token(spec)
         requests = [self._request(launch, token) for launch in self.launches(spec)]
         documents = [self._health_body(spec, render_token(dataclasses.replace(spec, health_only=True)))[1]] \
