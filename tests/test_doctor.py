@@ -268,3 +268,23 @@ def test_the_rbac_for_a_namespace_is_one_command_and_the_dry_run_prints_the_same
     accounts = {doc["metadata"]["name"] for doc in documents if doc["kind"] == "ServiceAccount"}
     assert watcher["metadata"]["namespace"] == "mlperf" and watcher["spec"]["serviceAccountName"] in accounts
     assert [doc["kind"] for doc in printed[len(documents):]] == ["PyTorchJob", "PyTorchJob", "Pod"]  # health, job
+
+
+def test_a_pod_patch_that_adds_privilege_needs_the_privileged_level_in_the_dry_run_and_in_doctor(cluster):
+    """The Pod Security level is decided from what the pods will hold, the profile's pod patch included: a patch that
+    makes a container privileged or adds a capability outside baseline's list needs the privileged level, which the
+    dry run's header names and doctor checks (one decision: kubernetes_render.privileged_reasons)."""
+    from harness.launchers.kubernetes_render import privileged_reasons
+
+    plain = profiles.apply_overrides(profiles.load("h100-ib"), ["kubernetes.flush_page_cache=false",
+                                                                "rdma_resource=null", "rdma_count=0"])
+    assert privileged_reasons(plain) == []
+    patched = profiles.apply_overrides(plain, [
+        "kubernetes.pod_patch={spec: {hostIPC: true, containers: [{name: pytorch, securityContext: "
+        "{capabilities: {add: [SYS_ADMIN, CHOWN]}}}]}}"])
+    assert privileged_reasons(patched) == ["kubernetes.pod_patch sets hostIPC",
+                                           "kubernetes.pod_patch adds the SYS_ADMIN capability"]
+    cluster.namespaces[NS]["metadata"]["labels"][PSA] = "baseline"
+    [row] = [row for row in Doctor(profiles.apply_overrides(patched, [f"kubernetes.namespace={NS}"]), 1).rows()
+             if row.check == f"pod security of {NS}"]
+    assert row.result == FAIL and "kubernetes.pod_patch sets hostIPC" in row.found

@@ -373,7 +373,38 @@ def privileged_reasons(profile) -> list[str]:
     return [reason for reason, present in (
         ("the page-cache flush init container is privileged", profile.kubernetes.flush_page_cache),
         ("RDMA adds the IPC_LOCK capability", bool(profile.rdma_resource)),
-        ("host_network uses the host's network namespace", profile.host_network)) if present]
+        ("host_network uses the host's network namespace", profile.host_network)) if present] \
+        + [f"kubernetes.pod_patch {reason}" for reason in _baseline_refuses(profile.kubernetes.pod_patch or {})]
+
+
+# The capabilities Pod Security's baseline level lets a container add (the Pod Security Standards' list).
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+
+
+def _baseline_refuses(patch) -> list[str]:
+    """What in a pod patch (or any part of it) baseline refuses: a privileged container, a host namespace, a
+    hostPath volume, a capability outside BASELINE_CAPABILITIES."""
+    found = []
+    if isinstance(patch, list):
+        for item in patch:
+            found += _baseline_refuses(item)
+        return found
+    if not isinstance(patch, dict):
+        return found
+    for key, value in patch.items():
+        if key == "privileged" and value is True:
+            found.append("makes a container privileged")
+        elif key in ("hostNetwork", "hostPID", "hostIPC") and value is True:
+            found.append(f"sets {key}")
+        elif key == "hostPath":
+            found.append("mounts a hostPath volume")
+        elif key == "capabilities" and isinstance(value, dict):
+            extra = sorted(set(value.get("add") or []) - BASELINE_CAPABILITIES)
+            found += [f"adds the {', '.join(extra)} capability"] if extra else []
+        else:
+            found += _baseline_refuses(value)
+    return found
 
 
 def prerequisites(spec: JobSpec) -> list[str]:
