@@ -433,11 +433,11 @@ def prerequisites(spec: JobSpec) -> list[str]:
         lines.append(f"- queue {kube.queue}: a Kueue LocalQueue in {kube.namespace} or a Volcano Queue")
     if kube.service_account:
         lines.append(f"- ServiceAccount {kube.service_account} in {kube.namespace}")
-    lines.append(f"- the submitter's RBAC in {kube.namespace} (manifests/rbac/harness-role.yaml"
-                 + (", and preflight-clusterrole.yaml for the node marks)" if spec.preflight else ")"))
-    if watches_failures(spec):
-        lines.append(f"- ServiceAccount {kube.watcher_service_account} in {kube.namespace} with the watcher's RBAC "
-                     "(manifests/rbac/watcher.yaml)")
+    lines.append(f"- the RBAC below, for {kube.namespace}: the submitter's Role"
+                 + (" and its ClusterRole for the node marks" if spec.preflight else "")
+                 + (f", the watcher's ServiceAccount {kube.watcher_service_account} and its Roles"
+                    if watches_failures(spec) else "")
+                 + f" (`harness doctor --profile {profile.name} --rbac` prints it alone)")
     lines.append(f"- {nodes} Node(s)" + (f" with {' and '.join(devices)} allocatable" if devices else "")
                  + (f", labelled {', '.join(f'{k}={v}' for k, v in kube.node_selector.items())}"
                     if kube.node_selector else ""))
