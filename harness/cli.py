@@ -19,7 +19,7 @@ from harness import __version__, profiles
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
 from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
-from workloads.common.compiling import COMPILE_CHOICES
+from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words
 from workloads.registry import BENCHMARKS
@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "and drawing the crops")
     run.add_argument("--compile", default="auto", metavar="|".join(COMPILE_CHOICES),
                      help="torch.compile the model: auto compiles on GPUs and runs eagerly on CPU")
+    run.add_argument("--warm-up", default="auto", metavar="|".join(WARM_UP_CHOICES),
+                     help="before run_start, run the train step and the eval on synthetic batches of the run's shapes "
+                          "(compiling, autotuning, opening the communicators), then put every state back: auto does "
+                          "when the model is compiled or on GPUs (docs/clock.md)")
     run.add_argument("--straggler-window", default="60", metavar="SECONDS|Nsteps",
                      help="seconds of training between straggler checks (60, 90s, 2m: one small all-gather of each "
                           "rank's mean forward and step time; the step count follows the pace), or a fixed count of "
@@ -308,7 +312,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
                    env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
                    straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
-                   optimizer=args.optimizer, compile=args.compile,
+                   optimizer=args.optimizer, compile=args.compile, warm_up=args.warm_up,
                    data=args.data, init_checkpoint=args.init_checkpoint,
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,

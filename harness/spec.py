@@ -18,7 +18,7 @@ from pathlib import Path
 from harness import profiles
 from harness.errors import HarnessError
 from harness.profiles import Profile
-from workloads.common.compiling import COMPILE_CHOICES  # torch-free
+from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words  # torch-free
@@ -58,6 +58,7 @@ class JobSpec:
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: the preset's choice
     straggler_threshold: float = 0.75  # a rank slower than this share of the fastest's speed is a straggler
     compile: str = "auto"  # torch.compile: "auto" (on GPUs), "on" or "off"
+    warm_up: str = "auto"  # the warm-up before run_start: "auto" (compiled or on GPUs), "on" or "off"
     env: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = None  # None: the profile's; 0: no metrics endpoint
     pushgateway: str | None = None  # also push metrics there (clusters whose nodes Prometheus cannot scrape)
@@ -171,7 +172,7 @@ class JobSpec:
             args += ["--optimizer", self.optimizer]
         if self.decode is not None:
             args += ["--decode", self.decode]
-        args += ["--compile", self.compile]
+        args += ["--compile", self.compile, "--warm-up", self.warm_up]
         args += ["--straggler-window", self.straggler_window,
                  "--straggler-threshold", f"{self.straggler_threshold:g}"]
         return args
@@ -196,6 +197,7 @@ class JobSpec:
                             ("--straggler-window", self.straggler_window), ("--optimizer", self.optimizer),
                             ("--decode", self.decode),
                             ("--straggler-threshold", self.straggler_threshold), ("--compile", self.compile),
+                            ("--warm-up", self.warm_up),
                             ("--keep-checkpoints", self.keep_checkpoints)):
             if value is not None:
                 args += [flag, str(value)]
@@ -314,6 +316,9 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.compile not in COMPILE_CHOICES:
         raise HarnessError(f"--compile {spec.compile!r}: choose one of {', '.join(COMPILE_CHOICES)} (auto: compiled "
                            "on GPUs, eager on CPU)")
+    if spec.warm_up not in WARM_UP_CHOICES:
+        raise HarnessError(f"--warm-up {spec.warm_up!r}: choose one of {', '.join(WARM_UP_CHOICES)} (auto: a warm-up "
+                           "before run_start when the model is compiled or on GPUs)")
     try:
         StragglerWindow.parse(spec.straggler_window)
     except ValueError as e:

@@ -229,11 +229,11 @@ class BertWorkload(Workload):
         return total, trained
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, batches=None) -> float:
         self.model.eval()
         correct = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
         total = 0
-        for batch in self.eval_set:
+        for batch in self.eval_set if batches is None else batches:
             batch = self._inputs(batch)
             mlm_logits, _ = self._forward(batch)
             correct += (mlm_logits.argmax(-1) == batch["mlm_labels"]).sum()

@@ -14,17 +14,18 @@ import platform
 import random
 import re
 import secrets
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
-from workloads.common.compiling import COMPILE_CHOICES, compile_wanted
+from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES, compile_wanted, warm_up_wanted
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
@@ -35,6 +36,7 @@ from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
+from workloads.common.warm_up import WarmUpInputs, use_campaign_cache, warm_up
 from workloads.registry import BENCHMARKS, missing_inputs
 from workloads.resnet.config import DECODE_CHOICES  # torch-free
 
@@ -74,6 +76,7 @@ class RunOptions:
     straggler_threshold: float = 0.75
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the batch (default: the preset's choice)
     compile: str = "auto"  # torch.compile: see workloads.common.compiling
+    warm_up: str = "auto"  # the warm-up before run_start: see workloads.common.compiling and warm_up
     global_batch: int | None = None  # llama31_8b, llama2_70b_lora: sequences per optimizer step (default: the preset's)
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch outside the RCP table
     learning_rate: float | None = None  # llama31_8b, llama2_70b_lora: the peak LR (default: the RCP table's)
@@ -108,6 +111,7 @@ class RunOptions:
         p.add_argument("--optimizer", choices=(C.SGD, C.LARS),
                        help="resnet only: this optimizer whatever the global batch (default: the preset's)")
         p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
+        p.add_argument("--warm-up", choices=WARM_UP_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
         p.add_argument("--learning-rate", type=float)
@@ -192,8 +196,9 @@ class Workload(ABC):
         all ranks."""
 
     @abstractmethod
-    def evaluate(self) -> float:
-        """The quality on the whole eval set, the same on every rank."""
+    def evaluate(self, batches: Iterable[Any] | None = None) -> float:
+        """The quality on the whole eval set, the same on every rank; on `batches` instead when given (the
+        warm-up's)."""
 
     @abstractmethod
     def epoch_num(self, step: int) -> int:
@@ -216,6 +221,15 @@ class Workload(ABC):
 
     def step_ended(self, step: int, mlog: ResultLog, last: bool) -> None:
         """After each step and its checkpoint, if one was due."""
+
+    def warm_up_inputs(self) -> WarmUpInputs | None:
+        """Synthetic batches of every shape the run will see, built without reading the dataset (see
+        workloads.common.warm_up); None: no warm-up, the first steps compile on the clock."""
+        return None
+
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """Every process group the run's collectives use, so the warm-up creates each one's communicator."""
+        return [dist.group.WORLD]
 
     def position(self) -> dict[str, Any]:
         """Counters a checkpoint keeps beside the step (JSON), for workloads whose progress the step alone
@@ -281,6 +295,37 @@ def open_data(workload: Workload, mlog: ResultLog) -> dict[str, Any]:
         raise
 
 
+# The checker's limit on the init, from the first init_start to init_stop, by division: mlperf-logging's
+# compliance_checker/training_6.1.0/common.yaml (`compile_time_mins`; tests/test_warm_up.py reads it there).
+INIT_LIMIT_MINUTES = {C.CLOSED: 30, C.OPEN: 240}
+
+
+def _warm_up(workload: Workload, index: int, opts: RunOptions, init_began: float) -> None:
+    """The workload's warm-up (workloads.common.warm_up), in the run record as part of the init, and said; an
+    init past the checker's limit is said too (its log will fail the compliance check: the run goes on, since
+    its throughput is still worth reading)."""
+    ctx = workload.ctx
+    wanted = warm_up_wanted(opts.warm_up, ctx.device.type, workload.compiled)
+    done = warm_up(workload) if wanted else None
+    record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
+    now = time.time()
+    if not wanted:
+        record.moment("warm_up", skipped=f"--warm-up {opts.warm_up}")
+    elif done is None:
+        record.moment("warm_up", skipped=f"{opts.benchmark} has no warm-up inputs: its first steps compile on the clock")
+    else:
+        record.interval("warm_up", now - done.seconds, now, details=done.details())
+        announce(f"run {index + 1}/{opts.runs}: warmed up before run_start: {done.train_steps} train steps, "
+                 f"{done.eval_batches} eval batches, {done.groups} process groups in {done.seconds:.1f} s "
+                 f"({done.compile_seconds:.1f} s compiling)", show=ctx.is_main)
+    minutes, limit = (now - init_began) / 60, INIT_LIMIT_MINUTES[opts.division]
+    if minutes >= limit:
+        record.moment("init_over_limit", minutes=round(minutes, 2), limit_minutes=limit)
+        announce(f"run {index + 1}/{opts.runs}: the init took {minutes:.1f} min, over the {limit}-minute limit the "
+                 f"{opts.division} division's compliance check sets (init_start to init_stop): this log will fail "
+                 f"it", show=ctx.is_main)
+
+
 def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     """Run opts.runs timed runs, each logged to its own result file.
 
@@ -293,6 +338,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     """
     ctx = init_distributed()
     setup_logging(opts.out, ctx.rank)
+    use_campaign_cache(opts.out)
     system = opts.system or default_platform(ctx)
     if ctx.is_main:
         write_facts(opts.out, ctx)
@@ -320,6 +366,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
             record.moment("input", synthetic=opts.synthetic)  # a synthetic run is kept out of scores
             if not logged.init_started:
                 mlog.start(C.INIT_START)
+            init_began = logged.init_start_ms / 1000 if logged.init_start_ms else time.time()
             mlog.events(submission_keys(opts.benchmark, opts.division, opts.submitter, system), logged.values)
         seed = logged.seed
         if seed is None:
@@ -329,6 +376,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         FEED.run(index)
         workload = workload_cls(opts, ctx, seed)
         # The untimed init of a fresh run (a resumed attempt's clock has run since the first run_start).
+        if not logged.started:
+            _warm_up(workload, index, opts, init_began)
         freeze_init_objects()
         try:
             if not logged.started:

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from workloads.common.distributed import all_sum
 from workloads.common.gpu_peaks import mfu
 from workloads.common.megatron_data import PAD
+from workloads.common.warm_up import WarmUpInputs, eval_batch_sizes
 
 IGNORED = -100  # cross_entropy's ignore_index: a target position that is not scored
 
@@ -130,11 +131,36 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
 class DecoderSteps:
     """The training loop's questions (workloads.common.loop) that GPT-3 and llama31_8b answer alike, for a
     workload that sets `model`, `optimizer`, `scheduler`, `loaders` (workloads.common.megatron_data),
-    `layout` (grad_accum, global_batch), `cfg` (micro_batch, model.seq_len, model.flops_per_token()),
-    `eval_every` (steps), `split` and `clip_norm`."""
+    `layout` (grad_accum, global_batch, data), `cfg` (micro_batch, eval_sequences, model.seq_len, model.vocab_size,
+    model.flops_per_token()), `mesh`, `eval_every` (steps), `split` and `clip_norm`."""
 
     rate_shown = ("tok/s", "tokens_per_second")
     logs_trained_samples = True
+    extra_token = 1  # a sample's tokens beyond seq_len: the next-token target of the last position (GPT-3's: none)
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape, as the loaders give it."""
+        return (self.cfg.model.seq_len + self.extra_token,)
+
+    def eval_reading(self) -> tuple[int, int]:
+        """The eval set's sequences, and how many of them one eval batch holds."""
+        return self.cfg.eval_sequences, self.cfg.micro_batch
+
+    def warm_up_inputs(self) -> WarmUpInputs:
+        """Two steps of random-token micro batches, and one eval batch of each size this data rank reads: its share
+        of the eval set (EvalShard: the same count on every rank) in full batches, then the rest."""
+        generator = torch.Generator().manual_seed(0)
+
+        def tokens(count: int) -> torch.Tensor:
+            return torch.randint(0, self.cfg.model.vocab_size, (count, *self.sample_shape()), generator=generator)
+
+        sequences, batch = self.eval_reading()
+        shard = -(-sequences // self.layout.data)
+        return WarmUpInputs(train=[tokens(self.cfg.micro_batch) for _ in range(2 * self.layout.grad_accum)], steps=2,
+                            eval=[(tokens(n), torch.ones(n, dtype=torch.bool)) for n in eval_batch_sizes(shard, batch)])
+
+    def process_groups(self) -> list:
+        return self.mesh.get_all_groups()
 
     def batches(self, step: int):
         self.loaders.sampler.skip = step * self.layout.grad_accum * self.cfg.micro_batch
@@ -165,10 +191,10 @@ class DecoderSteps:
         return stats
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, batches: Iterable | None = None) -> float:
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
-        for tokens, counted in self.loaders.eval:
+        for tokens, counted in self.loaders.eval if batches is None else batches:
             batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
                                                      counted, self.split)
             loss_sum, count = loss_sum + batch_sum, count + batch_count

@@ -41,12 +41,13 @@ class LoggedRun:
     stopped: bool  # run_stop is logged: the run is over
     seed: int | None
     init_started: bool = False  # init_start is logged (by this attempt's init, or one that failed)
+    init_start_ms: float | None = None  # the first init_start's time: the checker times the init from it
     values: dict[str, Any] = field(default_factory=dict)  # each POINT_IN_TIME key's first value
 
 
 def logged_run(path: Path) -> LoggedRun:
     started = stopped = init_started = False
-    seed = None
+    seed = init_start_ms = None
     values: dict[str, Any] = {}
     if path.is_file():
         # A line cut by the failure is left out (ResultLog drops it on reopening).
@@ -55,11 +56,13 @@ def logged_run(path: Path) -> LoggedRun:
             started |= key == C.RUN_START
             stopped |= key == C.RUN_STOP
             init_started |= key == C.INIT_START
+            if key == C.INIT_START and init_start_ms is None and isinstance(event.get("time_ms"), (int, float)):
+                init_start_ms = event["time_ms"]
             if key == C.SEED and isinstance(event.get("value"), int):
                 seed = event["value"]
             if event.get("event_type") == "POINT_IN_TIME":
                 values.setdefault(key, event.get("value"))
-    return LoggedRun(started, stopped, seed, init_started, values)
+    return LoggedRun(started, stopped, seed, init_started, init_start_ms, values)
 
 
 def _drop_cut_line(path: Path) -> None:

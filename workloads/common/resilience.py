@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from workloads import STARTED
 from workloads.common.checkpoint import Checkpointer
+from workloads.common.compiling import compile_seconds
 from workloads.common.distributed import DistContext
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog
@@ -121,7 +122,8 @@ class Resilience:
         # A fault fires on the first attempt only, so the restarted run can finish.
         self.fault = fault if fault and fault.rank == ctx.rank and self.attempt == 0 else None
         self.record_path = run_record_path(out, run_index)
-        self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt)
+        self.record = RunRecord(self.record_path if ctx.is_main else None, self.attempt,
+                                compile_seconds if workload.compiled else None)
         window = StragglerWindow.parse(straggler_window)
         self.stragglers = StragglerWatch(workload.model, ctx, self.record, window, straggler_threshold) \
             if not window.off and ctx.world_size > 1 else None
@@ -196,7 +198,7 @@ class Resilience:
         try:
             yield
         finally:
-            self.record.interval(kind, started, time.time(), (step, step))
+            self.record.interval(kind, started, time.time(), (step, step), self.record.compiled_since())
             self._step_started = time.time()
 
     def finish(self) -> None:

@@ -3,7 +3,9 @@
 <out>/run_<i>.jsonl gets one JSON line per finished interval, written by rank 0:
     {"attempt": 1, "kind": "restore", "start": 1700000000.1, "end": 1700000002.3, "steps": [40, 40]}
 kinds: startup (process start, or run_start, to the first step), restore, train (steps done,
-flushed every few seconds), eval, save (the time training waited for a checkpoint), and
+flushed every few seconds, an attempt's first step alone; "compile_s": the seconds of it torch.compile spent), eval
+("compile_s" too), warm_up (before run_start, in the untimed init: workloads.common.warm_up; or a moment with the
+reason it was skipped), save (the time training waited for a checkpoint), and
 fault (an injected failure, at the moment it fires), cache_clear (before a fresh run: whether
 every node's page cache was dropped, and if not, why), and input (before a fresh run: whether the
 input is synthetic, {"synthetic": true}: a throughput run, which results.load keeps out of scores). Times are Unix seconds, as the
@@ -21,6 +23,7 @@ import re
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 ATTEMPT_ENV = "HARNESS_ATTEMPT"  # the attempt number, 0 first; set by the node agent
 ATTEMPTS_FILE = "attempts.jsonl"  # every node's attempts merged, rewritten whole by the decider
@@ -143,9 +146,22 @@ def current_attempt() -> int:
 class RunRecord:
     """Appends the intervals of one run. On ranks other than 0 every call is a no-op."""
 
-    def __init__(self, path: Path | None, attempt: int):
+    def __init__(self, path: Path | None, attempt: int, compile_clock: Callable[[], float] | None = None):
         self.path, self.attempt = path, attempt
         self._train: list | None = None  # [start, end, first_step, last_step] not yet written
+        self._first_step = True  # an attempt's first step gets a record of its own: what it cost shows
+        # Seconds torch.compile has spent so far in this process (workloads.common.compiling.compile_seconds): what
+        # a train or eval record's time spent compiling ("compile_s"), which the report counts as badput.
+        self._compile_clock = compile_clock
+        self._compiled = compile_clock() if compile_clock else 0.0
+
+    def compiled_since(self) -> dict[str, float]:
+        """{"compile_s": seconds} compiled since the last call, if any: the details of the interval just ended."""
+        if self._compile_clock is None:
+            return {}
+        now = self._compile_clock()
+        spent, self._compiled = now - self._compiled, now
+        return {"compile_s": round(spent, 3)} if spent >= 0.001 else {}
 
     def interval(self, kind: str, start: float, end: float, steps: tuple[int, int] | None = None,
                  details: dict | None = None) -> None:
@@ -174,11 +190,12 @@ class RunRecord:
             self._train = [step_started, now, step, step]
         else:
             self._train[1], self._train[3] = now, step
-        if now - self._train[0] >= FLUSH_S:
+        if self._first_step or now - self._train[0] >= FLUSH_S:
+            self._first_step = False
             self.flush()
 
     def flush(self) -> None:
         if self._train is not None:
             start, end, first, last = self._train
             self._train = None
-            self.interval("train", start, end, (first, last))
+            self.interval("train", start, end, (first, last), self.compiled_since())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -146,14 +146,17 @@ class LlamaLoraWorkload(DecoderWorkload):
         batch = self.layout.global_batch
         return Block(start * batch, (end - start) * batch)
 
+    def sample_shape(self) -> tuple[int, ...]:
+        return 2, self.cfg.model.seq_len  # the input ids and the labels (govreport.read_split)
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, batches: Iterable | None = None) -> float:
         """The mean over the eval sequences of each one's mean loss over its scored (summary) tokens."""
         self.model.eval()
         context = self.mesh["context"]
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         sequences = 0
-        for samples, counted in self.loaders.eval:
+        for samples, counted in self.loaders.eval if batches is None else batches:
             samples = samples.to(self.ctx.device, non_blocking=True)
             for row in range(len(samples)):
                 loss_sum, count = scored_loss_sum(self.model, samples[row:row + 1], counted[row:row + 1], self.split)

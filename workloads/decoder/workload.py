@@ -51,6 +51,13 @@ class DecoderWorkload(DecoderSteps, Workload):
         context = self.mesh["context"]
         return ContextSplit(context.get_local_rank(), context.size(), whole) if context.size() > 1 else whole
 
+    def eval_reading(self) -> tuple[int, int]:
+        return self.cfg.eval_sequences, self.cfg.eval_batch
+
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        experts = self.expert_mesh.get_all_groups() if self.expert_mesh is not None else []
+        return self.mesh.get_all_groups() + experts
+
     def open_data(self) -> dict[str, Any]:
         """The loaders (loaders_for_run). Both benchmarks log eval_samples before run_start from the rules'
         constant (the preset's eval_sequences), as NVIDIA's v5.1 logs do; llama2_70b_lora logs train_samples there

@@ -94,6 +94,11 @@ class GPT3Workload(DecoderSteps, Workload):
 
     # --- the data (timed: opened after run_start) ----------------------------------------------------
 
+    extra_token = 0  # samples of seq_len tokens (rolled_split)
+
+    def eval_reading(self) -> tuple[int, int]:
+        return self.cfg.eval_sequences or self.layout.data, self.cfg.micro_batch  # as open_data reads them
+
     def open_data(self) -> dict[str, Any]:
         """The loaders, and eval_samples: the validation tokens the eval reads, which only the index tells (NVIDIA's
         v3.0 logs put it before run_start, as a number their config knows; the checker does not place it)."""

@@ -97,6 +97,9 @@ class ResNetConfig:
     # DDP's all-reduce bucket: ResNet-50's 100 MB of fp32 gradients in 4 buckets, the first of them ready
     # early in the backward pass (torch's default, not yet tuned on a GPU: bench/gpu_throughput.py measures it).
     bucket_mb: int = 25
+    # The eval set's images, which decide the eval's last batch: ImageNet's validation set (data.IMAGENET_EVAL_SAMPLES).
+    # The warm-up compiles for that batch before run_start, when the dataset may not be read yet.
+    eval_images: int = 50_000
 
 
 PRESETS = {
@@ -110,7 +113,7 @@ PRESETS = {
     "tiny": ResNetConfig(arch="tiny", crop=32, classes=10, batch_size=32, sgd_epochs=20, lars_from_batch=4096,
                          eval_every=1, target=0.90, base_lr=0.2, lr_batch=64, warmup_epochs=1,
                          lars=(Schedule(4096, 10.0, 1, 20, 0.9, 5e-05, "the tiny preset's own (open division)"),),
-                         workers=0),
+                         workers=0, eval_images=1_000),  # data.TINY_EVAL_PER_CLASS x TINY_CLASSES
 }
 
 

@@ -30,6 +30,7 @@ from workloads.common.distributed import DistContext, all_sum
 from workloads.common.param_groups import parameter_groups
 from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
+from workloads.common.warm_up import WarmUpInputs, eval_batch_sizes
 from workloads.resnet.config import PRESETS, ResNetConfig, Schedule, plan_run
 from workloads.resnet.data import (Loaders, ensure_tiny_dataset, image_folder_loaders,
                                    shared_image_list, synthetic_loaders, tiny_dataset_root, to_model_input)
@@ -193,11 +194,27 @@ class ResNetWorkload(Workload):
         self.scheduler.step()
         return loss.detach(), self.global_batch
 
+    def warm_up_inputs(self) -> WarmUpInputs:
+        """Two steps of the training batch (every one is whole: drop_last) and one eval batch of each size this rank
+        reads: its slice of the preset's eval images (--synthetic's: one batch), the last shorter batch included.
+        Random uint8 images, as the loaders give them."""
+        cfg, ctx = self.cfg, self.ctx
+        generator = torch.Generator().manual_seed(0)
+
+        def batch(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.randint(0, 256, (count, 3, cfg.crop, cfg.crop), dtype=torch.uint8, generator=generator),
+                    torch.randint(0, cfg.classes, (count,), generator=generator))
+
+        shard = cfg.batch_size if self.opts.synthetic else len(range(ctx.rank, cfg.eval_images, ctx.world_size))
+        train = [(to_model_input(images, ctx.device), labels.to(ctx.device))
+                 for images, labels in (batch(cfg.batch_size) for _ in range(2))]
+        return WarmUpInputs(train=train, steps=2, eval=[batch(n) for n in eval_batch_sizes(shard, cfg.batch_size)])
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, batches=None) -> float:
         self.model.eval()
         correct, total = torch.zeros((), dtype=torch.int64, device=self.ctx.device), 0
-        for images, labels in self.loaders.eval:
+        for images, labels in self.loaders.eval if batches is None else batches:
             images, labels = to_model_input(images, self.ctx.device), labels.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.ctx.device.type == "cuda"):
                 logits = self.forward(images)
