@@ -370,9 +370,32 @@ def test_goodput_splits_the_wall_time(tmp_path):
     assert got.restarts == 1
     # Kept: steps 1-10 (10 s), 11-30 in attempt 1 (20 s) and the eval (2 s) = 32 s of 55.
     assert got.goodput == pytest.approx(32 / 55)
-    assert got.badput == {"startup": 5.0, "save": 1.0, "restore": 2.0, "lost": 11.0, "recovery": 3.0, "other": 1.0,
-                           "preflight": 0.0}
+    assert got.badput == {"startup": 5.0, "compile": 0.0, "save": 1.0, "restore": 2.0, "lost": 11.0, "recovery": 3.0,
+                          "other": 1.0, "preflight": 0.0, "warmup": 0.0}
     assert account(tmp_path / "elsewhere.txt", 0, 1) is None  # not a harness result file: nothing guessed
+
+
+def test_goodput_shows_the_warm_up_and_the_compile_apart(tmp_path):
+    """A warm-up of 6 s before run_start is off the clock but on the job's time (as preflight); the first step's
+    3 s of compiling, and 1 s of a restarted attempt's (lost work's share excluded), are compile badput, not
+    training."""
+    t0 = 1000.0
+    lines = [
+        {"attempt": 0, "kind": "warm_up", "start": t0 - 7, "end": t0 - 1, "train_steps": 2, "compile_s": 5.5},
+        {"attempt": 0, "kind": "startup", "start": t0, "end": t0},
+        {"attempt": 0, "kind": "train", "start": t0, "end": t0 + 4, "steps": [1, 1], "compile_s": 3.0},
+        {"attempt": 0, "kind": "train", "start": t0 + 4, "end": t0 + 14, "steps": [2, 11]},
+        {"attempt": 0, "kind": "save", "start": t0 + 14, "end": t0 + 15, "steps": [11, 11]},
+        {"attempt": 1, "kind": "startup", "start": t0 + 16, "end": t0 + 18},
+        {"attempt": 1, "kind": "restore", "start": t0 + 18, "end": t0 + 19, "steps": [11, 11]},
+        {"attempt": 1, "kind": "train", "start": t0 + 19, "end": t0 + 21, "steps": [12, 12], "compile_s": 1.0},
+        {"attempt": 1, "kind": "train", "start": t0 + 21, "end": t0 + 30, "steps": [13, 21]},
+    ]
+    (tmp_path / "run_0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    got = account(tmp_path / "result_0.txt", t0 * 1000, (t0 + 30) * 1000)
+    assert got.badput["compile"] == 4.0 and got.badput["warmup"] == 6.0
+    # Kept: 1 s of step 1 (its 3 s compiling apart), 10 s of steps 2-11, 1 + 9 s in attempt 1: 21 s of 30 + 6.
+    assert got.goodput == pytest.approx(21 / 36)
 
 
 # --- the checkpointer in one process ------------------------------------------------------------------

@@ -4,6 +4,8 @@ goodput = productive time / wall time, as Google's ml-goodput-measurement define
 wall time is the MLPerf time-to-train (run_start to run_stop), and productive time is the
 training and evaluation whose results the run kept. The rest is badput, split into
     startup       a process start (or run_start) to the first step, for each attempt
+    compile       torch.compile's time inside the timed run (a record's "compile_s"): none when the warm-up
+                  compiled everything before run_start; a restarted attempt's first step, read from the cache
     save          time training waited for checkpoints
     restore       loading the checkpoint after a restart
     lost          work done after the last checkpoint a failed attempt wrote, then redone
@@ -12,6 +14,8 @@ training and evaluation whose results the run kept. The rest is badput, split in
     preflight     checking the nodes before training (harness.preflight's preflight.json, every pass after
                   a requeue included); it comes before run_start, so it is counted on the first run and added
                   to the wall time goodput divides by
+    warmup        the warm-up in the untimed init (workloads.common.warm_up): off the clock as preflight is, and
+                  counted as preflight is, on the wall time goodput divides by
 Logs without a run record (other people's submissions) get None: nothing is guessed.
 """
 
@@ -24,7 +28,7 @@ from pathlib import Path
 from workloads.common.run_record import read_attempts, read_json_lines, record_beside
 from workloads.common.resilience_options import STRAGGLER_PERSIST
 
-BADPUT_KINDS = ("startup", "save", "restore", "lost", "recovery", "other", "preflight")
+BADPUT_KINDS = ("startup", "compile", "save", "restore", "lost", "recovery", "other", "preflight", "warmup")
 
 
 @dataclass
@@ -96,9 +100,11 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
         for r in mine:
             seconds = max(0.0, min(r["end"], stop) - max(r["start"], start))
             if r["kind"] in ("train", "eval"):
+                compiling = min(seconds, max(0.0, float(r.get("compile_s") or 0.0)))
                 share = _kept_share(r, kept)
-                productive += seconds * share
-                spent["lost"] += seconds * (1 - share)
+                spent["compile"] += compiling
+                productive += (seconds - compiling) * share
+                spent["lost"] += (seconds - compiling) * (1 - share)
             elif r["kind"] in ("startup", "save", "restore"):
                 spent[r["kind"]] += seconds
         if later is not None:
@@ -111,9 +117,10 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
             spent["recovery"] += max(0.0, next_start - failed_at)
     spent["other"] = max(0.0, wall - productive - sum(spent.values()))
     spent["preflight"] = _preflight_seconds(folder) if index == 0 else 0.0
+    spent["warmup"] = sum(r["end"] - r["start"] for r in intervals if r["kind"] == "warm_up" and r["end"] <= start)
     restarts = len(attempts) - 1 + sum(1 for a, r in ends.items() if not r.get("ok") and r.get("run") == index
                                        and a not in attempts)
-    return Accounting(restarts=restarts, goodput=min(1.0, productive / (wall + spent["preflight"])),
+    return Accounting(restarts=restarts, goodput=min(1.0, productive / (wall + spent["preflight"] + spent["warmup"])),
                       badput={k: round(v, 3) for k, v in spent.items()}, stragglers=named_stragglers(intervals))
 
 
