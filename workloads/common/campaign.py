@@ -26,6 +26,7 @@ from mlperf_logging.mllog import constants as C
 
 from workloads.common.compiling import COMPILE_CHOICES, compile_wanted
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
+from workloads.common.inprocess import RESTART_CHOICES
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, division, logged_run, submission_keys
@@ -69,6 +70,7 @@ class RunOptions:
     checkpoint_every: str | None = None  # "50" steps or "10m" (see resilience_options)
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    restart: str = "in-process"  # or "process" (workloads.common.inprocess)
     inject_failure: str | None = None  # RANK:STEP[:KIND]
     straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     straggler_threshold: float = 0.75
@@ -102,6 +104,7 @@ class RunOptions:
         p.add_argument("--checkpoint-every")
         p.add_argument("--keep-checkpoints", type=int, default=2)
         p.add_argument("--async-checkpoint", action="store_true")
+        p.add_argument("--restart", choices=RESTART_CHOICES, default="in-process")
         p.add_argument("--inject-failure")
         p.add_argument("--straggler-window", default="60")
         p.add_argument("--straggler-threshold", type=float, default=0.75)
