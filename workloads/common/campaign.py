@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import platform
 import random
 import re
@@ -299,8 +300,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     system = opts.system or default_platform(ctx)
     if ctx.is_main:
         write_facts(opts.out, ctx)
-    log.info("rank %d/%d on %s (%s), %s, attempt %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
-             dist.get_backend(), current_attempt())
+    log.info("rank %d/%d on %s (%s), %s, attempt %d, pid %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
+             dist.get_backend(), current_attempt(), os.getpid())
     for index in range(opts.runs if opts.last_run is None else opts.last_run + 1):
         path = opts.out / f"result_{index}.txt"
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)

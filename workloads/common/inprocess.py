@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -84,6 +85,7 @@ def run(campaign: Callable[[], None], out: Path) -> None:
 
     out = Path(out)
     identity = json.loads(os.environ[IDENTITY_ENV])
+    campaign_log = logging.getLogger("workloads")
 
     class SameWorld(inprocess.rank_assignment.RankAssignment):
         """Every rank, with its rank, in every iteration; after a failure, only if the verdict says restart here
@@ -123,6 +125,9 @@ def run(campaign: Callable[[], None], out: Path) -> None:
             verdict = _verdict(store, iteration - 1)
             os.environ[ATTEMPT_ENV] = str(verdict["attempt"] + 1)
             _restarted_at = time.time()
+            for handler in list(campaign_log.handlers):  # the campaign adds its rank log's handler again
+                campaign_log.removeHandler(handler)
+                handler.close()
             if int(os.environ.get("RANK", 0)) == 0 and verdict.get("run") is not None:
                 RunRecord(run_record_path(out, verdict["run"]), verdict["attempt"] + 1).interval(
                     "restart", verdict["time"], _restarted_at, details={"in_process": True})
