@@ -55,8 +55,9 @@ from pathlib import Path
 
 from harness.blame import (CONFIGURATION, GPU_HARDWARE, INFRASTRUCTURE, MACHINE_ERRNO, NOT_RETRIED,
                            OUT_OF_GPU_MEMORY, OUT_OF_GPU_MEMORY_ADVICE, PASSING_IO, PEER_LOSS,
-                           STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, unquoted)
-from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, attempt_of, node_attempts_path,
+                           STOPPED_BY_NEWER_ATTEMPT, WORKLOAD, culprits, unquoted)
+from workloads.common.run_record import (ATTEMPT_ENV, ATTEMPTS_DIR, ATTEMPTS_FILE, BUDGET_ENV, IDENTITY_ENV,
+                                         attempt_of, node_attempts_path,
                                          of_launch,
                                          read_attempts, read_json_lines, records_of, run_records,
                                          write_merged_attempts)
@@ -383,6 +384,46 @@ def decide(records: list[dict], attempt: int, budget: int, launch: int | None = 
                                 f"({attempt + 1} of {budget} restarts used)")
 
 
+# --- a restart in process (workloads.common.inprocess) ---------------------------------------------
+
+def in_process_verdict(out: Path, identity: dict, attempt: int, budget: int, rank: int, message: str,
+                       traceback: str, now: float) -> dict:
+    """What follows a worker's exception, asked by the first rank that failed while every process is still alive:
+    the same policy as after an attempt (classify as the error file would read, decide against the one budget,
+    blame), and `restart` (in process) only where that retries a failure that blames no node and is no lost peer.
+    A node to keep out, a lost peer (a process that died) and every failure not retried are left to the agent."""
+    failure = classify(rank, 1, None, message, True, traceback)
+    run, step = progress_at_failure(out)
+    end = {**end_record(attempt, identity, failure, run, step, now), "in_process": True}
+    start = {"event": "start", "attempt": attempt, **identity, "time": now}
+    decision = decide(read_records(out) + [end], attempt, budget, identity.get("launch"))
+    restart = decision.retry and not PEER_LOSS.search(unquoted(failure.cause)) and not culprits([start, end])
+    message = decision.message.replace("Restarting from", "Restarting in process from") if restart else \
+        decision.message if not decision.retry else f"{failure.cause}: left to the node agent's restart"
+    return {"restart": restart, "message": message, "attempt": attempt, "end": end, "run": run, "time": now}
+
+
+def in_process_records(identity: dict, verdict: dict) -> list[dict]:
+    """One node's records of a restart in process (verdict: in_process_verdict's): its end of the attempt (the
+    failure's own record on the failed rank's node; elsewhere an end that went down with it, as a victim) and its
+    start of the next, both marked `in_process`."""
+    attempt, failed = verdict["attempt"], verdict["end"]
+    if identity["node"] == failed["node"]:
+        end = failed
+    else:
+        cause = Failure(INFRASTRUCTURE, f"{failed['node']} failed ({failed['cause']}); this node's ranks restarted "
+                                        "in process with it", stopped_by=STOPPED_BY_NEWER_ATTEMPT)
+        end = {**end_record(attempt, identity, cause, failed.get("run"), failed.get("step"), verdict["time"]),
+               "in_process": True}
+    return [end, {"event": "start", "attempt": attempt + 1, **identity, "time": time.time(), "in_process": True}]
+
+
+def in_process_attempt(records: list[dict], node: str, attempt: int) -> int:
+    """The attempt this node's workers are in: `attempt`, or the newest they began in process since."""
+    return max([attempt] + [r["attempt"] for r in records if r.get("event") == "start" and r.get("in_process")
+                            and r.get("node") == node])
+
+
 # --- one attempt ---------------------------------------------------------------------------------
 
 def run_attempt(torchrun_argv: list[str]) -> tuple[bool, Failure | None]:
@@ -573,6 +614,9 @@ def _attempts(args, node: str) -> int:
     if attempt > args.max_restarts:  # the scheduler restarted us (a lost node) with no budget left
         _say(f"attempt {attempt} refused: the restart budget ({args.max_restarts}) is spent")
         return EXIT_BUDGET_SPENT
+    # What the workers need to restart in process within this budget, recorded as this node.
+    os.environ[BUDGET_ENV] = str(args.max_restarts)
+    os.environ[IDENTITY_ENV] = json.dumps(identity)
     while True:
         os.environ[ATTEMPT_ENV] = str(attempt)
         watch = NewerAttemptWatch(args.out, attempt)
@@ -587,6 +631,7 @@ def _attempts(args, node: str) -> int:
             cancelled, failure = True, signalled(exc)
         if watch.newer and cancelled:  # the SIGTERM was ours: not a cancellation, a restart into the newer attempt
             cancelled, failure = False, watch.failure()
+        attempt = in_process_attempt(read_records(args.out), node, attempt)  # the workers may have gone on
         run, step = progress_at_failure(args.out) if failure else (None, None)
         _append(args.out, node, end_record(attempt, identity, failure, run, step))
         if cancelled:

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoints kept per run (older ones are deleted; all go when the run stops)")
     run.add_argument("--async-checkpoint", action="store_true",
                      help="write checkpoints in the background: training waits only for the copy to host memory")
+    run.add_argument("--restart", choices=("in-process", "process"), default="in-process",
+                     help="after a retried failure that left every worker alive (a passing I/O error), go on in "
+                          "the same processes (in-process, the default; needs nvidia-resiliency-ext: pip install "
+                          "'.[inprocess]', else processes are restarted), or always restart the workers as new "
+                          "processes (process); a worker that died restarts as a new process either way")
     run.add_argument("--inject-failure", metavar="RANK:STEP[:KIND]",
                      help="fault injection for tests and demos, on the first attempt only: when worker RANK "
                           "reaches global step STEP of a run, KIND happens: "
@@ -321,7 +326,8 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    packing_factor=args.packing_factor, decode=args.decode,
                    submitter=args.submitter, system=args.system, name=args.name,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                   async_checkpoint=args.async_checkpoint, inject_failure=args.inject_failure, profile=profile,
+                   async_checkpoint=args.async_checkpoint, restart=args.restart, inject_failure=args.inject_failure,
+                   profile=profile,
                    preflight=args.preflight if args.preflight is not None else (args.nodes > 1 and preset == "full"),
                    spare_nodes=args.spare_nodes or 0, drain_bad_nodes=args.drain_bad_nodes,
                    taint_bad_nodes=args.taint_bad_nodes)

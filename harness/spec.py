@@ -53,6 +53,7 @@ class JobSpec:
     checkpoint_every: str | None = None  # "50" steps or "10m"; None: the preset's (CHECKPOINT_EVERY)
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    restart: str = "in-process"  # "process": every retried failure restarts the workers as new processes
     inject_failure: str | None = None  # RANK:STEP[:KIND], on the first attempt (tests, demos)
     straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     optimizer: str | None = None  # resnet: "sgd" or "lars" whatever the global batch; None: the preset's choice
@@ -166,6 +167,8 @@ class JobSpec:
         args += ["--keep-checkpoints", str(self.keep_checkpoints)]
         if self.async_checkpoint:
             args.append("--async-checkpoint")
+        if self.restart != "in-process":
+            args += ["--restart", self.restart]
         if self.inject_failure is not None:
             args += ["--inject-failure", self.inject_failure]
         if self.optimizer is not None:
@@ -213,6 +216,8 @@ class JobSpec:
             args.append(ALLOW_FLAG)
         if self.async_checkpoint:
             args.append("--async-checkpoint")
+        if self.restart != "in-process":
+            args += ["--restart", self.restart]
         args.append("--preflight" if self.preflight else "--no-preflight")  # its default depends on nodes and preset
         if self.spare_nodes:
             args += ["--spare-nodes", str(self.spare_nodes)]

@@ -9,7 +9,8 @@ training and evaluation whose results the run kept. The rest is badput, split in
     save          time training waited for checkpoints
     restore       loading the checkpoint after a restart
     lost          work done after the last checkpoint a failed attempt wrote, then redone
-    recovery      from a failure to the next attempt's process start (detection, restart)
+    recovery      from a failure to the next attempt's process start (detection, restart), or, restarted in
+                  process, to its re-entry into the campaign (the run record's `restart` interval)
     other         whatever is left (logging, waiting at barriers)
     preflight     checking the nodes before training (harness.preflight's preflight.json, every pass after
                   a requeue included); it comes before run_start, so it is counted on the first run and added
@@ -107,6 +108,8 @@ def account(result_file: Path, run_start_ms: float, run_stop_ms: float) -> Accou
                 spent["lost"] += (seconds - compiling) * (1 - share)
             elif r["kind"] in ("startup", "save", "restore"):
                 spent[r["kind"]] += seconds
+            elif r["kind"] == "restart":  # a restart in process: from the failure to re-entering the campaign
+                spent["recovery"] += seconds
         if later is not None:
             faults = [r["start"] for r in mine if r["kind"] == "fault"]
             last_work = max((r["end"] for r in mine if r["kind"] != "fault"), default=mine[0]["start"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import platform
 import random
 import re
@@ -27,6 +28,7 @@ from mlperf_logging.mllog import constants as C
 
 from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES, compile_wanted, warm_up_wanted
 from workloads.common.distributed import DistContext, broadcast_object, init_distributed, shutdown_distributed
+from workloads.common.inprocess import RESTART_CHOICES
 from workloads.common.loop import Target, train
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog, division, logged_run, submission_keys
@@ -71,6 +73,7 @@ class RunOptions:
     checkpoint_every: str | None = None  # "50" steps or "10m" (see resilience_options)
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    restart: str = "in-process"  # or "process" (workloads.common.inprocess)
     inject_failure: str | None = None  # RANK:STEP[:KIND]
     straggler_window: str = "60"  # seconds of training between straggler checks, or "20steps"; "0": none
     straggler_threshold: float = 0.75
@@ -105,6 +108,7 @@ class RunOptions:
         p.add_argument("--checkpoint-every")
         p.add_argument("--keep-checkpoints", type=int, default=2)
         p.add_argument("--async-checkpoint", action="store_true")
+        p.add_argument("--restart", choices=RESTART_CHOICES, default="in-process")
         p.add_argument("--inject-failure")
         p.add_argument("--straggler-window", default="60")
         p.add_argument("--straggler-threshold", type=float, default=0.75)
@@ -342,8 +346,8 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
     system = opts.system or default_platform(ctx)
     if ctx.is_main:
         write_facts(opts.out, ctx)
-    log.info("rank %d/%d on %s (%s), %s, attempt %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
-             dist.get_backend(), current_attempt())
+    log.info("rank %d/%d on %s (%s), %s, attempt %d, pid %d", ctx.rank, ctx.world_size, platform.node(), ctx.device,
+             dist.get_backend(), current_attempt(), os.getpid())
     for index in range(opts.runs if opts.last_run is None else opts.last_run + 1):
         path = opts.out / f"result_{index}.txt"
         logged = broadcast_object(logged_run(path) if ctx.is_main else None, ctx)

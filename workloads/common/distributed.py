@@ -40,12 +40,23 @@ def init_distributed() -> DistContext:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        store = {"store": _store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])} \
+            if _store is not None else {}
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, **store)
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device=device)
 
 
 _checkpoint_group: dist.ProcessGroup | None = None
+_store: dist.Store | None = None  # where init_distributed meets, instead of the environment's (a restart in process)
+
+
+def use_store(store: dist.Store) -> None:
+    """Meet in `store` at the next init_distributed: each in-process restart (workloads.common.inprocess) re-forms
+    the groups under a prefix of its own, since the last ones' addresses are stale. The checkpoint group went with
+    the groups the restart destroyed."""
+    global _store, _checkpoint_group
+    _store, _checkpoint_group = store, None
 
 
 def checkpoint_group() -> dist.ProcessGroup:

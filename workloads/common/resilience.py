@@ -16,6 +16,7 @@ counters the workload keeps beside it (Workload.position), and the open block of
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -34,6 +35,7 @@ from workloads import STARTED
 from workloads.common.checkpoint import Checkpointer
 from workloads.common.compiling import compile_seconds
 from workloads.common.distributed import DistContext
+from workloads.common.inprocess import restarted_at
 from workloads.common.metrics_feed import FEED
 from workloads.common.mlperf import ResultLog
 from workloads.common.progress import announce
@@ -136,8 +138,9 @@ class Resilience:
     def restore(self) -> int:
         """Load the newest valid checkpoint of this run, if any; returns its step (0 for a fresh start)."""
         started = time.time()
-        # A resumed attempt's start-up began when its process did; a fresh run's at run_start (now).
-        self.record.interval("startup", STARTED if self.attempt else started, started)
+        # A resumed attempt's start-up began when its process did, or when it re-entered the campaign after a restart
+        # in process; a fresh run's at run_start (now).
+        self.record.interval("startup", (restarted_at() or STARTED) if self.attempt else started, started)
         restored = self.checkpointer.restore(self._state)
         step = 0
         if restored is not None:
@@ -214,6 +217,9 @@ class Resilience:
         announce(f"injecting fault {kind!r} on rank {self.ctx.rank} at step {step} (--inject-failure)")
         if kind == "exception":
             raise InjectedFault(f"injected workload error at step {step}")
+        if kind == "io-error":
+            self._note_fault(step)
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected at step {step})")
         if kind == "slow":
             inner = getattr(self.workload.model, "module", self.workload.model)
             inner.register_forward_pre_hook(lambda module, args: _compute_for(SLOW_FAULT_S) if module.training else None)
@@ -244,9 +250,12 @@ class Resilience:
 
     def _kill(self, step: int) -> None:
         """SIGKILL this worker, first noting the moment in the run record (whichever rank this is)."""
+        self._note_fault(step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _note_fault(self, step: int) -> None:
         now = time.time()
         RunRecord(self.record_path, self.attempt).interval("fault", now, now, (step, step))
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _compute_for(seconds: float) -> None:

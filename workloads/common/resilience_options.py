@@ -15,6 +15,8 @@ from dataclasses import dataclass
 FAULT_KINDS = {
     "kill": "SIGKILL the worker (a lost process or node)",
     "exception": "raise an exception in the training code (a workload error, which is not retried)",
+    "io-error": "raise OSError EIO in the training code (a passing file-system error, which is retried: in process "
+                "where --restart in-process)",
     "kill-in-save": "SIGKILL the worker while it writes the first checkpoint taken at or after STEP",
     "corrupt": "damage the newest checkpoint on disk, then SIGKILL the worker",
     "slow": "make the worker's forward passes compute 0.2 s longer from STEP on (a straggler)",

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Callable
 
 ATTEMPT_ENV = "HARNESS_ATTEMPT"  # the attempt number, 0 first; set by the node agent
+# Set by the node agent for its workers, which restart in process (workloads.common.inprocess) within the same budget
+# and record those attempts as this node: the restart budget (--max-restarts), and the node's identity in its records.
+BUDGET_ENV = "HARNESS_MAX_RESTARTS"
+IDENTITY_ENV = "HARNESS_AGENT_IDENTITY"
 ATTEMPTS_FILE = "attempts.jsonl"  # every node's attempts merged, rewritten whole by the decider
 # One file per node, each with a single writer: appends from many NFS clients to one file are not atomic
 # (O_APPEND is emulated client-side), so 448 nodes appending to one file could interleave or lose lines.
