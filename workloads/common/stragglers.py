@@ -68,7 +68,12 @@ class StragglerWatch:
                          self.module.register_forward_hook(self._after)]
 
     # --- timing forward passes -----------------------------------------------------------------
+    # The hooks run eagerly even when the model is compiled. torch.compile of a DDP module compiles every Python
+    # frame its forward runs, these hooks included (DDP skips only its own frames): dynamo then guarded on the
+    # float the hook stores and on len(self._events), which grows each step, so each of the first 8 steps
+    # recompiled the hooks (about 1 s a step on 2 CPU cores) until dynamo gave up at its recompile limit.
 
+    @torch.compiler.disable
     def _before(self, module, args) -> None:
         if not module.training:
             return  # evals are not training speed
@@ -80,6 +85,7 @@ class StragglerWatch:
             self._started = time.thread_time()
         self.hooks_s += time.perf_counter() - clock
 
+    @torch.compiler.disable
     def _after(self, module, args, output) -> None:
         if not module.training or self._started is None:
             return
