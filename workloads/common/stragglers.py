@@ -68,9 +68,10 @@ class StragglerWatch:
                          self.module.register_forward_hook(self._after)]
 
     # --- timing forward passes -----------------------------------------------------------------
-    # Kept out of torch.compile's graphs: traced, each call's clock reading and its `_started` guard made dynamo
-    # recompile the hooks at every step (11 s of the tiny ResNet's 100 compiled steps on CPU); run eagerly, they
-    # are two graph breaks around the model's forward, which compiles whole between them.
+    # The hooks run eagerly even when the model is compiled. torch.compile of a DDP module compiles every Python
+    # frame its forward runs, these hooks included (DDP skips only its own frames): dynamo then guarded on the
+    # float the hook stores and on len(self._events), which grows each step, so each of the first 8 steps
+    # recompiled the hooks (about 1 s a step on 2 CPU cores) until dynamo gave up at its recompile limit.
 
     @torch.compiler.disable
     def _before(self, module, args) -> None:
