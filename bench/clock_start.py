@@ -43,14 +43,14 @@ def first_step(records: list[dict], attempt: int) -> dict:
     train = [r for r in records if r["kind"] == "train" and r["attempt"] == attempt]
     steady = [(r["end"] - r["start"]) / (r["steps"][1] - r["steps"][0] + 1) for r in train[1:]]
     seconds = train[0]["end"] - train[0]["start"]
-    return {"first_step_s": round(seconds, 3), "compile_s": train[0].get("compile_s", 0.0),
+    return {"first_step_s": round(seconds, 3), "first_step_compile_s": train[0].get("compile_s", 0.0),
             "steady_step_s": round(statistics.median(steady), 4),
             "first_step_multiple": round(seconds / statistics.median(steady), 1)}
 
 
 def warm_up(records: list[dict]) -> dict:
     done = next(r for r in records if r["kind"] == "warm_up")
-    return {"warm_up_s": round(done["end"] - done["start"], 2), "compile_s": done.get("compile_s")}
+    return {"warm_up_s": round(done["end"] - done["start"], 2), "warm_up_compile_s": done.get("compile_s")}
 
 
 def main() -> int:

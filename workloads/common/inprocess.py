@@ -22,9 +22,9 @@ like the agent's own records.
 nvidia-resiliency-ext 0.4.1 runs on CPU with gloo, with these settings (docs/checkpoints.md#restart-in-process):
 its store is a TCPStore (its FileStore raises RuntimeError where the wrapper expects DistStoreError, on torch
 2.14); its monitor thread polls that store every 0.1 s, and each poll that times out makes torch's c10d log a
-warning, so workers run with TORCH_CPP_LOG_LEVEL=ERROR (workloads.__main__); the package requires pynvml, whose
-13.x wheel makes every `import torch` print a FutureWarning, so it is an optional extra (`pip install -e
-'.[inprocess]'`), without which `--restart in-process` falls back to restarting processes.
+warning, so workers run with TORCH_CPP_LOG_LEVEL=ERROR (workloads.__main__). Its wheels are x86_64 only, so it is an
+extra (`pip install -e '.[inprocess]'`, with pynvml pinned to 12.0.0: 13.x makes every `import torch` print a
+FutureWarning), without which `--restart in-process` falls back to restarting processes.
 """
 
 from __future__ import annotations
