@@ -310,6 +310,9 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     providers = metadata.packages_distributions()
     baseline = _requirement_closure(["torch", "pandas", "matplotlib", "pytest"])
     available = baseline | {normalised(d) for d in wheelhouse.NEEDED} | {"mlperf-harness"}
-    uncovered = {module: providers[module] for module in imported
-                 if module in providers and not {normalised(d) for d in providers[module]} & available}
+    # torchvision.datasets imports defusedxml when it is installed (the in-process restart's nvidia-resiliency-ext
+    # brings it here) and parses XML without it otherwise: nothing the GPU machine lacks.
+    optional = {"defusedxml"}
+    uncovered = {module: providers[module] for module in imported if module in providers and module not in optional
+                 and not {normalised(d) for d in providers[module]} & available}
     assert not uncovered, f"add these to bench/wheelhouse.py's NEEDED: {uncovered}"

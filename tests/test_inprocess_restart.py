@@ -101,3 +101,18 @@ def test_a_killed_rank_still_restarts_as_new_processes(tmp_path):
     for rank in (0, 1):
         assert [a for a, _ in pids[rank]] == [0, 1] and len({p for _, p in pids[rank]}) == 2, pids
     assert "in_process" not in (out / "attempts.jsonl").read_text()
+
+
+def test_the_wrappers_hang_timeout_outlasts_the_longest_legitimate_wait():
+    """nvidia-resiliency-ext calls a rank hung when its main thread runs no Python for its soft timeout (60 s by
+    default): a rank waiting at a barrier while its peer builds something (rank 0 training BERT's tiny warm start
+    took minutes, and every BERT run restarted at 60 s). The harness's timeout outlasts the longest init the rules
+    allow (the open division's); a real hang is the process group's collective timeout to catch."""
+    from datetime import timedelta
+
+    from mlperf_logging.mllog import constants as C
+
+    from workloads.common.campaign import INIT_LIMIT_MINUTES
+
+    assert inprocess.PROGRESS_TIMEOUT > timedelta(minutes=max(INIT_LIMIT_MINUTES.values()))
+    assert INIT_LIMIT_MINUTES[C.OPEN] == max(INIT_LIMIT_MINUTES.values())

@@ -58,6 +58,8 @@ def _rank_main(target, rank: int, world: int, port: int, folder: Path, args: tup
 class _TinyWorkload:
     """What Resilience checkpoints: a model, its optimizer and scheduler (see campaign.Workload)."""
 
+    compiled = False  # Workload.compiled: not under torch.compile
+
     def __init__(self, ctx):
         self.ctx = ctx
         torch.manual_seed(0)
@@ -237,6 +239,8 @@ def test_for_a_flush_before_each_run_a_campaign_told_its_run_does_it_and_no_late
     seeds = []
 
     class Stub:  # a workload that records its run (by its seed) and trains nothing
+        compiled = False  # so no warm-up (--warm-up auto)
+
         def __init__(self, opts, ctx, seed):
             seeds.append(seed)
 

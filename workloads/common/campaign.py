@@ -304,11 +304,10 @@ def open_data(workload: Workload, mlog: ResultLog) -> dict[str, Any]:
 INIT_LIMIT_MINUTES = {C.CLOSED: 30, C.OPEN: 240}
 
 
-def _warm_up(workload: Workload, index: int, opts: RunOptions, init_began: float) -> None:
+def _warm_up(workload: Workload, ctx: DistContext, index: int, opts: RunOptions, init_began: float) -> None:
     """The workload's warm-up (workloads.common.warm_up), in the run record as part of the init, and said; an
     init past the checker's limit is said too (its log will fail the compliance check: the run goes on, since
     its throughput is still worth reading)."""
-    ctx = workload.ctx
     wanted = warm_up_wanted(opts.warm_up, ctx.device.type, workload.compiled)
     done = warm_up(workload) if wanted else None
     record = RunRecord(run_record_path(opts.out, index) if ctx.is_main else None, current_attempt())
@@ -381,7 +380,7 @@ def run_campaign(workload_cls: type[Workload], opts: RunOptions) -> None:
         workload = workload_cls(opts, ctx, seed)
         # The untimed init of a fresh run (a resumed attempt's clock has run since the first run_start).
         if not logged.started:
-            _warm_up(workload, index, opts, init_began)
+            _warm_up(workload, ctx, index, opts, init_began)
         freeze_init_objects()
         try:
             if not logged.started:
