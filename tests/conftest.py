@@ -118,7 +118,8 @@ def worker_threads():
     """Each pytest-xdist worker's share of the cores for torch in the worker and in the processes it starts itself
     (closed proxies, benches, torchrun jobs), so that two workers do not oversubscribe the machine. A `harness run`
     it starts divides the machine's cores among its ranks as it does for a user (local launcher: one thread a rank
-    here), and the two workers' runs then share the cores."""
+    here), and the two workers' runs then share the cores. A rank that builds a cached input for the others (the
+    tiny BERT warm start) takes the worker's share too, not every core."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -127,6 +128,7 @@ def worker_threads():
 
         share = max(1, cpu_count() // workers)
         os.environ["OMP_NUM_THREADS"] = str(share)
+        os.environ["HARNESS_BUILD_THREADS"] = str(share)  # a node's one-off builds too (workloads.common.cache)
         torch.set_num_threads(share)
 
 

@@ -43,14 +43,20 @@ def build_once(root: Path, write: Callable[[Path], None]) -> Path:
     return root
 
 
+BUILD_THREADS_ENV = "HARNESS_BUILD_THREADS"
+
+
 @contextmanager
 def all_cores() -> Iterator[None]:
     """torch on every core this process may use, for a while. torchrun gives each rank one thread, but a cached
-    input is built by one rank per node while the node's other ranks wait for it at a barrier."""
+    input is built by one rank per node while the node's other ranks wait for it at a barrier. On a machine shared
+    with other work, HARNESS_BUILD_THREADS caps it: threads beyond the free cores make OpenMP's workers wait on each
+    other (the tiny BERT warm start ran 2x slower on 2 threads than on 1 beside one busy core)."""
     import torch
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     before = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    torch.set_num_threads(min(cores, int(os.environ.get(BUILD_THREADS_ENV) or cores)))
     try:
         yield
     finally:

@@ -81,7 +81,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(model: torch.nn.Module):
-    return itertools.chain(model.parameters(), model.buffers())
+    """What a train step can change: the trained parameters and the buffers (batch norm's statistics). A frozen
+    parameter (LoRA's base, most of a 70B model) is left out of the copy: no optimizer step touches it."""
+    return itertools.chain((p for p in model.parameters() if p.requires_grad), model.buffers())
 
 
 class _Snapshot:
