@@ -348,19 +348,26 @@ def test_a_reference_named_checkpoint_loads():
 
 def test_the_warm_start_trains_on_every_core_while_the_other_ranks_wait(tmp_path, monkeypatch):
     """torchrun gives each rank one thread; the one rank that trains the tiny starting checkpoint takes the
-    node's cores for it, and gives them back."""
+    node's cores for it, and gives them back. HARNESS_BUILD_THREADS caps it on a shared machine (the suite's
+    workers set it to their share)."""
     import os
 
     from workloads.bert import warm_start
+    from workloads.common.cache import BUILD_THREADS_ENV
 
-    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path))
     threads = []
     monkeypatch.setattr(warm_start, "_train_tiny_init", lambda preset, folder: threads.append(torch.get_num_threads()))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        warm_start.ensure_tiny_init_checkpoint(PRESETS["tiny"])
-        assert threads == [len(os.sched_getaffinity(0))] and torch.get_num_threads() == 1
+        for cap, expected in ((None, len(os.sched_getaffinity(0))), ("1", 1)):
+            if cap is None:
+                monkeypatch.delenv(BUILD_THREADS_ENV, raising=False)
+            else:
+                monkeypatch.setenv(BUILD_THREADS_ENV, cap)
+            monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path / str(cap)))  # a fresh cache: it trains again
+            warm_start.ensure_tiny_init_checkpoint(PRESETS["tiny"])
+            assert threads[-1] == expected and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
