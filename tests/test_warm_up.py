@@ -96,6 +96,16 @@ def test_eval_batch_sizes_are_the_full_batch_then_the_rest():
     assert eval_batch_sizes(5, 32) == [5]
 
 
+def test_the_resnet_presets_eval_set_sizes_are_their_datasets():
+    """The warm-up compiles ResNet's last eval batch from the preset's eval image count, before the data is read:
+    the tiny preset's must be the generated set's, the full preset's ImageNet's validation set."""
+    from workloads.resnet import data
+    from workloads.resnet.config import PRESETS as RESNET_PRESETS
+
+    assert RESNET_PRESETS["tiny"].eval_images == data.TINY_EVAL_PER_CLASS * data.TINY_CLASSES
+    assert RESNET_PRESETS["full"].eval_images == data.IMAGENET_EVAL_SAMPLES
+
+
 def test_the_init_limits_are_the_checkers():
     """INIT_LIMIT_MINUTES is what mlperf-logging's checker enforces between the first init_start and init_stop."""
     import mlperf_logging

@@ -113,7 +113,7 @@ PRESETS = {
     "tiny": ResNetConfig(arch="tiny", crop=32, classes=10, batch_size=32, sgd_epochs=20, lars_from_batch=4096,
                          eval_every=1, target=0.90, base_lr=0.2, lr_batch=64, warmup_epochs=1,
                          lars=(Schedule(4096, 10.0, 1, 20, 0.9, 5e-05, "the tiny preset's own (open division)"),),
-                         workers=0, eval_images=1_000),  # data.TINY_EVAL_PER_CLASS x TINY_CLASSES
+                         workers=0, eval_images=1_000),  # data.TINY_EVAL_PER_CLASS x TINY_CLASSES (tests/test_warm_up.py)
 }
 
 
