@@ -48,25 +48,89 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's RoPE scaling (Peng et al., 2023) as DeepSeek-V3 uses it (Hugging Face `rope_scaling` of type "yarn";
+    Megatron-Core's YarnRotaryEmbedding): frequencies whose wavelength spans fewer than `beta_fast` rotations of the
+    original context are kept, those spanning more than `beta_slow` divided by `factor`, a linear ramp between; the
+    attention's softmax scale grows by mscale(factor, mscale_all_dim)^2 and the cos/sin tables by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim), where mscale(s, m) = 0.1 m ln(s) + 1 (1 for s <= 1)."""
+
+    factor: float = 40.0
+    original_context: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a low-rank bottleneck (`q_lora_rank`, None:
+    one projection), keys and values from a shared `kv_lora_rank` latent (RMSNorm-ed) plus one RoPE key of
+    `qk_rope_head_dim` shared by every head; each head's query and key are a `qk_nope_head_dim` part without
+    positions and a `qk_rope_head_dim` part with them, its value `v_head_dim` wide."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, d_model: int, n_head: int) -> int:
+        """q (down, its norm, up; or one d x heads x qk), kv down (latent and the shared RoPE key) and its norm, kv up
+        (each head's nope key and value), o."""
+        q = (d_model * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n_head * self.qk_head_dim
+             if self.q_lora_rank else d_model * n_head * self.qk_head_dim)
+        kv = d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank \
+            + self.kv_lora_rank * n_head * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n_head * self.v_head_dim * d_model
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """A Mixture-of-Experts feed-forward (workloads.decoder.moe): `experts` SwiGLU MLPs of width `hidden`, each
-    token sent to the `top_k` its router scores highest and their outputs summed, weighted by the softmax of
-    those k scores. Every token reaches its k experts: no capacity limit, no token dropped, no shared expert."""
+    token sent to the `top_k` its router scores highest, their outputs summed with the router's weights. Every token
+    reaches its k experts: no capacity limit, no token dropped.
+
+    The router is gpt-oss's by default (softmax over the top k logits). DeepSeek-V3's (`score="sigmoid"`): sigmoid
+    scores; the experts split into `groups`, only the `top_groups` groups with the highest sum of their two best
+    scores (score + expert bias) eligible; the top k of those chosen by score + bias (the bias, a buffer moved by
+    `bias_update_rate` x sign(mean load - load) after each step, balances the load without a loss); weights the
+    chosen scores normalized to sum 1, times `routed_scale`. `shared_experts` SwiGLUs of width `hidden` (one of
+    shared_experts x hidden) see every token beside the routed ones. `aux_loss_coeff`: the sequence-level balance
+    loss's weight (DeepSeek-V3's complementary sequence-wise auxiliary loss; Megatron's seq_aux_loss)."""
 
     experts: int
     top_k: int
     hidden: int
+    score: str = "softmax"  # "softmax" (gpt-oss) | "sigmoid" (DeepSeek-V3)
+    groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
+    shared_experts: int = 0
+    bias_update_rate: float = 0.0
+    aux_loss_coeff: float = 0.0
+
+    def routed_params(self, d_model: int) -> int:
+        """The routed experts' three matrices each: what expert parallelism splits."""
+        return self.experts * 3 * d_model * self.hidden
 
     def params(self, d_model: int) -> int:
-        """The router (d x experts) and the experts' three matrices each."""
-        return d_model * self.experts + self.experts * 3 * d_model * self.hidden
+        """The router (d x experts), the routed experts, the shared experts (the expert bias is a buffer)."""
+        return d_model * self.experts + self.routed_params(d_model) + 3 * d_model * self.hidden * self.shared_experts
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """The model's shape: one decoder with its parts chosen here (workloads.decoder.model). Attention is grouped-query,
     over the whole causal prefix or, with `sliding_window`, over the last `sliding_window` keys before each query
-    in all but every `full_attention_every`-th layer; the feed-forward is a dense SwiGLU, or `moe`'s experts."""
+    in all but every `full_attention_every`-th layer, or with `mla` multi-head latent attention; the feed-forward is
+    a dense SwiGLU, or `moe`'s experts in every layer after the first `dense_layers` (DeepSeek-V3's
+    first_k_dense_replace)."""
 
     vocab_size: int
     seq_len: int
@@ -77,13 +141,15 @@ class DecoderConfig:
     ffn_hidden: int  # SwiGLU's hidden width
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
-    rope_scaling: RopeScaling | None = RopeScaling()
+    rope_scaling: RopeScaling | YarnScaling | None = RopeScaling()
     init_std: float = 0.02
     kv_channels: int | None = None  # each head's width, where it is not d_model / n_head (Megatron's kv_channels)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Megatron's qk_layernorm)
     sliding_window: int | None = None  # keys before a query that a windowed layer attends to (besides itself)
     full_attention_every: int = 1  # with a window: layers n, 2n, ... (counted from 1) attend to the whole prefix
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
+    dense_layers: int = 0  # with moe: the first layers keep a dense SwiGLU of ffn_hidden
 
     def windowed(self, layer: int) -> bool:
         """Whether layer `layer` (from 0) attends through the sliding window: Megatron's rule (window_attn_skip_freq,
@@ -92,42 +158,63 @@ class DecoderConfig:
 
     @property
     def head_dim(self) -> int:
+        """Each head's query/key width (MLA: the nope and RoPE parts together)."""
+        if self.mla:
+            return self.mla.qk_head_dim
         return self.kv_channels or self.d_model // self.n_head
 
     @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @property
     def kv_dim(self) -> int:
-        return self.n_kv_head * self.head_dim
+        """Keys' width per position (MLA: every head's, as its kv up-projection expands them)."""
+        return (self.n_head if self.mla else self.n_kv_head) * self.head_dim
 
     @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) has experts."""
+        return self.moe is not None and layer >= self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(layer) for layer in range(self.n_layer))
+
     def attention_params(self) -> int:
-        """q and o (d x q_dim each), k and v (d x kv_dim each)."""
+        """q and o (d x q_dim each), k and v (d x kv_dim each); MLA's (MlaConfig.params)."""
+        if self.mla:
+            return self.mla.params(self.d_model, self.n_head)
         return 2 * self.d_model * (self.q_dim + self.kv_dim)
 
     def expert_params(self) -> int:
-        """One block's experts (none in a dense block): what expert parallelism splits."""
-        return self.moe.experts * 3 * self.d_model * self.moe.hidden if self.moe else 0
+        """One MoE block's routed experts: what expert parallelism splits (0 for a dense model)."""
+        return self.moe.routed_params(self.d_model) if self.moe else 0
 
-    def block_params(self) -> int:
-        """One block: attention, the feed-forward (SwiGLU's three matrices, or the router and experts), two RMSNorms."""
+    def block_params(self, layer: int | None = None) -> int:
+        """One block: attention, the feed-forward (SwiGLU's three matrices, or the router and experts), two RMSNorms.
+        Layer None: the largest block (an MoE block where the model has experts)."""
         d = self.d_model
-        ffn = self.moe.params(d) if self.moe else 3 * d * self.ffn_hidden
+        moe = self.is_moe(layer) if layer is not None else self.moe is not None
+        ffn = self.moe.params(d) if moe else 3 * d * self.ffn_hidden
         return self.attention_params() + ffn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def params(self) -> int:
         """Untied input embedding and output layer, the blocks, the final RMSNorm."""
-        return 2 * self.vocab_size * self.d_model + self.n_layer * self.block_params() + self.d_model
+        blocks = sum(self.block_params(layer) for layer in range(self.n_layer))
+        return 2 * self.vocab_size * self.d_model + blocks + self.d_model
 
     @property
     def active_params(self) -> int:
-        """The parameters one token passes through: an MoE block's top_k experts, not all of them."""
+        """The parameters one token passes through: an MoE block's top_k routed experts, not all of them."""
         if not self.moe:
             return self.params
         idle = self.moe.experts - self.moe.top_k
-        return self.params - self.n_layer * idle * 3 * self.d_model * self.moe.hidden
+        return self.params - self.moe_layers * idle * 3 * self.d_model * self.moe.hidden
 
     def attended_keys(self) -> float:
         """Keys a query attends to, on average over the layers and the sequence's positions (causal: T / 2 in full
@@ -139,10 +226,12 @@ class DecoderConfig:
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 N for the matmuls over the active parameters (embedding lookups excluded)
-        plus 12 L T d for attention (PaLM's MFU formula, as NVIDIA's MFU figures count it; T the keys attended,
-        2 x the mean for a causal mask, so a sliding window counts the keys it attends)."""
+        plus 6 L T heads (qk + v) for attention's two matmuls (PaLM's 12 L T d where qk = v = d / heads, as NVIDIA's
+        MFU figures count it; T the keys attended, 2 x the mean for a causal mask, so a sliding window counts the
+        keys it attends)."""
         matmul_params = self.active_params - self.vocab_size * self.d_model
-        return 6 * matmul_params + 12 * self.n_layer * 2 * self.attended_keys() * self.q_dim
+        widths = self.n_head * (self.head_dim + self.v_head_dim)
+        return 6 * matmul_params + 6 * self.n_layer * 2 * self.attended_keys() * widths
 
 
 def steps_per(samples: int, global_batch: int, framework: str) -> int:
@@ -184,6 +273,8 @@ class PretrainConfig:
     eod_mask_loss: bool = False  # targets whose input token is the end-of-document token are not scored
     eod_token: int = 128_001  # Llama 3.1's <|end_of_text|>, which ends every C4 document in the Megatron files
     expert_parallel: int = 8  # at most this many ranks split an MoE layer's experts (a node's GPUs: NVLink)
+    pipeline_parallel: int = 1  # pipeline stages (torch.distributed.pipelining), across nodes
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when above 1)
     hyperparameters: "BatchHyperparameters | None" = None  # how preset_config chose base_lr and warmup_samples
 
     @property
@@ -268,6 +359,28 @@ GPT_OSS_PRESETS = {
         eval_sequences=4, target=0.9, eval_batch=1, loader_workers=0, step_limit=200, framework="megatron",
         eod_mask_loss=True, eod_token=0),
 }
+
+
+# --- deepseekv3_671b: the round's scale benchmark ------------------------------------------------------------------
+# mlcommons/training `llm_moe_pretraining/nemo/` (Megatron-Bridge's DeepSeekV3ModelProvider) under
+# `closed_deepseekv3_671b.yaml` and `rcps_deepseekv3_671b.json`; docs/benchmarks/deepseekv3_671b.md gives each
+# value's source.
+DEEPSEEK_V3_671B = DecoderConfig(
+    vocab_size=129_280, seq_len=4096, n_layer=61, n_head=128, n_kv_head=128, d_model=7168, ffn_hidden=18_432,
+    norm_eps=1e-6, rope_theta=10_000.0, rope_scaling=YarnScaling(factor=40.0, original_context=4096),
+    init_std=0.006, dense_layers=3,
+    mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    moe=MoeConfig(experts=256, top_k=8, hidden=2048, score="sigmoid", groups=8, top_groups=4, routed_scale=2.5,
+                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2))
+
+# A 2-layer DeepSeek-V3 for CPU: MLA (a query bottleneck too), YaRN, one dense layer then one of 8 experts (top 2 of
+# 2 groups, a shared expert, the expert bias update and the sequence aux loss).
+DEEPSEEK_TINY = DecoderConfig(
+    vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, ffn_hidden=128, norm_eps=1e-6,
+    rope_theta=10_000.0, rope_scaling=YarnScaling(factor=4.0, original_context=64), init_std=0.02, dense_layers=1,
+    mla=MlaConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    moe=MoeConfig(experts=8, top_k=2, hidden=32, score="sigmoid", groups=2, top_groups=1, routed_scale=2.5,
+                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2))
 
 
 # The pretraining benchmarks' presets and RCP tables (preset_config).
@@ -556,8 +669,10 @@ class Layout:
     context: int
     tensor: int
     micro_batch: int
-    grad_accum: int
+    grad_accum: int  # micro batches per data rank per step (with a pipeline: the schedule's micro batches)
     expert: int = 1  # the ranks an MoE layer's experts are split over, inside an FSDP group
+    pipeline: int = 1  # pipeline stages: the outermost dimension (world = pipeline x replicate x shard x context x tensor)
+    virtual: int = 1  # model chunks per pipeline rank (interleaved schedule when above 1)
 
     @property
     def expert_shard(self) -> int:
