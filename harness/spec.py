@@ -21,7 +21,8 @@ from harness.profiles import Profile
 from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES  # torch-free
 from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
-from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words  # torch-free
+from workloads.decoder.config import FIXED_WARMUP, RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, \
+    rcp_batches_in_words  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
@@ -280,8 +281,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.warmup_samples is not None and spec.benchmark not in RCP_WARMUP_BENCHMARKS:
         raise HarnessError(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, whose RCP rows "
                            f"carry a warmup; {spec.benchmark} "
-                           + ("runs none (its RCP rows carry a peak LR only): give --learning-rate alone"
-                              if spec.benchmark in RCP_GLOBAL_BATCHES else "follows its reference's warmup"))
+                           + FIXED_WARMUP.get(spec.benchmark, "follows its reference's warmup"))
     if spec.learning_rate is not None and not spec.learning_rate > 0:
         raise HarnessError(f"--learning-rate must be above 0 (the peak LR), got {spec.learning_rate:g}")
     if spec.warmup_samples is not None and spec.warmup_samples < 0:

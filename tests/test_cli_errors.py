@@ -29,7 +29,7 @@ from tests.conftest import harness
     (["run", "resnet", "--out", "/proc/harness-cannot-write-here"], ["cannot write", "/proc/harness"]),
     (["run", "llama2_70b_lora", "--warmup-samples", "100"], ["--warmup-samples", "llama31_8b, gpt_oss_20b only",
                                                              "--learning-rate alone"]),
-    (["run", "resnet", "--learning-rate", "0.1"], ["--learning-rate", "llama31_8b, gpt_oss_20b, llama2_70b_lora only"]),
+    (["run", "resnet", "--learning-rate", "0.1"], ["--learning-rate", "llama31_8b, gpt_oss_20b, llama2_70b_lora, deepseekv3_671b only"]),
     (["run", "llama31_8b", "--learning-rate=-1e-4"], ["--learning-rate must be above 0", "-0.0001"]),
     (["run", "llama31_8b", "--warmup-samples=-5"], ["--warmup-samples must be 0 or more", "-5"]),
     (["run", "llama31_8b", "--preset", "full", "--synthetic", "--global-batch", "256", "--dry-run"],

@@ -47,7 +47,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     # gpu_minutes: resnet v4.0 GigaComputing G593-SD1 (8 H100, 13.2 min); bert v5.0 ASUSTeK ESC_N8_E11 (8 H100,
     # 5.1 min); gpt3 v3.0 NVIDIA+CoreWeave n96 (768 H100, 45.6 min); llama31_8b v5.1 NVIDIA Theia (512 GB300,
     # 5.2 min: no H100 result is in the shared set); gpt_oss_20b v6.0 Cisco (128 H100, 34.0 min, docs/measured.md);
-    # llama2_70b_lora v5.0 ASUSTeK twcc_n2 (16 H100, 13.3 min).
+    # llama2_70b_lora v5.0 ASUSTeK twcc_n2 (16 H100, 13.3 min); deepseekv3_671b v6.0 NVIDIA theia_ngpu256 (256 GB300,
+    # 34.1 min: the single log in the shared v6.0 set, run_stop - run_start; no official score is in the shared set).
     Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
               init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS", gpu_minutes=41),
@@ -61,6 +62,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               fine_tunes=True, gpu_minutes=213),
+    Benchmark("deepseekv3_671b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+              init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
+              presets_table="workloads.decoder.config:DEEPSEEK_PRESETS", gpu_minutes=8_727),
 )}
 
 # Presets that read a real dataset unless --synthetic is given (the tiny ones generate theirs).

@@ -335,8 +335,9 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             if gpu_memory_gib:
                 gpt3.check_fits(cfg, layout, gpu_memory_gib)
             return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
-        if spec.benchmark in ("llama31_8b", "gpt_oss_20b", "llama2_70b_lora"):
-            from workloads.decoder import config as llama
+        from workloads.decoder import config as llama  # torch-free, as the others
+
+        if spec.benchmark in llama.PRESET_TABLES:
 
             cfg = llama.run_config(spec.benchmark, spec.preset, spec.global_batch, spec.force_batch,
                                    learning_rate=spec.learning_rate, warmup_samples=spec.warmup_samples)

@@ -276,6 +276,9 @@ class PretrainConfig:
     pipeline_parallel: int = 1  # pipeline stages (torch.distributed.pipelining), across nodes
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when above 1)
     hyperparameters: "BatchHyperparameters | None" = None  # how preset_config chose base_lr and warmup_samples
+    first_eval: int | None = None  # the step of the first evaluation, where it is not eval_every's
+    decay_iters: int | None = None  # Megatron's lr_decay_iters, where it is not decay_steps (deepseekv3_671b's)
+    validation_batch: int | None = None  # the eval's global batch, where it is not the training one's
 
     @property
     def warmup_steps(self) -> int:
@@ -287,9 +290,19 @@ class PretrainConfig:
         return steps_per(self.eval_interval, self.global_batch, self.framework)
 
     @property
+    def first_eval_step(self) -> int:
+        return self.first_eval or self.eval_every
+
+    @property
     def decay_steps(self) -> int:
-        """Megatron's lr_decay_iters as the reference sets it: max_steps - warmup (config_*_1x8x1.sh)."""
+        """The logged opt_learning_rate_decay_steps: max_steps - warmup. gpt_oss_20b's reference also passes it as
+        Megatron's lr_decay_iters (config_*_1x8x1.sh); deepseekv3_671b's leaves that at max_steps (decay_iters)."""
         return self.max_steps - self.warmup_steps
+
+    @property
+    def schedule_decay_iters(self) -> int:
+        """Megatron's lr_decay_iters: the step where the cosine reaches its floor."""
+        return self.decay_iters or self.decay_steps
 
     @property
     def floor_lr(self) -> float:
@@ -383,8 +396,52 @@ DEEPSEEK_TINY = DecoderConfig(
                   shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2))
 
 
+# The closed rules' learning rate (closed_deepseekv3_671b.yaml: opt_base_learning_rate == 2.4e-05 x (GBS / 16384)
+# ** 0.5 within 1e-9; the reference README: "rounded to the 9th decimal place", as its configs' MAX_LR are), its
+# smallest batch (global_batch_size >= 15360), the warmup and schedule length (warmup == 4, decay == 12000 - warmup).
+DEEPSEEK_LR_AT_16384 = 2.4e-5
+DEEPSEEK_MIN_BATCH = 15_360
+DEEPSEEK_WARMUP_STEPS = 4
+DEEPSEEK_MAX_STEPS = 12_000  # the RCP runs' MAX_STEPS, which Megatron's lr_decay_iters defaults to
+DEEPSEEK_END_LR = 1e-8  # config_GB300_*.sh: MIN_LR=1e-8 (the RCP logs' opt_end_learning_rate)
+# rcps_deepseekv3_671b.json: the batches the RCPs were measured at, each at the rule's LR and 4 warmup steps.
+DEEPSEEK_RCP_BATCHES: dict[int, tuple[float, int]] = {
+    batch: (round(DEEPSEEK_LR_AT_16384 * math.sqrt(batch / 16_384), 9), DEEPSEEK_WARMUP_STEPS * batch)
+    for batch in (15_360, 16_384, 18_432)}
+
+
+def deepseek_first_eval(global_batch: int) -> int:
+    """The step of the first evaluation: floor(42 + 24,576 / GBS) (closed_deepseekv3_671b.yaml's FIRST_CHECK in
+    6.1.0; the reference's START_EVAL_AT_ITER, config_GB300_*.sh), then one after every step."""
+    return math.floor(42 + 24_576 / global_batch)
+
+
+DEEPSEEK_PRESETS = {
+    # MLPerf closed: DeepSeek-V3 671B from MLCommons' checkpoint (--init-checkpoint, converted from Hugging Face's
+    # by workloads.decoder.convert) on the llama31_8b C4 files to validation log perplexity 3.6, at global batch
+    # 16,384 (the RCP row at the rule's LR 2.4e-5). AdamW eps 1e-8 (the reference's adam_eps), no EOD mask
+    # (eod_mask_loss=False), eval of 1,024 sequences in one batch (EVAL_BATCH_SIZE=1024) after every step.
+    "full": PretrainConfig(
+        model=DEEPSEEK_V3_671B, global_batch=16_384, base_lr=DEEPSEEK_RCP_BATCHES[16_384][0],
+        warmup_samples=DEEPSEEK_RCP_BATCHES[16_384][1], end_lr_ratio=DEEPSEEK_END_LR / DEEPSEEK_LR_AT_16384,
+        end_lr=DEEPSEEK_END_LR, max_steps=DEEPSEEK_MAX_STEPS, eval_interval=16_384, eval_sequences=EVAL_SEQUENCES,
+        target=3.6, adam_eps=1e-8, activation_checkpointing=True, eval_batch=1, framework="megatron",
+        first_eval=deepseek_first_eval(16_384), decay_iters=DEEPSEEK_MAX_STEPS, validation_batch=EVAL_SEQUENCES,
+        pipeline_parallel=8, expert_parallel=64),
+    # The 2-layer DeepSeek (config.DEEPSEEK_TINY) in 2 pipeline stages, from a checkpoint the preset writes in
+    # Hugging Face's DeepSeek-V3 layout and converts every run, on the llama31_8b tiny preset's generated text, to a
+    # log perplexity its text allows; evaluations every 8 steps after the first 40 (the full preset's rule, one
+    # eval after every step from step 43, costs a CPU more than its training).
+    "tiny": PretrainConfig(
+        model=DEEPSEEK_TINY, global_batch=8, base_lr=3e-3, warmup_samples=32, end_lr_ratio=0.1, max_steps=2_000,
+        eval_interval=64, eval_sequences=32, target=0.9, adam_eps=1e-8, eval_batch=4, loader_workers=0,
+        step_limit=400, framework="megatron", first_eval=40, decay_iters=2_000, micro_batch=2, pipeline_parallel=2),
+}
+
+
 # The pretraining benchmarks' presets and RCP tables (preset_config).
-PRETRAINING = {"llama31_8b": (PRESETS, RCP_BATCHES), "gpt_oss_20b": (GPT_OSS_PRESETS, GPT_OSS_RCP_BATCHES)}
+PRETRAINING = {"llama31_8b": (PRESETS, RCP_BATCHES), "gpt_oss_20b": (GPT_OSS_PRESETS, GPT_OSS_RCP_BATCHES),
+               "deepseekv3_671b": (DEEPSEEK_PRESETS, DEEPSEEK_RCP_BATCHES)}
 
 
 @dataclass(frozen=True)
@@ -416,7 +473,7 @@ class BatchHyperparameters:
             where = (f"global batch {self.global_batch} is outside the RCP rows ({self.table[0]} to {self.table[-1]}) "
                      "and accepted by --force-batch (its runs may fail the RCP check)")
         words = {"row": "the row's", "interpolated": "interpolated linearly between the rows",
-                 "given": "given", "preset": "the preset's"}
+                 "given": "given", "preset": "the preset's", "rule": "by the closed rules' formula"}
         chosen = f"peak LR {self.base_lr:g} {words[self.lr_from]}"
         if self.warmup_samples is not None:
             chosen += f", warmup {self.warmup_samples:,} samples {words[self.warmup_from]}"
@@ -517,6 +574,10 @@ def preset_config(preset: str, global_batch: int | None = None, force: bool = Fa
     presets, table = PRETRAINING[benchmark]
     cfg = presets[preset]
     batch = global_batch or cfg.global_batch
+    if benchmark == "deepseekv3_671b" and preset == "full":
+        chosen = deepseek_hyperparameters(batch, learning_rate, warmup_samples, force)
+        return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, warmup_samples=chosen.warmup_samples,
+                       first_eval=deepseek_first_eval(batch), eval_interval=batch, hyperparameters=chosen)
     choose = rcp_hyperparameters if preset == "full" else open_hyperparameters
     extra = {"table": table, "force": force} if preset == "full" else {}
     chosen = choose(benchmark, global_batch=batch, preset=(cfg.base_lr, cfg.warmup_samples),
@@ -527,6 +588,35 @@ def preset_config(preset: str, global_batch: int | None = None, force: bool = Fa
                          f"{cfg.end_lr:g}")
     return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, warmup_samples=chosen.warmup_samples,
                    hyperparameters=chosen)
+
+
+def deepseek_hyperparameters(global_batch: int, learning_rate: float | None = None,
+                             warmup_samples: int | None = None, force: bool = False) -> BatchHyperparameters:
+    """deepseekv3_671b's closed rules fix the LR for every batch (2.4e-5 x sqrt(GBS / 16,384)) and the warmup (4
+    steps), and forbid a batch under 15,360 (closed_deepseekv3_671b.yaml): another LR, another warmup or a smaller
+    batch is refused. A batch between the RCP rows is accepted (the RCP checker interpolates); above the largest
+    it has no RCP, so --force-batch is needed."""
+    if global_batch < DEEPSEEK_MIN_BATCH:
+        raise ValueError(f"deepseekv3_671b's closed rules need a global batch of at least {DEEPSEEK_MIN_BATCH:,} "
+                         f"(closed_deepseekv3_671b.yaml), got {global_batch:,}; choose an RCP row "
+                         f"({', '.join(f'{b:,}' for b in DEEPSEEK_RCP_BATCHES)}) or a batch between two")
+    rule = round(DEEPSEEK_LR_AT_16384 * math.sqrt(global_batch / 16_384), 9)
+    if learning_rate is not None and abs(learning_rate - rule) >= 1e-9:
+        raise ValueError(f"deepseekv3_671b's closed rules fix the peak LR at 2.4e-5 x sqrt(GBS / 16384) = {rule:g} "
+                         f"for global batch {global_batch:,}, got --learning-rate {learning_rate:g}; leave it out")
+    if warmup_samples is not None:
+        raise ValueError("deepseekv3_671b's closed rules fix the warmup at 4 steps: leave --warmup-samples out")
+    batches = tuple(DEEPSEEK_RCP_BATCHES)
+    if global_batch > batches[-1] and not force:
+        raise ValueError(f"deepseekv3_671b has no reference convergence point (RCP) above global batch "
+                         f"{batches[-1]:,} (rows {', '.join(f'{b:,}' for b in batches)}): the RCP checker asks for a "
+                         "new RCP; choose a batch from 15,360 to 18,432 (or add --force-batch)")
+    below = [b for b in batches if b <= global_batch]
+    above = [b for b in batches if b >= global_batch]
+    rows = (global_batch,) if global_batch in batches else (below[-1], above[0]) if below and above else ()
+    return BatchHyperparameters(benchmark="deepseekv3_671b", global_batch=global_batch, base_lr=rule,
+                                warmup_samples=DEEPSEEK_WARMUP_STEPS * global_batch, rows=rows, lr_from="rule",
+                                warmup_from="rule", table=batches)
 
 
 # --- llama2_70b_lora: LoRA fine-tuning of Llama 2 70B on SCROLLS GovReport -----------------------------------
@@ -628,9 +718,13 @@ def lora_preset_config(preset: str, global_batch: int | None = None, force: bool
 # the smallest and the largest (rcp_hyperparameters) without --force-batch.
 RCP_GLOBAL_BATCHES: dict[str, tuple[int, ...]] = {"llama31_8b": tuple(RCP_BATCHES),
                                                   "gpt_oss_20b": tuple(GPT_OSS_RCP_BATCHES),
-                                                  "llama2_70b_lora": tuple(LORA_RCP_BATCHES)}
-# The benchmarks whose RCP rows carry a warmup (--warmup-samples applies to them only).
+                                                  "llama2_70b_lora": tuple(LORA_RCP_BATCHES),
+                                                  "deepseekv3_671b": tuple(DEEPSEEK_RCP_BATCHES)}
+# The benchmarks whose RCP rows carry a warmup (--warmup-samples applies to them only), and why it does not apply to
+# the others.
 RCP_WARMUP_BENCHMARKS: tuple[str, ...] = ("llama31_8b", "gpt_oss_20b")
+FIXED_WARMUP = {"llama2_70b_lora": "runs none (its RCP rows carry a peak LR only): give --learning-rate alone",
+                "deepseekv3_671b": "warms up 4 steps, which its closed rules fix"}
 
 
 def rcp_batches_in_words(benchmark: str) -> str:
@@ -640,7 +734,8 @@ def rcp_batches_in_words(benchmark: str) -> str:
 
 
 # Where each benchmark's presets live: the config_filename the 6.1 rules ask each run to log.
-PRESET_TABLES = {"llama31_8b": "PRESETS", "gpt_oss_20b": "GPT_OSS_PRESETS", "llama2_70b_lora": "LORA_PRESETS"}
+PRESET_TABLES = {"llama31_8b": "PRESETS", "gpt_oss_20b": "GPT_OSS_PRESETS", "llama2_70b_lora": "LORA_PRESETS",
+                 "deepseekv3_671b": "DEEPSEEK_PRESETS"}
 
 
 def run_config(benchmark: str, preset: str, global_batch: int | None = None, force: bool = False,

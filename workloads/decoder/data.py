@@ -35,7 +35,7 @@ VALIDATION = "c4-validation-91205-samples.en_text_document"
 
 
 def reference_validation_samples(global_batch: int, max_steps: int, eval_interval: int, eval_sequences: int,
-                                 framework: str = "nemo") -> int:
+                                 framework: str = "nemo", eval_batch: int | None = None) -> int:
     """The samples the reference asks its validation split for, on which the scored sequences depend.
 
     gpt_oss_20b's (framework "megatron"): Megatron-LM's get_train_valid_test_num_samples (megatron/training/
@@ -43,15 +43,22 @@ def reference_validation_samples(global_batch: int, max_steps: int, eval_interva
     and eval_iters = 1,024 / GBS steps (mlcommons/training small_llm_moe_pretraining/primus/config_*_1x8x1.sh):
     6,401,024 at GBS 64 for 1,200,000 steps.
 
+    deepseekv3_671b's (framework "megatron", `eval_batch` 1,024): Megatron-Bridge, as Megatron-LM, asks for
+    (train_iters // eval_interval + 1) x eval_iters x the eval's batch; its reference evaluates after every step,
+    one batch of 1,024 sequences (config_GB300_*.sh: EVAL_CHECK_INTERVAL=1, EVAL_BATCHES=1, EVAL_BATCH_SIZE=1024,
+    through its eval_batch_size.patch): 12,289,024 for its 12,000 steps. (The patch itself is not in the public
+    index: docs/benchmarks/deepseekv3_671b.md says so.)
+
     llama31_8b's: pretrain_llama31.py (mlcommons/training small_llm_pretraining/nemo, as of 08d765e) sets the trainer's
     val_check_interval to ceil(eval_every / GBS) / GBS (a float: 12.0 at GBS 32, 0.75 at 128) and
     limit_val_batches to ceil(eval_tokens / GBS); NeMo's PreTrainingDataModule.build
     (nemo/collections/llm/gpt/data/pre_training.py) turns them into
     int((max_steps // val_check_interval + 1) x limit_val_batches x GBS): 102,401,024 at GBS 32 and
     409,601,024 at GBS 64 for max_steps 1,200,000."""
-    every, iters = (steps_per(samples, global_batch, framework) for samples in (eval_interval, eval_sequences))
+    every = steps_per(eval_interval, global_batch, framework)
+    iters = steps_per(eval_sequences, eval_batch or global_batch, framework)
     if framework == "megatron":
-        return (max_steps // every + 1) * iters * global_batch
+        return (max_steps // every + 1) * iters * (eval_batch or global_batch)
     return int((max_steps // (every / global_batch) + 1) * iters * global_batch)
 
 

@@ -30,7 +30,6 @@ from workloads.common.distributed import DistContext, all_sum
 from workloads.common.language_model import scored_loss_sum
 from workloads.common.loop import Target
 from workloads.common.megatron_data import token_loaders
-from workloads.common.resilience import Block
 from workloads.decoder.convert import load_base
 from workloads.decoder.govreport import TRAIN, PackedSamples, Sequences, count_sequences, ensure_tiny_govreport, \
     govreport_loaders, labelled_split
@@ -134,17 +133,6 @@ class LlamaLoraWorkload(DecoderWorkload):
         }
 
     # --- the training loop's questions (workloads.common.loop) ---------------------------------
-
-    def block_ends(self, step: int) -> bool:
-        return step % self.eval_every == 0 and step >= self.first_eval
-
-    def next_block(self, step: int) -> Block:
-        """From the evaluation at or before `step` (or the start) to the next one; the first block runs through
-        the skipped evaluations."""
-        start = 0 if step < self.first_eval else step - step % self.eval_every
-        end = min(self.total_steps, self.first_eval if step < self.first_eval else start + self.eval_every)
-        batch = self.layout.global_batch
-        return Block(start * batch, (end - start) * batch)
 
     def sample_shape(self) -> tuple[int, ...]:
         return 2, self.cfg.model.seq_len  # the input ids and the labels (govreport.read_split)

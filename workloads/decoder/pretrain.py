@@ -1,5 +1,6 @@
-"""One from-scratch pretraining run of a decoder benchmark, llama31_8b or gpt_oss_20b: build the model (untimed
-init), then train until the validation log perplexity reaches the target (timed).
+"""One pretraining run of a decoder benchmark, llama31_8b or gpt_oss_20b from scratch, deepseekv3_671b from MLCommons'
+checkpoint: build (and load) the model (untimed init), then train until the validation log perplexity reaches the
+target (timed).
 
 llama31_8b (mlcommons/training `small_llm_pretraining/nemo/pretrain_llama31.py` under the 6.1.0 rules): AdamW
 (0.9, 0.95, eps 1e-5, weight decay 0.1, none on the norms), gradient clipping at 1.0; NeMo's CosineAnnealing: linear
@@ -11,16 +12,24 @@ through Primus): the same AdamW and clipping; Megatron's OptimizerParamScheduler
 step / warmup), then cosine decay to min_lr 4e-5 over lr_decay_iters = max_steps - warmup; the EOD loss mask; the
 experts split over the expert mesh. Target 3.34.
 
-Both evaluate every 12,288 sequences (in whole steps, rounded as each reference rounds: config.steps_per) on 1,024
-validation sequences and stop at the first evaluation at or below the target. `samples_count` counts sequences.
+deepseekv3_671b (mlcommons/training `llm_moe_pretraining/nemo/pretrain_deepseek_v3_671b.py`, Megatron-Bridge):
+from the converted checkpoint at step 0 (no optimizer state); AdamW eps 1e-8; Megatron's schedule from 0 over 4
+warmup steps, the cosine down to 1e-8 at lr_decay_iters 12,000; no EOD mask; an evaluation after every step from
+step floor(42 + 24,576 / GBS). Target 3.6.
+
+llama31_8b and gpt_oss_20b evaluate every 12,288 sequences (in whole steps, rounded as each reference rounds:
+config.steps_per); all three score 1,024 validation sequences and stop at the first evaluation at or below the
+target. `samples_count` counts sequences.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
 
 from workloads.common.campaign import RunOptions
@@ -28,11 +37,12 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import eod_masked_split, optimizer_groups
 from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
-from workloads.common.resilience import Block
+from workloads.decoder.convert import convert, load_base
 from workloads.decoder.data import c4_loaders, ensure_tiny_corpus, reference_validation_samples
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import parallelize
 from workloads.decoder.workload import DecoderWorkload
+from workloads.registry import BENCHMARKS
 
 def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float:
     """NeMo's CosineAnnealing with constant_steps 0, as a fraction of the peak (step: optimizer steps done)."""
@@ -61,7 +71,7 @@ class PretrainWorkload(DecoderWorkload):
         cfg = self.cfg
         if cfg.eod_mask_loss:
             self.split = self.split_over_context(eod_masked_split(cfg.eod_token))
-        self.eval_every = cfg.eval_every  # steps
+        self.eval_every, self.first_eval = cfg.eval_every, cfg.first_eval_step  # steps
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
         # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
@@ -73,11 +83,14 @@ class PretrainWorkload(DecoderWorkload):
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             torch.manual_seed(seed)
             model.init_weights()
+        start = self.starting_checkpoint()
+        if start is not None:
+            load_base(model, start)
         self.model = model
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
         end_ratio = cfg.floor_lr / cfg.base_lr
-        schedule = (lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.decay_steps, end_ratio)) \
+        schedule = (lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.schedule_decay_iters, end_ratio)) \
             if cfg.framework == "megatron" else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
@@ -91,25 +104,38 @@ class PretrainWorkload(DecoderWorkload):
                                  cfg.micro_batch, data_rank, layout.data, **reading)
         root = self.opts.data or self.built_once(ensure_tiny_corpus)
         validation = reference_validation_samples(cfg.global_batch, cfg.max_steps, cfg.eval_interval,
-                                                  cfg.eval_sequences, cfg.framework)
+                                                  cfg.eval_sequences, cfg.framework, cfg.validation_batch)
         return c4_loaders(root, cfg.model.seq_len, cfg.micro_batch, samples, cfg.eval_sequences, seed, data_rank,
                           layout.data, **reading, validation_samples=validation)
 
+    def starting_checkpoint(self) -> Path | None:
+        """Where the weights start: --init-checkpoint; for a benchmark that starts from MLCommons' checkpoint
+        (deepseekv3_671b), its tiny preset's own: written once in Hugging Face's layout (workloads.decoder.start)
+        and converted into the run's folder by rank 0 at each run's init; else None (from scratch, or --synthetic's
+        throughput runs)."""
+        if self.opts.init_checkpoint:
+            return self.opts.init_checkpoint
+        if not BENCHMARKS[self.opts.benchmark].init_checkpoint or self.opts.synthetic:
+            return None
+        from workloads.decoder.start import ensure_tiny_hugging_face
+
+        hugging_face = self.built_once(lambda: ensure_tiny_hugging_face(self.cfg.model))
+        converted = self.opts.out / "start_checkpoint"
+        if self.ctx.rank == 0:
+            convert(hugging_face, converted, self.cfg.model)
+        dist.barrier()
+        return converted
+
     def hyperparameters(self) -> dict[str, Any]:
         cfg = self.cfg
+        moe = cfg.model.moe
         return {
             **self.shared_hyperparameters(),
-            C.INIT_CHECKPOINT_STEP: 0,  # from scratch
+            **({C.MOE_AUX_LOSS_COEFF: moe.aux_loss_coeff} if moe and moe.aux_loss_coeff else {}),
+            C.INIT_CHECKPOINT_STEP: 0,  # from scratch, or a start checkpoint's step 0 (the reference's ckpt_step 0)
             C.OPT_END_LR: cfg.floor_lr,
             C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
             C.OPT_LR_DECAY_STEPS: cfg.decay_steps,
             C.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
             C.MAX_STEPS: cfg.max_steps,
         }
-
-    # --- the training loop's questions (workloads.common.loop) ---------------------------------
-
-    def next_block(self, step: int) -> Block:
-        first = step - step % self.eval_every
-        batch = self.layout.global_batch
-        return Block(first * batch, min(self.eval_every, self.total_steps - first) * batch)

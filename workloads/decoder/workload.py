@@ -20,6 +20,7 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
 from workloads.common.megatron_data import TokenLoaders
 from workloads.common.refusals import ConfigurationError
+from workloads.common.resilience import Block
 from workloads.decoder.config import PRESET_TABLES, plan_layout, run_config
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh
 
@@ -112,6 +113,18 @@ class DecoderWorkload(DecoderSteps, Workload):
             C.MICRO_BATCH_SIZE: layout.micro_batch,
             C.CONFIG_FILENAME: f"workloads/decoder/config.py:{PRESET_TABLES[self.opts.benchmark]}[{self.opts.preset!r}]",
         }
+
+    def block_ends(self, step: int) -> bool:
+        """An evaluation follows step `first_eval`, then every `eval_every` steps (both set by the workload)."""
+        return step >= self.first_eval and (step - self.first_eval) % self.eval_every == 0
+
+    def next_block(self, step: int) -> Block:
+        """From the evaluation at or before `step` (or the start) to the next one; the first block runs to the first
+        evaluation (llama2_70b_lora's skipped ones, deepseekv3_671b's step 43)."""
+        start = 0 if step < self.first_eval else step - (step - self.first_eval) % self.eval_every
+        end = min(self.total_steps, self.first_eval if step < self.first_eval else start + self.eval_every)
+        batch = self.layout.global_batch
+        return Block(start * batch, (end - start) * batch)
 
     def epoch_num(self, step: int) -> int:
         return step * self.layout.global_batch  # sequences trained: the log's samples_count

@@ -1,0 +1,80 @@
+"""deepseekv3_671b: the closed rules' hyperparameters and refusals, the eval cadence the 6.1.0 checker asks, the
+model's size, and the benchmark end to end (the tiny preset in 2 pipeline stages from its converted checkpoint, the
+closed proxy, the full preset's dry runs)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import harness
+from workloads.decoder.config import DEEPSEEK_PRESETS, DEEPSEEK_RCP_BATCHES, DEEPSEEK_V3_671B, preset_config
+from workloads.decoder.data import reference_validation_samples
+from workloads.decoder.pretrain import megatron_lr_factor
+from workloads.decoder.workload import DecoderWorkload
+
+
+def test_the_model_has_671b_parameters_and_37b_active():
+    """DeepSeek-V3's 671B (without its multi-token prediction layer) and 37B activated per token (the paper's)."""
+    assert round(DEEPSEEK_V3_671B.params / 1e9) == 671
+    assert round(DEEPSEEK_V3_671B.active_params / 1e9, 1) == 37.6
+
+
+@pytest.mark.parametrize("batch", sorted(DEEPSEEK_RCP_BATCHES) + [17_000])
+def test_the_closed_lr_is_the_rules_formula_at_every_batch(batch):
+    """closed_deepseekv3_671b.yaml: opt_base_learning_rate == 2.4e-5 x sqrt(GBS / 16384) within 1e-9; the RCP rows
+    carry the same values (rcps_deepseekv3_671b.json: 2.3238e-05, 2.4e-05, 2.5456e-05)."""
+    cfg = preset_config("full", batch, benchmark="deepseekv3_671b")
+    assert abs(cfg.base_lr - 2.4e-05 * (batch / 16384) ** 0.5) < 1e-9
+    assert cfg.warmup_steps == 4 and cfg.decay_steps == 12_000 - 4 and cfg.schedule_decay_iters == 12_000
+    assert cfg.first_eval_step == math.floor(42 + 24576 / batch) and cfg.eval_every == 1
+    if batch in DEEPSEEK_RCP_BATCHES:
+        assert cfg.base_lr == DEEPSEEK_RCP_BATCHES[batch][0]
+    assert {15_360: 2.3238e-05, 16_384: 2.4e-05, 18_432: 2.5456e-05} == {b: lr for b, (lr, _) in DEEPSEEK_RCP_BATCHES.items()}
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--global-batch", "8192"), "at least 15,360"),
+    (("--global-batch", "8192", "--force-batch"), "at least 15,360"),
+    (("--learning-rate", "1e-4"), "fix the peak LR at 2.4e-5 x sqrt(GBS / 16384) = 2.4e-05"),
+    (("--warmup-samples", "100"), "warms up 4 steps, which its closed rules fix"),
+    (("--global-batch", "20000"), "no reference convergence point (RCP) above global batch 18,432"),
+])
+def test_what_the_closed_rules_forbid_is_refused_in_one_line(tmp_path, args, words):
+    result = harness("run", "deepseekv3_671b", "--preset", "full", "--synthetic", *args, "--dry-run",
+                     "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_the_schedule_warms_up_from_zero_then_decays_to_1e_8_at_step_12000():
+    """Megatron-Bridge's OptimizerParamScheduler: peak x step / 4 for 4 steps, then the cosine over lr_decay_iters
+    12,000 (11,996 steps after the warmup), to min_lr 1e-8 (config_GB300_*.sh)."""
+    cfg = DEEPSEEK_PRESETS["full"]
+    end = cfg.floor_lr / cfg.base_lr
+    factor = lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.schedule_decay_iters, end)  # noqa: E731
+    assert [factor(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert factor(12_000) == pytest.approx(end) and cfg.floor_lr == 1e-8
+    assert factor(6_002) == pytest.approx(end + (1 - end) * 0.5)
+
+
+def test_the_first_evaluation_follows_step_43_then_one_after_every_step():
+    """The 6.1.0 checker's FIRST_CHECK: the first eval_accuracy at samples_count GBS x floor(42 + 24,576 / GBS)."""
+    cfg = preset_config("full", 15_360, benchmark="deepseekv3_671b")
+    run = SimpleNamespace(first_eval=cfg.first_eval_step, eval_every=cfg.eval_every, total_steps=50,
+                          layout=SimpleNamespace(global_batch=15_360))
+    evals = [step for step in range(1, 51) if DecoderWorkload.block_ends(run, step)]
+    assert evals == list(range(43, 51))
+    first = DecoderWorkload.next_block(run, 0)
+    assert (first.first, first.count) == (0, 43 * 15_360)
+    later = DecoderWorkload.next_block(run, 45)
+    assert (later.first, later.count) == (45 * 15_360, 15_360)
+
+
+def test_the_validation_split_is_asked_for_one_1024_batch_per_step():
+    """(train_iters // eval_interval + 1) x eval_iters x the eval batch: 12,001 x 1 x 1,024."""
+    cfg = DEEPSEEK_PRESETS["full"]
+    assert reference_validation_samples(cfg.global_batch, cfg.max_steps, cfg.eval_interval, cfg.eval_sequences,
+                                        cfg.framework, cfg.validation_batch) == 12_001 * 1024
