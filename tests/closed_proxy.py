@@ -1,5 +1,5 @@
 """One rank of a closed (full-preset) campaign with a small model in place of BERT-large, GPT-3 175B, Llama 3.1 8B,
-gpt-oss 20B or Llama 2 70B, which no CPU trains even for one step. Used only by tests, through torchrun.
+gpt-oss 20B, Llama 2 70B or DeepSeek-V3 671B, which no CPU trains even for one step. Used only by tests, through torchrun.
 
 Only the model's size changes. Everything the closed rules look at stays the full preset's: the
 hyperparameters (for bert, those of an MLPerf reference point), the schedule, the sequence length,
@@ -33,6 +33,9 @@ LLAMA_MODEL = llama.DecoderConfig(vocab_size=128, seq_len=8192, n_layer=0, n_hea
 LLAMA2_MODEL = dataclasses.replace(LLAMA_MODEL, n_layer=1, rope_theta=10_000.0, rope_scaling=None)
 # gpt_oss_20b's has no block either; it keeps its experts' config, so its layout splits them (expert_parallelism).
 GPT_OSS_MODEL = dataclasses.replace(LLAMA_MODEL, rope_scaling=None, moe=llama.MoeConfig(experts=8, top_k=2, hidden=32))
+# deepseekv3_671b's is the tiny DeepSeek at the rules' 4,096 tokens, in 2 pipeline stages (the full preset's 8 need
+# 8 processes): its runs stop at run_start (--until-run-start), since one step of 16,384 sequences is 67M tokens.
+DEEPSEEK_MODEL = dataclasses.replace(llama.DEEPSEEK_TINY, seq_len=4096)
 RESNET_CROP = 8
 UNTIL_RUN_START = "--until-run-start"
 
@@ -42,6 +45,8 @@ if __name__ == "__main__":
     llama.PRESETS["full"] = dataclasses.replace(llama.PRESETS["full"], model=LLAMA_MODEL)
     llama.LORA_PRESETS["full"] = dataclasses.replace(llama.LORA_PRESETS["full"], model=LLAMA2_MODEL)
     llama.GPT_OSS_PRESETS["full"] = dataclasses.replace(llama.GPT_OSS_PRESETS["full"], model=GPT_OSS_MODEL)
+    llama.DEEPSEEK_PRESETS["full"] = dataclasses.replace(llama.DEEPSEEK_PRESETS["full"], model=DEEPSEEK_MODEL,
+                                                         pipeline_parallel=2)
     resnet.PRESETS["full"] = dataclasses.replace(resnet.PRESETS["full"], crop=RESNET_CROP)
     if UNTIL_RUN_START in sys.argv:
         sys.argv.remove(UNTIL_RUN_START)

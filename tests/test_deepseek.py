@@ -78,3 +78,33 @@ def test_the_validation_split_is_asked_for_one_1024_batch_per_step():
     cfg = DEEPSEEK_PRESETS["full"]
     assert reference_validation_samples(cfg.global_batch, cfg.max_steps, cfg.eval_interval, cfg.eval_sequences,
                                         cfg.framework, cfg.validation_batch) == 12_001 * 1024
+
+
+@pytest.mark.slow
+def test_closed_proxy_draws_only_the_target_from_the_6_1_checker(tmp_path):
+    """The full preset (GBS 16,384, sequence 4,096, every closed key) with tests/closed_proxy.py's tiny DeepSeek in 2
+    pipeline stages, from a checkpoint converted from Hugging Face's layout, up to run_start: the checker's only
+    complaint is the target (no evaluation was run)."""
+    import torch
+
+    from tests.closed_proxy import DEEPSEEK_MODEL, UNTIL_RUN_START
+    from tests.conftest import closed_proxy_run, compliance, failed_checks
+    from tests.test_llama import closed_c4
+    from workloads.decoder.convert import convert, write_hugging_face
+    from workloads.decoder.model import Decoder
+
+    torch.manual_seed(0)
+    write_hugging_face(Decoder(DEEPSEEK_MODEL), DEEPSEEK_MODEL, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "start", DEEPSEEK_MODEL)
+    data = closed_c4(tmp_path / "c4", DEEPSEEK_MODEL.vocab_size)
+    out = tmp_path / "closed"
+    result = closed_proxy_run("deepseekv3_671b", "--data", str(data), "--init-checkpoint", str(tmp_path / "start"),
+                              "--out", str(out), UNTIL_RUN_START, procs=2)
+    log = (out / "result_0.txt").read_text()
+    assert '"global_batch_size", "value": 16384' in log and '"pipeline_parallelism", "value": 2' in log, \
+        result.stdout + result.stderr
+    assert '"moe_aux_loss_coeff", "value": 0.01' in log and '"opt_base_learning_rate", "value": 2.4e-05' in log
+    checked = compliance(out / "result_0.txt", "6.1.0", cwd=tmp_path)
+    assert "closed_deepseekv3_671b.yaml" in checked.stdout + checked.stderr
+    failures = failed_checks(checked)
+    assert len(failures) == 1 and "eval_accuracy" in failures[0], checked.stdout
