@@ -258,29 +258,45 @@ def test_the_sequence_balance_loss_adds_the_gradient_of_the_loss_written_out_by_
     assert with_aux.router.gate.weight.grad.abs().sum() > 0
 
 
-def test_dense_first_layers_and_shared_experts_go_through_parallelize_with_the_expert_mesh(tmp_path):
+def test_dense_first_layers_and_shared_experts_go_through_parallelize_and_a_train_step_moves_the_bias(tmp_path):
+    """One process on gloo: the tiny DeepSeek-V3 (a dense layer, then one with experts and a shared expert) is
+    parallelized with its expert mesh, and PretrainWorkload's step (the workload around it built bare: its model,
+    mesh and layout) scales the balance loss by the micro batches and moves every expert's bias after the step."""
     import torch.distributed as dist
 
+    from workloads.common.language_model import next_token_split
     from workloads.decoder.config import Layout
     from workloads.decoder.parallelize import build_expert_mesh, build_mesh, parallelize
+    from workloads.decoder.pretrain import PretrainWorkload
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         layout = Layout(world=1, procs_per_node=1, replicate=1, shard=1, context=1, tensor=1, micro_batch=1,
-                        grad_accum=1)
+                        grad_accum=2)
         device = torch.device("cpu")
         with torch.device("meta"):
             model = Decoder(DEEPSEEK_TINY)
-        parallelize(model, build_mesh(layout, device), device, expert_mesh=build_expert_mesh(layout, device))
+        mesh = build_mesh(layout, device)
+        parallelize(model, mesh, device, expert_mesh=build_expert_mesh(layout, device))
         model.to_empty(device=device)
         torch.manual_seed(10)
         model.init_weights()
-        assert not isinstance(model.layers[0].feed_forward, MoE) and isinstance(model.layers[1].feed_forward, MoE)
-        assert model.layers[1].feed_forward.router.expert_bias.abs().sum() == 0
-        logits = model(torch.randint(0, 128, (1, 32)))
-        logits.float().logsumexp(-1).mean().backward()
-        assert model.layers[1].feed_forward.shared_experts.w2.weight.grad is not None
-        update_expert_bias(model, dist.group.WORLD)
-        assert model.layers[1].feed_forward.router.expert_bias.abs().sum() > 0
+        moe = model.layers[1].feed_forward
+        assert not isinstance(model.layers[0].feed_forward, MoE) and isinstance(moe, MoE)
+        assert moe.router.expert_bias.abs().sum() == 0
+
+        work = object.__new__(PretrainWorkload)
+        work.layout, work.mesh, work.model, work.split, work.clip_norm = layout, mesh, model, next_token_split, 1.0
+        work.ctx = type("Ctx", (), {"device": device})()
+        work.balance_group = work._expert_balance(model)
+        assert moe.aux_loss_scale == 0.5
+        work.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        work.scheduler = torch.optim.lr_scheduler.LambdaLR(work.optimizer, lambda step: 1.0)
+        batches = iter(torch.randint(0, 128, (2, 1, 33), generator=torch.Generator().manual_seed(11)))
+        work.train_step(batches)
+        assert moe.aux_loss is not None and moe.aux_loss > 0
+        moved = {round(b / 1e-3) for b in moe.router.expert_bias.tolist()}  # -1, 0 (a load at the mean) or 1 x rate
+        assert moved <= {-1, 0, 1} and {-1, 1} <= moved
+        assert moe.router.tokens_per_expert.sum() == 0
     finally:
         dist.destroy_process_group()
