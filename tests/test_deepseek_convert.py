@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workloads.decoder.config import DEEPSEEK_TINY, DecoderConfig, MlaConfig, MoeConfig
-from workloads.decoder.convert import convert, dequantize_fp8, load_base, main, write_hugging_face
+from workloads.decoder.config import DEEPSEEK_TINY, DEEPSEEK_V3_671B, DecoderConfig, MlaConfig, MoeConfig
+from workloads.decoder.convert import convert, deepseek_config_differences, dequantize_fp8, load_base, main, \
+    read_deepseek, write_hugging_face
 from workloads.decoder.model import Decoder
 from workloads.decoder.moe import MoE, SigmoidRouter, grouped_top_k, update_expert_bias
 
@@ -151,6 +152,51 @@ def test_layers_past_the_decoder_the_mtp_module_are_skipped_and_a_missing_expert
     (tmp_path / "lacking" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"lacks experts \[5\] of layers.1.feed_forward.experts.w3"):
         convert(tmp_path / "lacking", tmp_path / "dcp2", DEEPSEEK_TINY)
+
+
+# deepseek-ai/DeepSeek-V3's config.json as released (its fields that bear on the shape, routing and RoPE, and the
+# ones around them), which the full preset must accept.
+RELEASE_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_the_releases_config_agrees_with_the_full_preset_and_the_tiny_one_does_not():
+    assert deepseek_config_differences(RELEASE_CONFIG, DEEPSEEK_V3_671B) == []
+    assert "hidden_size 7168 (preset 64)" in deepseek_config_differences(RELEASE_CONFIG, DEEPSEEK_TINY)
+
+
+def test_an_fp8_weight_in_the_folder_is_read_dequantized_and_one_without_its_scale_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(12)
+    write_hugging_face(Decoder(DEEPSEEK_TINY), DEEPSEEK_TINY, tmp_path / "hf")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # (64, 32): one partial block each way
+    weight, scale = torch.randn(64, 32).to(torch.float8_e4m3fn), torch.tensor([[0.25]])
+    save_file({name: weight, name + "_scale_inv": scale}, str(tmp_path / "hf" / "fp8.safetensors"))
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({name: "fp8.safetensors", name + "_scale_inv": "fp8.safetensors"})
+    index_path.write_text(json.dumps(index))
+    state = read_deepseek(tmp_path / "hf", DEEPSEEK_TINY)
+    assert torch.equal(state["layers.1.feed_forward.experts.w2"][3].float(), (weight.float() * 0.25).bfloat16().float())
+
+    del index["weight_map"][name + "_scale_inv"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="down_proj.weight is FP8 without its .*weight_scale_inv"):
+        read_deepseek(tmp_path / "hf", DEEPSEEK_TINY)
 
 
 def test_fp8_weights_are_dequantized_by_their_128_by_128_block_scales():

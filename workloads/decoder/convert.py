@@ -156,7 +156,7 @@ def load_base(model: nn.Module, folder: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # DCP raises its own CheckpointException for a missing key or folder
-        raise ValueError(f"{folder} is not a Llama checkpoint of this model's shape (convert one with `python -m "
+        raise ValueError(f"{folder} is not a checkpoint of this model's shape (convert one with `python -m "
                          f"workloads.decoder.convert`): {str(exc).splitlines()[0][:300]}") from None
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
