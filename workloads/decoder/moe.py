@@ -118,8 +118,10 @@ def sequence_aux_loss(scores: torch.Tensor, top_k: int, sequences: int, coeff: f
     `_apply_seq_aux_loss`, moe_utils.py `compute_routing_scores_for_aux_loss` and `switch_load_balancing_loss_func`):
     each token's sigmoid scores normalized over every expert (p); per sequence of T tokens, f_i = E / (k T) x the
     tokens whose top k of p (no bias, no groups) holds expert i, P_i = the mean of p_i; the loss is coeff x
-    sum_i f_i P_i, averaged over the sequences. Under context parallelism a rank holds part of each sequence: the
-    counts and T are summed over the context ranks, and each rank's loss is its part of P (Megatron's tp_cp group)."""
+    sum_i f_i P_i, averaged over the sequences. Under context parallelism a rank holds an equal part of each
+    sequence: f counts over the context ranks (Megatron's tp_cp group), P is the mean over this rank's tokens, so
+    that the mean of the ranks' losses, which FSDP's gradient average over them takes (as it does for their
+    cross-entropy), is the whole sequence's loss."""
     experts = scores.size(-1)
     p = (scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)).view(sequences, -1, experts)
     chosen = torch.zeros_like(p).scatter(-1, p.detach().topk(top_k, dim=-1).indices, 1.0)
@@ -128,7 +130,7 @@ def sequence_aux_loss(scores: torch.Tensor, top_k: int, sequences: int, coeff: f
         counts = funcol.all_reduce(counts, "sum", context_group)
         tokens *= context_group.size()
     f = counts * experts / (top_k * tokens)
-    return coeff * (f * p.sum(1) / tokens).sum(-1).mean()
+    return coeff * (f * p.mean(1)).sum(-1).mean()
 
 
 class AuxLossScaler(torch.autograd.Function):
