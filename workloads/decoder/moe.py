@@ -7,7 +7,7 @@ to the rank holding its expert, run the experts, send the results back, weight a
   then a softmax over those k, all in fp32 (`moe_router_dtype: fp32`). No load-balancing loss, no expert bias,
   no capacity: every token reaches its k experts.
 - SigmoidRouter (DeepSeek-V3): sigmoid scores, an expert bias for the choice only, group-limited top k
-  (GroupedSigmoidRouter's docstring); its bias moves after each step toward balance (update_expert_bias), and a
+  (grouped_top_k); its bias moves after each step toward balance (update_expert_bias), and a
   sequence-level balance loss adds its gradient in backward (sequence_aux_loss, AuxLossScaler). Shared experts,
   one SwiGLU every token passes through, are added to the routed ones' sum.
 - Experts: `experts` SwiGLU MLPs as three stacked tensors, so that expert parallelism splits them along their
