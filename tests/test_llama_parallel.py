@@ -1,8 +1,8 @@
 """The decoders' parallel layouts on CPU (gloo), each against the whole model in one process
 (tests/llama_parallel_worker.py): tensor parallel 2, context parallel 2 (the all-gather path the GPUs take
 too), HSDP (replicate 2 x shard 2), and context x tensor together; llama2_70b_lora's adapters on a frozen
-base under FSDP 2 x tensor 2 and context 2 x tensor 2; and expert parallel 2 and 4 for a model with experts,
-with uneven and empty experts."""
+base under FSDP 2 x tensor 2 and context 2 x tensor 2; expert parallel 2 and 4 for a model with experts,
+with uneven and empty experts; and a DeepSeek-V3-like model under expert and context parallel and HSDP."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ LAYOUTS = ("1,2,1,2", "1,2,2,1", "2,2,1,1", "1,1,2,2", "2,1,2,1", "lora:1,2,1,2"
 MOE_LAYOUTS = ("moe:1,4,1,1,2", "moe:2,2,1,1,2", "moe:1,2,2,1,2", "moe:1,4,1,1,4", "moe-idle:1,4,1,1,4",
                "moe-idle:1,4,1,1,2", "moe-recompute:1,2,2,1,2")
 
+# DeepSeek-V3-like (MLA, YaRN, a dense first layer, the sigmoid router with its bias, a shared expert, the balance
+# loss): expert parallel 2 beside context parallel 2 (the balance loss counts each sequence over its context ranks),
+# and under HSDP; the expert bias update after the step too.
+DEEPSEEK_LAYOUTS = ("deepseek:1,2,2,1,2", "deepseek:2,2,1,1,2")
 
-@pytest.mark.parametrize("layouts", [LAYOUTS, MOE_LAYOUTS], ids=["dense", "experts"])
+
+@pytest.mark.parametrize("layouts", [LAYOUTS, MOE_LAYOUTS, DEEPSEEK_LAYOUTS], ids=["dense", "experts", "deepseek"])
 def test_every_layout_matches_the_whole_model(layouts):
     """The initial weights drawn from one seed, the loss over 2 accumulated micro batches, every gradient, one
     clipping norm over every mesh, and the eval's scored loss, for each layout in turn in one 4-process job."""

@@ -80,7 +80,10 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
         _tensor_parallel(model, mesh["tensor"])
     if mesh["context"].size() > 1:
         for layer in model.layers:
-            layer.attention.core = ContextParallelAttention(mesh["context"], layer.attention.core.window)
+            core = layer.attention.core
+            layer.attention.core = ContextParallelAttention(mesh["context"], core.window, core.scale)
+            if isinstance(layer.feed_forward, MoE):  # its balance loss counts each sequence over the context ranks
+                layer.feed_forward.context_group = mesh["context"]
     moe_layers = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, MoE)]
     if moe_layers and expert_mesh is None:
         raise ValueError("a model with experts is parallelized with an expert mesh (build_expert_mesh)")
@@ -183,9 +186,9 @@ class ContextParallelAttention(nn.Module):
     values are gathered before the grouped-query expansion: n_kv_head heads, a quarter of the query heads' bytes
     for Llama 3.1 8B."""
 
-    def __init__(self, group: DeviceMesh, window: int | None = None):
+    def __init__(self, group: DeviceMesh, window: int | None = None, scale: float | None = None):
         super().__init__()
-        self.group, self.window = group, window
+        self.group, self.window, self.scale = group, window, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         size, rank = self.group.size(), self.group.get_local_rank()
@@ -199,7 +202,7 @@ class ContextParallelAttention(nn.Module):
             query_at = positions[local * chunk:(local + 1) * chunk]
             mask = visible(query_at, torch.arange(start, end, device=q.device), self.window)
             outputs.append(F.scaled_dot_product_attention(queries, keys[:, :, start:end], values[:, :, start:end],
-                                                          attn_mask=mask, enable_gqa=True))
+                                                          attn_mask=mask, enable_gqa=True, scale=self.scale))
         return torch.cat(outputs, dim=2)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.decoder.convert import convert, load_base
 from workloads.decoder.data import c4_loaders, ensure_tiny_corpus, reference_validation_samples
 from workloads.decoder.model import Decoder
+from workloads.decoder.moe import MoE, update_expert_bias
 from workloads.decoder.parallelize import parallelize
 from workloads.decoder.workload import DecoderWorkload
 from workloads.registry import BENCHMARKS
@@ -87,12 +88,33 @@ class PretrainWorkload(DecoderWorkload):
         if start is not None:
             load_base(model, start)
         self.model = model
+        self.balance_group = self._expert_balance(model)
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
         end_ratio = cfg.floor_lr / cfg.base_lr
         schedule = (lambda step: megatron_lr_factor(step, cfg.warmup_steps, cfg.schedule_decay_iters, end_ratio)) \
             if cfg.framework == "megatron" else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def _expert_balance(self, model: Decoder):
+        """DeepSeek-V3's balance terms: each MoE layer's sequence loss scaled as the main loss is (1 / the micro
+        batches a step accumulates: AuxLossScaler), and the process group over which the expert loads are summed
+        for the bias update (every rank that saw different tokens: replicate x shard x context), None where no
+        layer moves a bias."""
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        for moe in moes:
+            moe.aux_loss_scale = 1 / self.layout.grad_accum
+        if not any(moe.bias_update_rate for moe in moes):
+            return None
+        return self.mesh["replicate", "shard", "context"]._flatten("expert_balance").get_group()
+
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """DecoderSteps' step, then the expert bias update from the step's loads (moe.update_expert_bias), as
+        Megatron-LM updates it after each optimizer step."""
+        result = super().train_step(batches)
+        if self.balance_group is not None:
+            update_expert_bias(self.model, self.balance_group)
+        return result
 
     def loaders_for_run(self):
         cfg, layout, seed = self.cfg, self.layout, self.seed
