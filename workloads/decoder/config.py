@@ -244,11 +244,11 @@ class DecoderConfig:
         MFU figures count it; T the keys attended, 2 x the mean for a causal mask, so a sliding window counts the
         keys it attends). Each MTP depth adds its block and eh_proj, one more pass through the shared output layer, and
         attention to the whole causal prefix (DeepSeek-V3's: no window)."""
-        # The embedding's lookups are no matmul; the output layer runs once for the model and once per MTP depth.
-        matmul_params = self.active_params + (self.mtp_layers - 1) * self.vocab_size * self.d_model
+        mtp_output_passes = self.mtp_layers * self.vocab_size * self.d_model
+        matmul_params = self.active_params - self.vocab_size * self.d_model + mtp_output_passes
         widths = self.n_head * (self.head_dim + self.v_head_dim)
-        attended = self.n_layer * 2 * self.attended_keys() + self.mtp_layers * self.seq_len
-        return 6 * matmul_params + 6 * attended * widths
+        mtp_attention = 6 * self.mtp_layers * self.seq_len * widths
+        return 6 * matmul_params + 6 * self.n_layer * 2 * self.attended_keys() * widths + mtp_attention
 
 
 def steps_per(samples: int, global_batch: int, framework: str) -> int:
