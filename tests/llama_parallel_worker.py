@@ -11,12 +11,14 @@ eval's scored loss sum must match the whole model's. With `lora:`, the model car
 `moe:`, it is a gpt-oss-like model (8 experts, top 2, a sliding window in its first layer) whose experts are split
 over E ranks; `moe-idle:` routes no token to the experts past the third, so some experts, and under expert parallel
 2 a whole rank's experts, receive nothing; `moe-recompute:` checkpoints each block's activations, so backward
-recomputes its forward, all-to-alls included. Prints "parity ok SPEC" per layout and rank.
+recomputes its forward, all-to-alls included; `moe-mtp:` adds a DeepSeek-V3 multi-token prediction depth (an MoE
+block, its experts split too) whose loss joins the backward. Prints "parity ok SPEC" per layout and rank.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,8 @@ def draws_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
 def parity(layout: Layout, kind: str = "") -> None:
     lora = LORA if kind == "lora" else None
     config = MOE_CONFIG if kind.startswith("moe") else CONFIG
+    if kind == "moe-mtp":
+        config = replace(config, mtp_layers=1, mtp_loss_scale=0.1)
     recompute = kind == "moe-recompute"  # activation checkpointing: backward runs each block's all-to-alls again
     torch.manual_seed(0)
     reference = Decoder(config, lora=lora)

@@ -153,6 +153,16 @@ def test_the_loss_is_weighted_by_the_scale_over_the_depths_and_joins_each_micro_
         torch.testing.assert_close(param.grad, want.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_activation_checkpointing_recomputes_the_depths_to_the_same_gradients():
+    plain, recomputed = _model(MOE), _model(MOE)
+    recomputed.activation_checkpointing = True
+    micro_batches = [_batch(MOE, seed=seed) for seed in (1, 2)]
+    torch.testing.assert_close(accumulate_gradients(recomputed, iter(micro_batches), 2),
+                               accumulate_gradients(plain, iter(micro_batches), 2))
+    for (name, param), want in zip(recomputed.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(param.grad, want.grad, msg=name)
+
+
 def test_evaluation_scores_the_next_token_loss_only():
     model = _model(DENSE).eval()
     tokens = _batch(DENSE)

@@ -257,4 +257,4 @@ class Decoder(nn.Module):
         if targets is None:
             return logits
         return logits, mtp_loss(self.mtp, self.tok_embeddings, self.output, hidden, tokens, targets, rope, positions,
-                                self.cfg.mtp_loss_scale)
+                                self.cfg.mtp_loss_scale, self.activation_checkpointing and self.training)

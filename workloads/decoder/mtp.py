@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from workloads.common.language_model import IGNORED
 from workloads.decoder.config import DecoderConfig
@@ -71,14 +72,18 @@ def roll_left(x: torch.Tensor, fill: int) -> torch.Tensor:
 
 def mtp_loss(depths: nn.ModuleList, embedding: nn.Embedding, output: nn.Linear, hidden: torch.Tensor,
              tokens: torch.Tensor, targets: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-             positions: torch.Tensor, scale: float) -> torch.Tensor:
+             positions: torch.Tensor, scale: float, checkpointed: bool = False) -> torch.Tensor:
     """The MTP loss of a micro batch, weighted: scale / depths x the sum over the depths of each one's mean cross
     entropy over the positions it scores. hidden: the main decoder's output after its final norm; tokens: its input
-    (batch, seq); targets: its next-token targets (IGNORED where not scored)."""
+    (batch, seq); targets: its next-token targets (IGNORED where not scored). `checkpointed`: keep only each depth's
+    inputs and recompute the rest in backward, as the decoder's blocks do (Megatron's MTP layer recomputes
+    eh_proj, its block and its norm under full recompute)."""
     losses = []
     for depth in depths:
         tokens, targets = roll_left(tokens, 0), roll_left(targets, IGNORED)
-        hidden = depth(hidden, embedding(tokens), rope, positions)
+        embedded = embedding(tokens)
+        hidden = checkpoint(depth, hidden, embedded, rope, positions, use_reentrant=False) if checkpointed \
+            else depth(hidden, embedded, rope, positions)
         logits = output(hidden)
         summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORED,
                                  reduction="sum")
