@@ -28,9 +28,11 @@ version the tests pin):
   accumulation, or a pipeline schedule's loss function on the last stage), with no global scale to set per step.
   Evaluation scores the main loss only (the reference's eval_accuracy is its "lm loss").
 
-Not covered: context parallelism (Megatron's roll_tensor swaps the boundary tokens between context ranks; the
-reference runs context parallel 1) and vocabulary-parallel logits (the reference's tensor parallel is 1, and a model
-with experts runs at tensor parallel 1 here).
+This is Megatron's default loss (calculate_per_token_loss False: each micro batch's mean, as the main loss here);
+that the reference keeps that default is read from the recipe, which does not set it. Not covered: context
+parallelism (Megatron's roll_tensor swaps the boundary tokens between context ranks; parallelize.py refuses it, and
+the reference runs context parallel 1) and vocabulary-parallel logits (the reference's tensor parallel is 1, and a
+model with experts runs at tensor parallel 1 here).
 """
 
 from __future__ import annotations
