@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from workloads.common.language_model import IGNORED, accumulate_gradients, next_token_split, scored_loss_sum
-from workloads.decoder.config import DEEPSEEK_TINY, DEEPSEEK_V3_671B, DecoderConfig, MoeConfig
+from workloads.decoder.config import DEEPSEEK_TINY, DEEPSEEK_V3_671B, DecoderConfig, MoeConfig, PretrainConfig, \
+    estimate_memory, plan_layout
 from workloads.decoder.model import Decoder, rope_tables
 from workloads.decoder.mtp import roll_left
 
@@ -225,3 +226,12 @@ def test_deepseek_v3_trains_one_depth_at_weight_0_1_and_its_parameters_are_the_c
     # Only the top 8 of the depth's 256 experts (and its shared one) see a token.
     assert DEEPSEEK_V3_671B.active_params - replace(DEEPSEEK_V3_671B, mtp_layers=0).active_params == (
         DEEPSEEK_V3_671B.mtp_params() - 248 * 3 * 7168 * 2048)
+
+
+def test_the_memory_estimate_keeps_each_depths_block_activations_and_logits():
+    without = PretrainConfig(model=replace(DENSE, mtp_layers=0), global_batch=8, base_lr=1e-3, warmup_samples=0,
+                             end_lr_ratio=0.1, max_steps=10, eval_interval=8, eval_sequences=8, target=1.0)
+    layout = plan_layout(without, world=8, procs_per_node=8)
+    before, after = estimate_memory(without, layout), estimate_memory(replace(without, model=DENSE), layout)
+    assert after.logits == 2 * before.logits  # the main logits and the depth's, both kept for backward
+    assert after.activations == before.activations * 3 / 2  # two blocks and the depth's

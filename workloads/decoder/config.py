@@ -801,10 +801,11 @@ def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on
     per_position = 2 * (2 * h + (2 * m.q_dim + 2 * m.kv_dim + ffn) / tp)
     block_activations = s * b * per_position * compute / 2
     if cfg.activation_checkpointing:
-        activations = m.n_layer * compute * s * b * h / tp + block_activations
+        activations = (m.n_layer + m.mtp_layers) * compute * s * b * h / tp + block_activations
     else:
-        activations = m.n_layer * block_activations
-    logits = s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
+        activations = (m.n_layer + m.mtp_layers) * block_activations
+    # The main logits and each MTP depth's (workloads.decoder.mtp): backward keeps them all.
+    logits = (1 + m.mtp_layers) * s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
     return MemoryEstimate(weights=weights, gradients=4 * trained, optimizer=8 * trained, gathered=gathered,
                           activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 
