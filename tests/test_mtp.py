@@ -40,8 +40,9 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def formula_mtp_loss(model: Decoder, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3's MTP loss, eq. 21-25, with Megatron's order of eh_proj's inputs: depth k reads positions
-    i = 0..n-1-k only (eq. 22's h_{1:T-k}): h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)], h^k = RMSNorm(TRM_k(h')),
-    and predicts t_{i+k+1} = targets[i+k] with the shared output head; L = lambda / D x sum_k mean_i CE (eq. 25)."""
+    i = 0..n-1-k only (eq. 22's h_{1:T-k}): h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)],
+    h^k = RMSNorm(TRM_k(h')), and predicts t_{i+k+1} = targets[i+k] with the shared output head;
+    L = lambda / D x sum_k mean_i CE (eq. 25)."""
     cfg, n = model.cfg, tokens.size(1)
     positions = torch.arange(n)
     rope = rope_tables(model.rope_freqs, positions)
