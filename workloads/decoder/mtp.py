@@ -30,9 +30,9 @@ version the tests pin):
 
 This is Megatron's default loss (calculate_per_token_loss False: each micro batch's mean, as the main loss here);
 that the reference keeps that default is read from the recipe, which does not set it. Not covered: context
-parallelism (Megatron's roll_tensor swaps the boundary tokens between context ranks; parallelize.py refuses it, and
-the reference runs context parallel 1) and vocabulary-parallel logits (the reference's tensor parallel is 1, and a
-model with experts runs at tensor parallel 1 here).
+parallelism (Megatron's roll_tensor swaps the boundary tokens between context ranks) and tensor parallelism (the
+depths' blocks and vocabulary-sharded logits): parallelize.py refuses both; the reference runs context and tensor
+parallel 1.
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
     """Tensor parallel, context parallel, expert parallel, torch.compile per block, then FSDP2 (HSDP), in place.
     A model with experts needs `expert_mesh` (build_expert_mesh)."""
     if mesh["tensor"].size() > 1:
+        if len(model.mtp):  # its blocks and its loss over vocabulary-sharded logits are not split here
+            raise ValueError("multi-token prediction runs at tensor parallel 1, as deepseekv3_671b's reference does")
         _tensor_parallel(model, mesh["tensor"])
     if mesh["context"].size() > 1:
         if len(model.mtp):  # its roll would need each context rank's neighbour's boundary token (Megatron's roll_tensor)
