@@ -81,7 +81,7 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
             raise ValueError("multi-token prediction runs at tensor parallel 1, as deepseekv3_671b's reference does")
         _tensor_parallel(model, mesh["tensor"])
     if mesh["context"].size() > 1:
-        if len(model.mtp):  # its roll would need each context rank's neighbour's boundary token (Megatron's roll_tensor)
+        if len(model.mtp):  # its roll would need the next context rank's first token (Megatron's roll_tensor)
             raise ValueError("multi-token prediction runs at context parallel 1, as deepseekv3_671b's reference does")
         for layer in model.layers:
             layer.attention.core = ContextParallelAttention(mesh["context"], layer.attention.core.window)
