@@ -11,7 +11,8 @@ eval's scored loss sum must match the whole model's. With `lora:`, the model car
 `moe:`, it is a gpt-oss-like model (8 experts, top 2, a sliding window in its first layer) whose experts are split
 over E ranks; `moe-idle:` routes no token to the experts past the third, so some experts, and under expert parallel
 2 a whole rank's experts, receive nothing; `moe-recompute:` checkpoints each block's activations, so backward
-recomputes its forward, all-to-alls included. With `deepseek:`, a DeepSeek-V3-like model (MLA with YaRN, a dense
+recomputes its forward, all-to-alls included; `moe-mtp:` adds a DeepSeek-V3 multi-token prediction depth (an MoE
+block, its experts split too) whose loss joins the backward. With `deepseek:`, a DeepSeek-V3-like model (MLA with YaRN, a dense
 first layer, the grouped sigmoid router with a non-zero expert bias, a shared expert, the sequence balance loss),
 whose expert bias update after the step must match too. Prints "parity ok SPEC" per layout and rank.
 """
@@ -19,6 +20,7 @@ whose expert bias update after the step must match too. Prints "parity ok SPEC" 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,8 @@ def draws_match(reference: torch.nn.Module, model: torch.nn.Module) -> None:
 def parity(layout: Layout, kind: str = "") -> None:
     lora = LORA if kind == "lora" else None
     config = MOE_CONFIG if kind.startswith("moe") else DEEPSEEK_CONFIG if kind == "deepseek" else CONFIG
+    if kind == "moe-mtp":
+        config = replace(config, mtp_layers=1, mtp_loss_scale=0.1)
     recompute = kind == "moe-recompute"  # activation checkpointing: backward runs each block's all-to-alls again
     torch.manual_seed(0)
     reference = Decoder(config, lora=lora)

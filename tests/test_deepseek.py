@@ -17,9 +17,14 @@ from workloads.decoder.workload import DecoderWorkload
 
 
 def test_the_model_has_671b_parameters_and_37b_active():
-    """DeepSeek-V3's 671B (without its multi-token prediction layer) and 37B activated per token (the paper's)."""
-    assert round(DEEPSEEK_V3_671B.params / 1e9) == 671
-    assert round(DEEPSEEK_V3_671B.active_params / 1e9, 1) == 37.6
+    """DeepSeek-V3's 671B main model, 37B activated per token, and its multi-token-prediction depth (the release's
+    README: "671B of the Main Model weights and 14B of the Multi-Token Prediction (MTP) Module weights", 14B counting
+    the depth's copies of the 0.93B embedding and 0.93B output layer, which the harness's depth shares)."""
+    main = DEEPSEEK_V3_671B.params - DEEPSEEK_V3_671B.mtp_params()
+    assert round(main / 1e9) == 671
+    shared_copies = 2 * DEEPSEEK_V3_671B.vocab_size * DEEPSEEK_V3_671B.d_model
+    assert 13 < (DEEPSEEK_V3_671B.mtp_params() + shared_copies) / 1e9 < 15  # 13.5B: the README rounds up
+    assert 37 < DEEPSEEK_V3_671B.active_params / 1e9 < 40
 
 
 @pytest.mark.parametrize("batch", sorted(DEEPSEEK_RCP_BATCHES) + [17_000])

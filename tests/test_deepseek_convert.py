@@ -15,12 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workloads.decoder.config import DEEPSEEK_TINY, DEEPSEEK_V3_671B, DecoderConfig, MlaConfig, MoeConfig
+from workloads.decoder import config
+from workloads.decoder.config import DEEPSEEK_V3_671B, DecoderConfig, MlaConfig, MoeConfig
 from workloads.decoder.convert import convert, deepseek_config_differences, dequantize_fp8, load_base, main, \
     read_deepseek, write_hugging_face
 from workloads.decoder.model import Decoder
 from workloads.decoder.moe import MoE, SigmoidRouter, grouped_top_k, update_expert_bias
 
+# transformers' DeepseekV3ForCausalLM has no multi-token prediction (it ignores the release's layer 61): the
+# comparisons with it use the tiny shape without its depth; test_the_mtp_depth_goes_to_the_layer_after_the_decoders
+# covers the depth's names both ways.
+DEEPSEEK_TINY = replace(config.DEEPSEEK_TINY, mtp_layers=0, mtp_loss_scale=0.0)
 SEQ = 96  # longer than DEEPSEEK_TINY's YaRN original context (64): the stretched frequencies matter
 
 # A variant with one query projection, three layers (two with experts), YaRN's two mscales apart (the cos/sin gain
@@ -104,8 +109,7 @@ def test_the_harness_writes_a_folder_transformers_loads_to_the_same_logits_and_t
     with torch.no_grad():
         ours, theirs = model(tokens), hf.eval()(tokens).logits
     close(ours, theirs)
-    assert main([str(tmp_path / "hf"), str(tmp_path / "dcp"), "--benchmark", "deepseekv3_671b",
-                 "--preset", "tiny"]) == 0
+    convert(tmp_path / "hf", tmp_path / "dcp", DEEPSEEK_TINY)
     close(harness_logits(tmp_path / "dcp", DEEPSEEK_TINY, tokens), ours)
 
 
@@ -346,3 +350,44 @@ def test_dense_first_layers_and_shared_experts_go_through_parallelize_and_a_trai
         assert moe.router.tokens_per_expert.sum() == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_the_mtp_depth_goes_to_the_layer_after_the_decoders_and_back(tmp_path):
+    """The tiny preset's shape with its multi-token-prediction depth: written as the release lays it out (layer
+    n_layer's enorm, hnorm, eh_proj, shared_head.norm and a decoder layer; mlcommons/training's
+    deepseek_mtp_module_conversion.patch), and converted back to every tensor unchanged. The depth's copies of the
+    shared embedding and head, which the release carries, are skipped."""
+    from safetensors.torch import save_file
+
+    shape = config.DEEPSEEK_TINY
+    torch.manual_seed(0)
+    model = Decoder(shape)
+    write_hugging_face(model, shape, tmp_path / "hf", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    depth = f"model.layers.{shape.n_layer}."
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight"):
+        assert depth + name in index, name
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    save_file({depth + "embed_tokens.weight": torch.zeros(shape.vocab_size, shape.d_model),
+               depth + "shared_head.head.weight": torch.zeros(shape.vocab_size, shape.d_model)},
+              str(tmp_path / "hf" / "copies.safetensors"))
+    index.update({depth + "embed_tokens.weight": "copies.safetensors",
+                  depth + "shared_head.head.weight": "copies.safetensors"})
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    assert main([str(tmp_path / "hf"), str(tmp_path / "dcp"), "--benchmark", "deepseekv3_671b", "--preset", "tiny"]) == 0
+    state = read_deepseek(tmp_path / "hf", shape)
+    want = model.state_dict()
+    assert sorted(state) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(state[name], tensor), name
+    assert "mtp.0.eh_proj.weight" not in read_deepseek(tmp_path / "hf", replace(shape, mtp_layers=0))
+
+
+def test_a_folder_without_the_presets_mtp_depth_is_refused_naming_it(tmp_path):
+    """transformers saves no depth (its model has none): converting its folder to the tiny preset's shape, which has
+    one, names the depth's tensors it lacks."""
+    torch.manual_seed(0)
+    write_hugging_face(Decoder(DEEPSEEK_TINY), DEEPSEEK_TINY, tmp_path / "hf")
+    with pytest.raises(ValueError, match="lacks .* tensors, e.g. mtp.0."):
+        convert(tmp_path / "hf", tmp_path / "dcp", config.DEEPSEEK_TINY)

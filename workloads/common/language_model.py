@@ -64,7 +64,9 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.Tensor], count: int,
                          split: Split = next_token_split) -> torch.Tensor:
     """Forward and backward over `count` micro batches of (batch, sequence + 1) tokens; returns the mean loss
-    (of this rank's targets).
+    (of this rank's targets). A model with multi-token prediction depths (workloads.decoder.mtp) returns their
+    weighted loss beside the logits: it joins each micro batch's backward, scaled as the main loss is, but not the
+    loss returned, which stays the next-token one that evaluation scores.
 
     FSDP2 reduce-scatters each micro batch's gradients into the sharded ones as backward ends.
     Turning that sync off between micro batches (set_requires_gradient_sync(False)) would
@@ -74,10 +76,13 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.T
     total = torch.zeros((), device=next(model.parameters()).device)
     for tokens in micro_batches:
         inputs, targets = split(tokens)
-        logits = model(*inputs)
+        if getattr(model, "mtp", None):  # DeepSeek-V3's multi-token prediction: its loss comes with the logits
+            logits, mtp_loss = model(*inputs, targets=targets)
+        else:
+            logits, mtp_loss = model(*inputs), 0.0
         with _loss_context(logits):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / count
-            loss.backward()
+            (loss + mtp_loss / count).backward()
         total += _local(loss.detach())
     return total
 

@@ -150,6 +150,11 @@ class DecoderConfig:
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
     dense_layers: int = 0  # with moe: the first layers keep a dense SwiGLU of ffn_hidden
+    # DeepSeek-V3's multi-token prediction (workloads.decoder.mtp): depths after the last block, each predicting one
+    # token further ahead (Megatron's mtp_num_layers), and the weight of their mean loss in training (its
+    # mtp_loss_scaling_factor); 0: none.
+    mtp_layers: int = 0
+    mtp_loss_scale: float = 0.0
 
     def windowed(self, layer: int) -> bool:
         """Whether layer `layer` (from 0) attends through the sliding window: Megatron's rule (window_attn_skip_freq,
@@ -202,11 +207,19 @@ class DecoderConfig:
         ffn = self.moe.params(d) if moe else 3 * d * self.ffn_hidden
         return self.attention_params() + ffn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
 
+    def mtp_params(self) -> int:
+        """The multi-token prediction depths: each its two input RMSNorms (the embedding's and the hidden state's),
+        eh_proj (2 d -> d), a block (layer n_layer + k: an MoE block where the model has experts) and its final RMSNorm.
+        The embedding and the output layer are the model's, shared."""
+        d = self.d_model
+        return sum(3 * d + 2 * d * d + self.block_params(self.n_layer + k) for k in range(self.mtp_layers))
+
     @property
     def params(self) -> int:
-        """Untied input embedding and output layer, the blocks, the final RMSNorm."""
+        """Untied input embedding and output layer, the blocks, the final RMSNorm, the MTP depths (they train and are
+        checkpointed, though evaluation never runs them)."""
         blocks = sum(self.block_params(layer) for layer in range(self.n_layer))
-        return 2 * self.vocab_size * self.d_model + blocks + self.d_model
+        return 2 * self.vocab_size * self.d_model + blocks + self.d_model + self.mtp_params()
 
     @property
     def active_params(self) -> int:
@@ -214,7 +227,8 @@ class DecoderConfig:
         if not self.moe:
             return self.params
         idle = self.moe.experts - self.moe.top_k
-        return self.params - self.moe_layers * idle * 3 * self.d_model * self.moe.hidden
+        mtp_moe_layers = sum(self.is_moe(self.n_layer + k) for k in range(self.mtp_layers))
+        return self.params - (self.moe_layers + mtp_moe_layers) * idle * 3 * self.d_model * self.moe.hidden
 
     def attended_keys(self) -> float:
         """Keys a query attends to, on average over the layers and the sequence's positions (causal: T / 2 in full
@@ -228,10 +242,13 @@ class DecoderConfig:
         """Training FLOPs per token: 6 N for the matmuls over the active parameters (embedding lookups excluded)
         plus 6 L T heads (qk + v) for attention's two matmuls (PaLM's 12 L T d where qk = v = d / heads, as NVIDIA's
         MFU figures count it; T the keys attended, 2 x the mean for a causal mask, so a sliding window counts the
-        keys it attends)."""
-        matmul_params = self.active_params - self.vocab_size * self.d_model
+        keys it attends). Each MTP depth adds its block and eh_proj, one more pass through the shared output layer, and
+        attention to the whole causal prefix (DeepSeek-V3's: no window)."""
+        mtp_output_passes = self.mtp_layers * self.vocab_size * self.d_model
+        matmul_params = self.active_params - self.vocab_size * self.d_model + mtp_output_passes
         widths = self.n_head * (self.head_dim + self.v_head_dim)
-        return 6 * matmul_params + 6 * self.n_layer * 2 * self.attended_keys() * widths
+        mtp_attention = 6 * self.mtp_layers * self.seq_len * widths
+        return 6 * matmul_params + 6 * self.n_layer * 2 * self.attended_keys() * widths + mtp_attention
 
 
 def steps_per(samples: int, global_batch: int, framework: str) -> int:
@@ -384,16 +401,18 @@ DEEPSEEK_V3_671B = DecoderConfig(
     init_std=0.006, dense_layers=3,
     mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     moe=MoeConfig(experts=256, top_k=8, hidden=2048, score="sigmoid", groups=8, top_groups=4, routed_scale=2.5,
-                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2))
+                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2),
+    mtp_layers=1, mtp_loss_scale=0.1)  # Megatron-Bridge's deepseek_v3.py; the reference never overrides them
 
 # A 2-layer DeepSeek-V3 for CPU: MLA (a query bottleneck too), YaRN, one dense layer then one of 8 experts (top 2 of
-# 2 groups, a shared expert, the expert bias update and the sequence aux loss).
+# 2 groups, a shared expert, the expert bias update and the sequence aux loss), and the one MTP depth (an MoE block).
 DEEPSEEK_TINY = DecoderConfig(
     vocab_size=128, seq_len=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, ffn_hidden=128, norm_eps=1e-6,
     rope_theta=10_000.0, rope_scaling=YarnScaling(factor=4.0, original_context=64), init_std=0.02, dense_layers=1,
     mla=MlaConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
     moe=MoeConfig(experts=8, top_k=2, hidden=32, score="sigmoid", groups=2, top_groups=1, routed_scale=2.5,
-                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2))
+                  shared_experts=1, bias_update_rate=1e-3, aux_loss_coeff=1e-2),
+    mtp_layers=1, mtp_loss_scale=0.1)
 
 
 # The closed rules' learning rate (closed_deepseekv3_671b.yaml: opt_base_learning_rate == 2.4e-05 x (GBS / 16384)
@@ -877,10 +896,11 @@ def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on
     per_position = 2 * (2 * h + (2 * m.q_dim + 2 * m.kv_dim + ffn) / tp)
     block_activations = s * b * per_position * compute / 2
     if cfg.activation_checkpointing:
-        activations = m.n_layer * compute * s * b * h / tp + block_activations
+        activations = (m.n_layer + m.mtp_layers) * compute * s * b * h / tp + block_activations
     else:
-        activations = m.n_layer * block_activations
-    logits = s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
+        activations = (m.n_layer + m.mtp_layers) * block_activations
+    # The main logits and each MTP depth's (workloads.decoder.mtp): backward keeps them all.
+    logits = (1 + m.mtp_layers) * s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
     return MemoryEstimate(weights=weights, gradients=4 * trained, optimizer=8 * trained, gathered=gathered,
                           activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
 

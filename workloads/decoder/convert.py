@@ -16,8 +16,12 @@ DCP into its FSDP/tensor-parallel shards, so each rank reads only the slices it 
 DeepSeek-V3 (Hugging Face's layout, transformers' modeling_deepseek_v3.py; deepseek-ai/DeepSeek-V3's release) is
 read from its shards (model.safetensors.index.json) tensor by tensor, each expert's three matrices stacked into
 this model's (experts, ...) tensors. Its config.json must agree with the preset's shape (the fields that differ are
-named). Layers past num_hidden_layers are skipped: the release's layer 61 is the multi-token-prediction module,
-which this model does not train. The release's FP8 weights (e4m3, one fp32 `weight_scale_inv` per 128 x 128 block)
+named). The layers after num_hidden_layers are the multi-token-prediction depths (the release's layer 61;
+`num_nextn_predict_layers`), read into this model's `mtp.K` as mlcommons/training's
+`deepseek_mtp_module_conversion.patch` maps them for Megatron: enorm, hnorm and eh_proj as they are (eh_proj's
+halves not swapped: embedding first), `shared_head.norm` as the depth's final norm, the rest as a decoder layer; the
+depth's `embed_tokens` and `shared_head.head` are copies of the model's own, which the depth shares, so they are
+not read. Depths past the preset's are skipped. The release's FP8 weights (e4m3, one fp32 `weight_scale_inv` per 128 x 128 block)
 are dequantized to bf16 as DeepSeek's inference/fp8_cast_bf16.py does. Its RoPE dimensions are interleaved pairs
 (rope_interleave, the default), as this model's; a checkpoint saved with rope_interleave false has its rope rows
 in halves, put back into pairs here. The whole state is held in memory before DCP writes it (the full model:
@@ -185,6 +189,11 @@ DEEPSEEK_LAYER_NAMES = {
     "mlp.shared_experts.down_proj.weight": "feed_forward.shared_experts.w2.weight",
 }
 EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# A multi-token-prediction depth's own tensors (after `model.layers.{n_layer + K}.`) -> this model's (after `mtp.K.`);
+# the rest of the depth is a decoder layer (`block.`), and its copies of the shared embedding and head are skipped.
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "shared_head.norm.weight": "norm.weight"}
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight\Z")
 FP8_BLOCK = 128  # DeepSeek-V3's quantization block (config.json quantization_config.weight_block_size)
 
@@ -210,7 +219,7 @@ def deepseek_hf_config(cfg: DecoderConfig) -> dict:
                          yarn.original_context, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
                          "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim},
         "max_position_embeddings": int(yarn.original_context * yarn.factor),
-        "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": cfg.mtp_layers,
         "initializer_range": cfg.init_std,
     }
 
@@ -221,7 +230,9 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermed
                  "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
                  "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
                  "norm_topk_prob", "hidden_act", "rms_norm_eps", "rope_theta")
-_OPTIONAL_FIELDS = ("scoring_func", "topk_method", "tie_word_embeddings", "attention_bias")  # checked if present
+# Checked if present. Not num_nextn_predict_layers: transformers writes 1 and saves no depth (its model has none);
+# a depth the preset needs and the folder lacks is named by convert's check of every tensor.
+_OPTIONAL_FIELDS = ("scoring_func", "topk_method", "tie_word_embeddings", "attention_bias")
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
@@ -339,9 +350,13 @@ def read_deepseek(hf_folder: Path, cfg: DecoderConfig) -> dict[str, torch.Tensor
         match = _LAYER.match(name)
         if not match:
             raise ValueError(f"unexpected tensor {name!r}: not a DeepSeek-V3 checkpoint in Hugging Face's layout")
-        if int(match[1]) >= cfg.n_layer:  # the multi-token-prediction module(s) after the decoder's layers
+        index, rest = int(match[1]), match[2]
+        if index >= cfg.n_layer + cfg.mtp_layers or rest in MTP_SHARED_COPIES:
             continue
-        layer, rest = f"layers.{match[1]}.", match[2]
+        if index >= cfg.n_layer and rest in MTP_NAMES:
+            state[f"mtp.{index - cfg.n_layer}.{MTP_NAMES[rest]}"] = read(name)
+            continue
+        layer = f"layers.{index}." if index < cfg.n_layer else f"mtp.{index - cfg.n_layer}.block."
         expert = _EXPERT.match(rest)
         if expert:
             slots = experts.setdefault(f"{layer}feed_forward.experts.{EXPERT_NAMES[expert[2]]}",
@@ -366,17 +381,25 @@ def read_deepseek(hf_folder: Path, cfg: DecoderConfig) -> dict[str, torch.Tensor
     return state
 
 
-def hugging_face_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This model's state dict -> DeepSeek-V3's Hugging Face names, each expert apart (views, no copies)."""
+def hugging_face_tensors(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """This model's state dict -> DeepSeek-V3's Hugging Face names, each expert apart (views, no copies); MTP depth K
+    as layer n_layer + K (read_deepseek's mapping, backwards)."""
     top = {ours: theirs for theirs, ours in TOP_NAMES.items()}
     layer_names = {ours: theirs for theirs, ours in DEEPSEEK_LAYER_NAMES.items()}
     expert_names = {ours: theirs for theirs, ours in EXPERT_NAMES.items()}
+    mtp_names = {ours: theirs for theirs, ours in MTP_NAMES.items()}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in top:
             out[top[name]] = tensor
             continue
-        _, layer, rest = name.split(".", 2)
+        kind, layer, rest = name.split(".", 2)
+        if kind == "mtp":
+            layer = str(n_layer + int(layer))
+            if rest in mtp_names:
+                out[f"model.layers.{layer}.{mtp_names[rest]}"] = tensor
+                continue
+            rest = rest.removeprefix("block.")
         prefix = f"model.layers.{layer}."
         if rest.startswith("feed_forward.experts."):
             which = expert_names[rest.rsplit(".", 1)[1]]
@@ -398,7 +421,7 @@ def write_hugging_face(model: nn.Module, cfg: DecoderConfig, folder: Path, max_s
     state = model.state_dict()
     if any(isinstance(t, DTensor) for t in state.values()):
         raise ValueError("write_hugging_face takes a whole model on one process; this one is sharded")
-    tensors = hugging_face_tensors(state)
+    tensors = hugging_face_tensors(state, cfg.n_layer)
     shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in tensors.items():

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from workloads.common.whole_draws import draw_
 from workloads.decoder.config import DecoderConfig, LoraConfig, MlaConfig, RopeScaling, YarnScaling
 from workloads.decoder.moe import MoE, SwiGLU
+from workloads.decoder.mtp import MultiTokenPrediction, mtp_loss
 
 
 def rope_frequencies(cfg: DecoderConfig) -> torch.Tensor:
@@ -278,6 +279,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, layer, lora) for layer in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from tok_embeddings
+        # DeepSeek-V3's multi-token prediction depths (workloads.decoder.mtp), each around a block after the last one;
+        # they share tok_embeddings and output. Empty (no parameter, nothing run) where cfg.mtp_layers is 0.
+        self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, Block(cfg, cfg.n_layer + k)) for k in range(cfg.mtp_layers))
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
         self.init_weights()
 
@@ -290,7 +294,8 @@ class Decoder(nn.Module):
         (Megatron-LM's router.py: `expert_bias` starts at zero). Each parameter is drawn whole, in the same order on
         every rank, and split after (workloads.common.whole_draws), so the initial model does not depend on the
         layout. Called again after a model built on the meta device gets real storage."""
-        residual = {id(p) for layer in self.layers for p in (layer.attention.wo.weight, *self._down(layer))}
+        blocks = [*self.layers, *(depth.block for depth in self.mtp)]  # the MTP depths' blocks too
+        residual = {id(p) for layer in blocks for p in (layer.attention.wo.weight, *self._down(layer))}
         scaled_std = self.cfg.init_std / math.sqrt(2 * max(self.cfg.n_layer, 1))  # (a proxy may have no block)
         for name, param in self.named_parameters():
             if ".lora_" in name:
@@ -316,9 +321,11 @@ class Decoder(nn.Module):
             return [ffn.w2.weight]
         return [ffn.experts.w2] + ([ffn.shared_experts.w2.weight] if ffn.shared_experts is not None else [])
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
-        tokens' places in the whole sequence (default 0..seq-1)."""
+        tokens' places in the whole sequence (default 0..seq-1). With the next-token `targets` (training a model with
+        MTP depths): the logits and the weighted MTP loss (workloads.decoder.mtp), for the caller to add to its loss."""
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device)
         rope = rope_tables(self.rope_freqs, positions)
@@ -327,4 +334,9 @@ class Decoder(nn.Module):
             # Checkpointing keeps only each block's input and recomputes the rest in backward.
             x = checkpoint(layer, x, rope, positions, use_reentrant=False) \
                 if self.activation_checkpointing and self.training else layer(x, rope, positions)
-        return self.output(self.norm(x))
+        hidden = self.norm(x)
+        logits = self.output(hidden)
+        if targets is None:
+            return logits
+        return logits, mtp_loss(self.mtp, self.tok_embeddings, self.output, hidden, tokens, targets, rope, positions,
+                                self.cfg.mtp_loss_scale, self.activation_checkpointing and self.training)

@@ -77,14 +77,19 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
     """Tensor parallel, context parallel, expert parallel, torch.compile per block, then FSDP2 (HSDP), in place.
     A model with experts needs `expert_mesh` (build_expert_mesh)."""
     if mesh["tensor"].size() > 1:
+        if len(model.mtp):  # its blocks and its loss over vocabulary-sharded logits are not split here
+            raise ValueError("multi-token prediction runs at tensor parallel 1, as deepseekv3_671b's reference does")
         _tensor_parallel(model, mesh["tensor"])
     if mesh["context"].size() > 1:
+        if len(model.mtp):  # its roll would need the next context rank's first token (Megatron's roll_tensor)
+            raise ValueError("multi-token prediction runs at context parallel 1, as deepseekv3_671b's reference does")
         for layer in model.layers:
             core = layer.attention.core
             layer.attention.core = ContextParallelAttention(mesh["context"], core.window, core.scale)
             if isinstance(layer.feed_forward, MoE):  # its balance loss counts each sequence over the context ranks
                 layer.feed_forward.context_group = mesh["context"]
-    moe_layers = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, MoE)]
+    blocks = [*model.layers, *(depth.block for depth in model.mtp)]  # with the MTP depths' (workloads.decoder.mtp)
+    moe_layers = [block.feed_forward for block in blocks if isinstance(block.feed_forward, MoE)]
     if moe_layers and expert_mesh is None:
         raise ValueError("a model with experts is parallelized with an expert mesh (build_expert_mesh)")
     for moe in moe_layers:
@@ -92,15 +97,15 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
     if compiled:
         # Block by block, as torchtitan compiles: every block has the same graph, so it compiles once. An MoE
         # block's token counts are data (all_to_all splits, grouped GEMM offsets): graph breaks there.
-        for layer in model.layers:
-            layer.compile(fullgraph=mesh["context"].size() == 1 and not moe_layers)
+        for block in blocks:
+            block.compile(fullgraph=mesh["context"].size() == 1 and not moe_layers)
     # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     fsdp_mesh = mesh["replicate", "fsdp"]  # 2-D: HSDP (replicate across, shard within)
     for moe in moe_layers:
         fully_shard(moe.experts, mesh=expert_mesh["replicate", "expert_shard"], mp_policy=policy)
-    for layer in model.layers:
+    for layer in [*model.layers, *model.mtp]:  # an MTP depth gathers its eh_proj and norms with its block
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
     return model
