@@ -133,6 +133,22 @@ def test_deepseek_layouts_that_do_not_fit_are_refused_with_the_arithmetic(nodes,
                  "reserve"):
         assert term in said
     assert "more nodes" in said and "more pipeline stages" in said
+    if (nodes, pipeline) == (64, 8):  # what would fit, worked out: twice the stages; twice the nodes is not enough
+        assert "(128 nodes with FSDP over 128: 96.4 GiB; pipeline 16: 69.4 GiB)" in said
+
+
+def test_the_dry_run_shows_the_stage_the_links_and_the_bubble():
+    cfg, layout = deepseek_cfg(), deepseek_layout(64, 16, 8, 32)
+    lines = decoder.describe("deepseekv3_671b", cfg, layout, H100_GIB)
+    shown = "\n".join(lines)
+    assert "pipeline 16 (virtual 1: 4/4/4/4/4/4/4/4/4/4/4/4/4/4/4/1 layers per stage) x replicate 1 x shard 32" in shown
+    assert "x 512 pipeline micro batches" in shown
+    assert "memory per GPU (stage 1): 69.4 GiB of 80 GiB (weights 5.4, gradients 5.4, optimizer 10.7, gathered " \
+           "36.7, activations 7.1, pipeline buffers 0.1, logits 0.0, reserve 4.0 GiB; 65.4 GiB without the reserve" \
+           in shown
+    assert "5050.9 GB over NVLink, 90.9 GB over InfiniBand" in shown and "pipeline sends 60.1" in shown
+    assert "expert all-to-all 5050.9 (5050.9 of it inside the node)" in shown
+    assert "pipeline bubble: 2.8% of a step ((p - 1) / (v m + p - 1) with p 16, v 1, m 512)" in shown
 
 
 def test_gpt3_pipeline_8_cuts_infiniband_bytes_per_gpu_from_697_to_17_gb():

@@ -1027,12 +1027,31 @@ def check_fits(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout:
     memory = estimate_memory(cfg, layout)
     if memory.total / GIB > gpu_memory_gib:
         nodes = layout.world // layout.procs_per_node
+        options = "; ".join(f"{what}: {estimate_memory(cfg, other).total / GIB:.1f} GiB"
+                            for what, other in _larger_layouts(cfg, layout))
         raise ValueError(
             f"{benchmark} needs about {memory.describe()} per GPU on pipeline stage {memory.stage} with "
             f"{nodes} nodes x {layout.procs_per_node} GPUs = pipeline {layout.pipeline} x replicate "
             f"{layout.replicate} x FSDP {layout.fsdp} (expert {layout.expert}) x tensor {layout.tensor}, more than "
             f"the {gpu_memory_gib:g} GiB each has: use more nodes (more GPUs per FSDP group: --shard-nodes), more "
-            "pipeline stages, a larger expert parallel, or activation checkpointing")
+            f"pipeline stages, a larger expert parallel, or activation checkpointing ({options or 'none planned'})")
+
+
+def _larger_layouts(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -> list[tuple[str, Layout]]:
+    """What check_fits offers instead: twice the nodes with FSDP over twice the ranks, and (same nodes) twice the
+    pipeline stages, each where the batch and the layers split evenly."""
+    offers = []
+    if layout.grad_accum % 2 == 0:
+        offers.append((f"{2 * layout.world // layout.procs_per_node} nodes with FSDP over {2 * layout.fsdp}",
+                       replace(layout, world=2 * layout.world, shard=2 * layout.shard,
+                               grad_accum=layout.grad_accum // 2)))
+    halved = {"replicate": layout.replicate // 2} if layout.replicate % 2 == 0 else \
+        {"shard": layout.shard // 2} if layout.shard % 2 == 0 else None
+    stages = 2 * layout.pipeline * layout.virtual
+    if halved and -(-cfg.model.n_layer // stages) * (stages - 1) < cfg.model.n_layer:
+        fewer = replace(layout, pipeline=2 * layout.pipeline, grad_accum=2 * layout.grad_accum, **halved)
+        offers.append((f"pipeline {fewer.pipeline}", replace(fewer, expert=math.gcd(fewer.expert, fewer.fsdp))))
+    return offers
 
 
 def _count(n: float) -> str:
