@@ -275,12 +275,13 @@ def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> l
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
     stage = f" (stage {memory.stage})" if layout.pipeline > 1 else ""
     runs = "" if layout.pipeline == 1 else " (planned: the workload runs no pipeline yet)"
+    steps = "pipeline micro batches" if layout.pipeline > 1 else "accumulation steps"
     return [
         f"gpt3 model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {cfg.model.n_head} heads, "
         f"sequence {cfg.model.seq_len}, {_count(cfg.model.params)} parameters",
         f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline}{runs} "
         f"x data (FSDP) {layout.data}; global batch {layout.global_batch} = {layout.data} x micro batch "
-        f"{layout.micro_batch} x {layout.grad_accum} {'pipeline micro batches' if layout.pipeline > 1 else 'accumulation steps'}; "
+        f"{layout.micro_batch} x {layout.grad_accum} {steps}; "
         f"base LR {base_lr(cfg, layout.global_batch):g}",
         f"gpt3 memory per GPU{stage}: {memory.describe(limit)}; activation checkpointing "
         f"{'on' if cfg.activation_checkpointing else 'off'}",
