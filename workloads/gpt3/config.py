@@ -127,7 +127,8 @@ def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int, dry_run: bool 
                          "(sequence parallelism splits it)")
     if (world // tensor) % pipeline or cfg.model.n_layer % pipeline:
         raise ValueError(f"pipeline parallel {pipeline} must divide the {world // tensor} processes left by tensor "
-                         f"parallel {tensor} and the {cfg.model.n_layer} layers")
+                         f"parallel {tensor} and the {cfg.model.n_layer} layers: use a multiple of "
+                         f"{tensor * pipeline} processes")
     if pipeline > 1 and not dry_run:
         raise ValueError(f"gpt3 plans pipeline parallel {pipeline}, but its workload runs no pipeline yet "
                          "(workloads/gpt3/parallel.py builds a (data, tensor) mesh): `--dry-run` shows the planned "
