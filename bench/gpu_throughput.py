@@ -7,7 +7,8 @@ issue 14's goals and, for llama31_8b, NVIDIA's MLPerf v5.1 figure per GPU.
 On all visible GPUs (one process each, NCCL, rendezvous on localhost), each workload trains on
 synthetic batches and then on files in its real on-disk format written to a temporary folder
 (bench/gpu_formats.py); bench/gpu_timing.py times each. Reported per device: samples/s (and
-tokens/s and MFU for the two decoders) over a window after warm-up, peak memory, the spread of
+tokens/s and MFU for the two decoders) over a window after warm-up, peak memory (beside the harness's estimate of
+it for the decoders, and their ratio: docs/measured.md), the spread of
 single steps, and the ratio to the goal (ResNet 4,200 img/s, BERT 580 seq/s, GPT MFU 45% per H100;
 llama31_8b the model FLOP/s of NVIDIA's v5.1 closed result per Blackwell GPU (GB200 per its log): its
 11,980 tokens/s of the whole 8B model times that model's FLOPs per token, against the bench model's
