@@ -7,7 +7,8 @@ issue 14's goals and, for llama31_8b, NVIDIA's MLPerf v5.1 figure per GPU.
 On all visible GPUs (one process each, NCCL, rendezvous on localhost), each workload trains on
 synthetic batches and then on files in its real on-disk format written to a temporary folder
 (bench/gpu_formats.py); bench/gpu_timing.py times each. Reported per device: samples/s (and
-tokens/s and MFU for the two decoders) over a window after warm-up, peak memory, the spread of
+tokens/s and MFU for the two decoders) over a window after warm-up, peak memory (beside the harness's estimate of
+it for the decoders, and their ratio: docs/measured.md), the spread of
 single steps, and the ratio to the goal (ResNet 4,200 img/s, BERT 580 seq/s, GPT MFU 45% per H100;
 llama31_8b the model FLOP/s of NVIDIA's v5.1 closed result per Blackwell GPU (GB200 per its log): its
 11,980 tokens/s of the whole 8B model times that model's FLOPs per token, against the bench model's
@@ -105,7 +106,8 @@ def gpt3_bench_preset(on_gpu: bool):
     if on_gpu:  # the LR of the reference batch: the closed table has none for a batch of 4
         return replace(PRESETS["full"], model=GPTConfig(vocab_size=50_304, seq_len=2048, n_layer=24, n_head=16,
                                                         d_model=2048),
-                       global_batch=4, micro_batch=4, tensor_parallel=1, activation_checkpointing=False,
+                       global_batch=4, micro_batch=4, tensor_parallel=1, pipeline_parallel=1,
+                       activation_checkpointing=False,
                        eval_sequences=8, base_lr=base_lr(PRESETS["full"], REFERENCE_BATCH))
     tiny = PRESETS["tiny"]
     return replace(tiny, global_batch=tiny.micro_batch)
@@ -156,6 +158,8 @@ class Plan:
     preset: str
     measured: str
     extra_preset: object | None = None
+    estimate_gib: float | None = None  # the decoders: the harness's peak estimate less its reserve, in GiB: what
+    #                                    torch.cuda.max_memory_allocated measures (GPUs only)
 
 
 def jpeg_size(on_gpu: bool) -> tuple[int, int]:
@@ -183,7 +187,7 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
     config = config_module(workload)  # the decoders: their own memory estimate and layout
     cfg = BENCH_PRESETS[workload](on_gpu, world)
     m = cfg.model
-    estimate = config.estimate_memory(cfg, config.plan_layout(cfg, world, world)).total / GIB
+    memory = config.estimate_memory(cfg, config.plan_layout(cfg, world, world))
     if workload == "gpt3":
         shape = f"GPT-3-shaped decoder ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads"
     elif m.moe:
@@ -197,8 +201,10 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
                 f"{shape}, {m.params / 1e6:,.1f}M parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} "
                 f"per process, no accumulation, activation checkpointing "
                 f"{'on' if cfg.activation_checkpointing else 'off'}, FSDP over {world}"
-                + (f"; the harness's estimate of its GPU memory: {estimate:.1f} GiB" if on_gpu else ""),
-                extra_preset=cfg)
+                + (f"; the harness's estimate of its GPU memory: {memory.allocated / GIB:.1f} GiB allocated at the "
+                   f"peak, {memory.total / GIB:.1f} GiB with the {memory.reserve / GIB:.0f} GiB reserve" if on_gpu
+                   else ""),
+                extra_preset=cfg, estimate_gib=memory.allocated / GIB if on_gpu else None)
 
 
 def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int, steps: Steps) -> Path:
@@ -272,6 +278,7 @@ def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str |
     achieved = {"samples_per_s": per_device, "model_tflops_per_s": model_tflops, "mfu": utilisation}[goal.metric]
     step_times = spread(figures["step_times_s"])
     peak = figures["peak_memory_bytes"]
+    estimate = plan_.estimate_gib
     return {"workload": workload, "data": data, "measured": plan_.measured, "preset": plan_.preset,
             "samples_per_s_per_device": round(per_device, 2), "unit": UNITS[workload],
             "tokens_per_s_per_device": round(tokens, 1) if tokens is not None else None,
@@ -279,6 +286,8 @@ def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str |
             "goal": goal.value if device_name else None, "goal_metric": goal.metric,
             "ratio": round(achieved / goal.value, 3) if device_name and achieved is not None else None,
             "peak_memory_gib": round(peak / GIB, 2) if peak is not None else None,
+            "estimated_memory_gib": round(estimate, 2) if estimate is not None else None,
+            "peak_over_estimate": round(peak / GIB / estimate, 3) if peak is not None and estimate else None,
             "step_time_s": {k: round(v, 4) for k, v in step_times.items()} if step_times else None,
             "window_s": round(figures["window_s"], 3), "samples_in_window": figures["samples"],
             "last_loss": round(figures["last_loss"], 4)}
@@ -286,7 +295,8 @@ def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str |
 
 def table(rows: list[dict], not_run: dict[str, str]) -> str:
     """The printed summary: one line per workload and data kind."""
-    head = ("workload", "data", "rate per device", "goal", "ratio", "MFU", "peak mem", "step s: median [p10, p90]")
+    head = ("workload", "data", "rate per device", "goal", "ratio", "MFU", "peak mem (estimate, peak / estimate)",
+            "step s: median [p10, p90]")
     lines = [head]
     for r in rows:
         steps = r["step_time_s"]
@@ -296,11 +306,22 @@ def table(rows: list[dict], not_run: dict[str, str]) -> str:
                                                      else f"{r['goal']:,.0f} {GOALS[r['workload']].unit}"),
                       "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
                       "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
-                      "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f} GiB",
+                      memory_cell(r),
                       "-" if steps is None else f"{steps['median']:.3f} [{steps['p10']:.3f}, {steps['p90']:.3f}]"))
     lines += [(workload, "-", why, "", "", "", "", "") for workload, why in not_run.items()]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def memory_cell(r: dict) -> str:
+    """The measured peak beside the harness's estimate of it and their ratio, so that every GPU run checks the
+    memory model again (docs/measured.md)."""
+    peak, estimate = r["peak_memory_gib"], r.get("estimated_memory_gib")
+    measured = "-" if peak is None else f"{peak:.1f} GiB"
+    if estimate is None:
+        return measured
+    ratio = f", {r['peak_over_estimate']:.2f}" if r.get("peak_over_estimate") is not None else ""
+    return f"{measured} (estimate {estimate:.1f} GiB{ratio})"
 
 
 def device_slug(name: str) -> str:

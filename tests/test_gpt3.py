@@ -225,13 +225,16 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
     result = harness(*args)
     assert result.returncode == 0, result.stderr
     assert harness(*args).stdout == result.stdout  # deterministic
-    assert "tensor 8 x pipeline 1 x data (FSDP) 448" in result.stderr
-    assert "global batch 1792 = 448 x micro batch 1 x 4 accumulation steps" in result.stderr
-    assert "gpt3 memory per GPU: 7.8 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, gathered 2.3, " \
-           "activations 0.7, logits 0.2, reserve 4.0 GiB" in result.stderr  # gradients sharded, as the code holds them
-    # FSDP over 448 nodes: 4 micro batches, each gathering 175B / 8 in bf16 twice and reduce-scattering it in fp32
-    assert "gpt3 traffic per GPU per step: 202.9 GB over NVLink, 696.9 GB over InfiniBand (FSDP gathers 348.4, " \
-           "reduce-scatters 348.4;" in result.stderr
+    # The planned pipeline (the workload runs none yet): 12 layers a stage, FSDP over a stage's 56 data ranks.
+    assert "tensor 8 x pipeline 8 (planned: the workload runs no pipeline yet) x data (FSDP) 56" in result.stderr
+    assert "global batch 1568 = 56 x micro batch 1 x 28 pipeline micro batches" in result.stderr
+    assert "gpt3 memory per GPU (stage 0): 21.1 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, " \
+           "gathered 15.6, activations 0.7, pipeline buffers 0.0, logits 0.0, reserve 4.0 GiB" in result.stderr
+    # A stage gathers its 22B / 8 parameters once per step (bf16) and reduce-scatters them once (fp32); at pipeline 1
+    # FSDP over 448 ranks sent 696.9 GB over InfiniBand (tests/test_layout_arithmetic.py).
+    assert "gpt3 traffic per GPU per step: 177.6 GB over NVLink, 16.8 GB over InfiniBand (FSDP gathers 5.5, " \
+           "reduce-scatters 11.0;" in result.stderr
+    assert "gpt3 pipeline bubble: 20.0% of a step" in result.stderr
     assert "give --init-checkpoint DIR (a torch.distributed.checkpoint folder)" in result.stderr  # a dry run names what a real run still needs
     if backend == "slurm":
         assert "#SBATCH --nodes=462" in result.stdout and "#SBATCH --gpus-per-node=8" in result.stdout  # 3% spares
@@ -256,11 +259,11 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
 
 def test_memory_estimate_shrinks_with_more_gpus():
     cfg = PRESETS["full"]
-    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8)).total for world in (64, 3584))
+    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8, dry_run=True)).total for world in (64, 3584))
     assert small > large
     no_checkpointing = estimate_memory(dataclasses.replace(cfg, activation_checkpointing=False),
-                                       plan_layout(cfg, 3584, 8))
-    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8)).activations
+                                       plan_layout(cfg, 3584, 8, dry_run=True))
+    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8, dry_run=True)).activations
 
 
 @pytest.mark.slow
@@ -388,15 +391,15 @@ def test_the_closed_base_lr_is_the_rcps_lr_for_the_batch():
     assert base_lr(PRESETS["tiny"], 4) == 3e-5 and LR_TABLE[0][0] == 1536  # the open preset keeps its own
 
 
-@pytest.mark.parametrize("micro_batch, shown", [("10", "global batch 4480 = 448 x micro batch 10 x 1 accumulation "
-                                                       "steps; base LR 3e-05"), ("20", None)])
+@pytest.mark.parametrize("micro_batch, shown", [("80", "global batch 4480 = 56 x micro batch 80 x 1 pipeline micro "
+                                                       "batches; base LR 3e-05"), ("160", None)])
 def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_with_none(tmp_path, micro_batch, shown):
     result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100",
                      "--nodes", "448", "--gpus-per-node", "8", "--batch-size", micro_batch, "--synthetic", "--dry-run",
                      "--out", str(tmp_path))
     if shown:
         assert result.returncode == 0 and shown in result.stderr, result.stderr
-    else:  # 448 x 20 = 8,960 sequences: above the table
+    else:  # 56 data ranks (pipeline 8) x 160 = 8,960 sequences: above the table
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert "global batch 8960 has no base LR in MLPerf's GPT-3 table (batch 1536-3072: 2e-05; batch " \
                "4096-8192: 3e-05; either in between; above 8192 needs a new RCP)" in result.stderr
@@ -420,7 +423,7 @@ def closed_hyperparameters(world, folder, start, global_batch: int, monkeypatch)
     from workloads.common.campaign import RunOptions
     from workloads.gpt3.train import GPT3Workload
 
-    monkeypatch.setitem(PRESETS, "full", dataclasses.replace(PRESETS["full"], model=GPT3_PROXY))
+    monkeypatch.setitem(PRESETS, "full", dataclasses.replace(PRESETS["full"], model=GPT3_PROXY, pipeline_parallel=1))
     options = RunOptions(benchmark="gpt3", preset="full", out=folder, runs=1, seed=0, submitter="test", system=None,
                          data=start / "c4", synthetic=False, max_steps=None, batch_size=global_batch,
                          init_checkpoint=start / "init")

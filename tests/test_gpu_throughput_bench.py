@@ -316,3 +316,19 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     uncovered = {module: providers[module] for module in imported if module in providers and module not in optional
                  and not {normalised(d) for d in providers[module]} & available}
     assert not uncovered, f"add these to bench/wheelhouse.py's NEEDED: {uncovered}"
+
+
+def test_the_report_puts_the_measured_peak_beside_the_harness_estimate():
+    """Every GPU run checks the memory model again: a decoder row carries the estimate that max_memory_allocated
+    measures (the estimate less its reserve) and the measured peak over it; the table prints both. The figures here
+    are docs/measured.md's H200 peak for the Llama bench shape, 40.8 GiB."""
+    llama = gpu_throughput.plan_for("llama31_8b", on_gpu=True, world=1)
+    assert 40 < llama.estimate_gib < 46 and "GiB allocated at the peak" in llama.measured
+    measured = {**figures(samples=15, window=10.0), "peak_memory_bytes": int(40.8 * 2**30)}
+    row = gpu_throughput.row("llama31_8b", "files", llama, measured, "NVIDIA H200", world=1)
+    assert row["peak_memory_gib"] == 40.8 and row["estimated_memory_gib"] == round(llama.estimate_gib, 2)
+    assert row["peak_over_estimate"] == pytest.approx(40.8 / llama.estimate_gib, abs=1e-3)
+    printed = gpu_throughput.table([row], {})
+    assert f"40.8 GiB (estimate {llama.estimate_gib:.1f} GiB, {row['peak_over_estimate']:.2f})" in printed
+    # On CPU there is no GPU estimate to hold a peak against.
+    assert gpu_throughput.plan_for("llama31_8b", on_gpu=False, world=1).estimate_gib is None

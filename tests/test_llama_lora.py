@@ -283,7 +283,9 @@ def test_memory_counts_the_frozen_base_in_bf16_and_adapters_with_their_optimizer
     memory = estimate_memory(cfg, layout)
     adapters = LoraConfig().params(LLAMA2_70B) / 8
     assert memory.weights == pytest.approx(2 * LLAMA2_70B.params / 8 + 4 * adapters)  # 17.2 GB of frozen bf16
-    assert (memory.gradients, memory.optimizer) == (pytest.approx(4 * adapters), pytest.approx(8 * adapters))
+    assert memory.optimizer == pytest.approx(8 * adapters)
+    # One micro batch per step: the adapters' gradients are made after the loss's backward, the peak.
+    assert memory.gradients == 0 and layout.grad_accum == 1
     assert memory.total / GIB < 80
 
 

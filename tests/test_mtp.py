@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from workloads.common.language_model import IGNORED, accumulate_gradients, next_token_split, scored_loss_sum
 from workloads.decoder.config import DEEPSEEK_TINY, DEEPSEEK_V3_671B, DecoderConfig, MoeConfig, PretrainConfig, \
-    estimate_memory, plan_layout
+    block_activation_bytes, estimate_memory, plan_layout
 from workloads.decoder.model import Decoder, rope_tables
 from workloads.decoder.mtp import roll_left
 
@@ -235,4 +235,6 @@ def test_the_memory_estimate_keeps_each_depths_block_activations_and_logits():
     layout = plan_layout(without, world=8, procs_per_node=8)
     before, after = estimate_memory(without, layout), estimate_memory(replace(without, model=DENSE), layout)
     assert after.logits == 2 * before.logits  # the main logits and the depth's, both kept for backward
-    assert after.activations == before.activations * 3 / 2  # two blocks and the depth's
+    # the depth's block: a third block's activations (on a GPU, 2-byte compute)
+    depth_block = DENSE.seq_len * layout.micro_batch * block_activation_bytes(DENSE, DENSE.n_layer, 2, 1)
+    assert after.activations - before.activations == depth_block

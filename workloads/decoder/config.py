@@ -207,6 +207,10 @@ class DecoderConfig:
         ffn = self.moe.params(d) if moe else 3 * d * self.ffn_hidden
         return self.attention_params() + ffn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
 
+    def mtp_blocks(self) -> list[int]:
+        """The MTP depths' blocks, by the layer index each is built with (n_layer + k)."""
+        return [self.n_layer + k for k in range(self.mtp_layers)]
+
     def mtp_params(self) -> int:
         """The multi-token prediction depths: each its two input RMSNorms (the embedding's and the hidden state's),
         eh_proj (2 d -> d), a block (layer n_layer + k: an MoE block where the model has experts) and its final RMSNorm.
@@ -446,7 +450,9 @@ DEEPSEEK_PRESETS = {
         end_lr=DEEPSEEK_END_LR, max_steps=DEEPSEEK_MAX_STEPS, eval_interval=16_384, eval_sequences=EVAL_SEQUENCES,
         target=3.6, adam_eps=1e-8, activation_checkpointing=True, eval_batch=1, framework="megatron",
         first_eval=deepseek_first_eval(16_384), decay_iters=DEEPSEEK_MAX_STEPS, validation_batch=EVAL_SEQUENCES,
-        pipeline_parallel=8, expert_parallel=64),
+        # On H100s (docs/benchmarks/deepseekv3_671b.md, "Layouts on H100"): 16 stages, the experts split over a node
+        # (the all-to-all on NVLink), FSDP over 4 nodes of a stage; the reference's PP 4 x EP 64 fits a GB300 rack.
+        pipeline_parallel=16, expert_parallel=8, shard_nodes=4),
     # The 2-layer DeepSeek (config.DEEPSEEK_TINY) in 2 pipeline stages, from a checkpoint the preset writes in
     # Hugging Face's DeepSeek-V3 layout and converts every run, on the llama31_8b tiny preset's generated text, to a
     # log perplexity its text allows; evaluations every 8 steps after the first 40 (the full preset's rule, one
@@ -842,92 +848,258 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
 
 
 @dataclass(frozen=True)
+class Stage:
+    """What one pipeline rank holds: its decoder layers (over its virtual chunks), and whether it has the input
+    embedding (the first) or the output layer, final norm, MTP and the loss (the last)."""
+
+    index: int
+    layers: tuple[int, ...]
+    embedding: bool
+    output: bool
+
+
+def pipeline_stages(m: DecoderConfig, pipeline: int, virtual: int = 1) -> list[Stage]:
+    """Megatron-Bridge's DeepSeek-V3 split (set_deepseek_v3_pipeline_model_parallel_layout): the layers in
+    pipeline x virtual chunks of ceil(layers / chunks) each, the last chunk the rest (PP4: 16/16/16/13), chunk c on
+    rank c mod pipeline; the embedding on the first rank, the output layer, MTP and the loss on the last."""
+    chunks = pipeline * virtual
+    size = -(-m.n_layer // chunks)
+    if size * (chunks - 1) >= m.n_layer:
+        raise ValueError(f"{m.n_layer} layers do not fill {pipeline} pipeline stages x {virtual} virtual chunks "
+                         f"(ceil({m.n_layer} / {chunks}) = {size} each leaves the last chunk empty): choose fewer")
+    owned = [[] for _ in range(pipeline)]
+    for chunk in range(chunks):
+        owned[chunk % pipeline] += range(chunk * size, min((chunk + 1) * size, m.n_layer))
+    return [Stage(index=i, layers=tuple(layers), embedding=i == 0, output=i == pipeline - 1)
+            for i, layers in enumerate(owned)]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One stage's parameters: `dense` (everything but the routed experts; `norms` of them, whole on every tensor
+    rank), `experts` (the routed experts, which expert parallelism splits), `root` (embedding, output layer, MTP's
+    projection: gathered once for the whole forward and backward) and its largest block's."""
+
+    dense: float
+    norms: float
+    experts: float
+    root: float
+    block_dense: float
+    block_experts: float
+
+
+def stage_params(m: DecoderConfig, stage: Stage) -> StageParams:
+    """The stage's layers, plus the embedding on the first; on the last the output layer, the final norm and each
+    MTP module (Megatron-Core's multi_token_prediction: an MoE block, eh_proj of 2d x d, enorm, hnorm and its final
+    norm; GPTModel keeps a copy of the embedding on the last stage for it)."""
+    h, v = m.d_model, m.vocab_size
+    layers = list(stage.layers) + (m.mtp_blocks() if stage.output else [])
+    experts = sum(m.expert_params() for layer in layers if m.is_moe(layer))
+    blocks = sum(m.block_params(layer) for layer in layers)
+    root = (v * h if stage.embedding else 0) + (v * h + h if stage.output else 0)
+    if stage.output and m.mtp_layers:
+        root += m.mtp_layers * (2 * h * h + 3 * h) + (0 if stage.embedding else v * h)
+    largest = max(layers, key=m.block_params) if layers else None
+    block_experts = m.expert_params() if largest is not None and m.is_moe(largest) else 0
+    return StageParams(dense=blocks - experts + root, norms=2 * h * len(layers) + (h if stage.output else 0),
+                       experts=experts, root=root,
+                       block_dense=(m.block_params(largest) if largest is not None else 0) - block_experts,
+                       block_experts=block_experts)
+
+
+def block_activation_bytes(m: DecoderConfig, layer: int, compute: int, tensor: int) -> float:
+    """What autograd keeps for one block's backward, per position, in bytes (eager, bf16 compute; sequence
+    parallel splits the norms' positions and tensor parallel the heads and the feed-forward, so all of it over
+    `tensor`):
+    - the two RMSNorms: each its input and its output (the next linear's input);
+    - attention through scaled_dot_product_attention's flash kernel: its q, k and v after RoPE, its output (which
+      the output projection keeps too: the same tensor), and the fp32 logsumexp per head; no seq^2 term. RoPE
+      multiplies by constant tables, so it keeps nothing of its own. MLA (attention_activation_elements) also keeps
+      its low-rank latents and the up-projected keys and values;
+    - SwiGLU: w1's and w3's outputs, SiLU's output and their product (w2's input): four of ffn_hidden;
+    - MoE: the router's fp32 input and fp32 scores for every expert; per top_k copy the expert's input (the copy,
+      and its sorted copy after the all-to-all), its four SwiGLU intermediates, its output and that output in fp32
+      (weighted by the fp32 router weights); the shared experts' four intermediates."""
+    h = m.d_model
+    norms = 4 * h * compute
+    attention = attention_activation_elements(m) * compute + 4 * m.n_head
+    if m.is_moe(layer):
+        moe = m.moe
+        ffn = 4 * h + 4 * moe.experts + moe.top_k * ((3 * h + 4 * moe.hidden) * compute + 4 * h) \
+            + 4 * moe.hidden * moe.shared_experts * compute
+    else:
+        ffn = 4 * m.ffn_hidden * compute
+    return (norms + attention + ffn) / tensor
+
+
+def attention_activation_elements(m: DecoderConfig) -> float:
+    """Attention's kept tensors per position, in elements: q and k after RoPE, v, the output. MLA: the query's
+    down-projection and its norm's output (q_lora_rank each), q, the kv latent with the shared RoPE key and the
+    latent's norm output, the kv up-projection's output (each head's nope key and value: v is a view of it), k
+    assembled per head, the output."""
+    if not m.mla:
+        return 2 * m.q_dim + 2 * m.kv_dim
+    a = m.mla
+    q_low = 2 * a.q_lora_rank if a.q_lora_rank else 0
+    latent = 2 * a.kv_lora_rank + a.qk_rope_head_dim
+    return q_low + m.q_dim + latent + m.n_head * (a.qk_nope_head_dim + a.v_head_dim) + m.q_dim \
+        + m.n_head * a.v_head_dim
+
+
+def micro_batches_in_flight(layout: Layout, stage: int) -> float:
+    """Micro batches whose activations a stage holds at once. One without a pipeline; under 1F1B stage i warms up
+    with p - i forwards before its first backward, so min(p - i, m) (stage 0 holds the most); interleaved over v
+    chunks, Korthikanti et al. (2022, "Reducing Activation Recomputation", section 4.2.3) give the first stage
+    (1 + (p - 1) / (p v)) times that, in units of the stage's layers."""
+    p, v, m = layout.pipeline, layout.virtual, layout.grad_accum
+    held = min(p - stage, m)
+    return min(m, held * (1 + (p - 1) / (p * v))) if v > 1 else held
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """The pipeline's idle share of a step: (p - 1) / (v m + p - 1) for 1F1B (v = 1) and interleaved 1F1B
+    (Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2)."""
+    p, v, m = layout.pipeline, layout.virtual, layout.grad_accum
+    return (p - 1) / (v * m + p - 1)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per process at the peak of a training step."""
+    """Bytes per process at the peak of a training step, term by term, on the pipeline stage that needs most."""
 
-    weights: float  # this rank's FSDP shard of its tensor-parallel share: fp32 master weights, or for LoRA the frozen
-    #                 base in the compute dtype and the adapters in fp32
-    gradients: float  # fp32 gradients of what trains (every weight, or only the adapters), the same shard
+    weights: float  # this rank's FSDP shard of its stage's tensor-parallel share: fp32 master weights, or for LoRA
+    #                 the frozen base in the compute dtype and the adapters in fp32
+    gradients: float  # fp32 sharded gradients of what trains: alive at the peak only when micro batches accumulate
     optimizer: float  # AdamW's two fp32 moments of what trains, the same shard
-    gathered: float  # what FSDP unshards at once: two blocks, the root (embeddings, output), one block's grads
-    activations: float  # what backward keeps for this rank's share of the sequence
-    logits: float  # this rank's vocabulary shard of its positions' logits, and what the loss keeps
-    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only)
+    gathered: float  # unsharded bf16 parameters (and gradients) FSDP holds at once
+    activations: float  # what backward keeps, for every micro batch in flight on this stage
+    pipeline_buffers: float  # the received activation and gradient of each chunk (pipeline only)
+    logits: float  # this rank's vocabulary shard of its positions' logits, and what the loss keeps (last stage)
+    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only): outside max_memory_allocated
+    stage: int = 0  # the pipeline stage these terms are for (the one whose total is largest)
 
-    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits", "reserve")
+    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "pipeline_buffers", "logits", "reserve")
 
     @property
     def total(self) -> float:
         return sum(getattr(self, term) for term in self.TERMS)
 
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated would report: every term but the reserve (the CUDA context and
+        NCCL's buffers are not the caching allocator's), so the figure to hold against a measured peak."""
+        return self.total - self.reserve
+
+    def describe(self, limit: str = "") -> str:
+        """The total (against `limit`, e.g. " of 80 GiB"), each term, and the figure to compare with a measured
+        max_memory_allocated, in GiB."""
+        parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in self.TERMS)
+        return (f"{self.total / GIB:.1f} GiB{limit} ({parts} GiB; {self.allocated / GIB:.1f} GiB without the "
+                "reserve, what max_memory_allocated counts)")
+
 
 def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on_gpu: bool = True
                     ) -> MemoryEstimate:
-    """Per-rank bytes, term by term; bf16 compute on GPUs (2 bytes), fp32 on CPU (4).
+    """Per-rank bytes at the step's peak, term by term, for the pipeline stage whose total is largest; bf16 compute
+    on GPUs (2 bytes), fp32 on CPU (4). estimate_stage gives each term's reason."""
+    stages = pipeline_stages(cfg.model, layout.pipeline, layout.virtual)
+    return max((estimate_stage(cfg, layout, stage, on_gpu) for stage in stages), key=lambda e: e.total)
 
-    Pretraining trains every weight (fp32 master, gradient and two moments: 16 bytes each); LoRA keeps the base
-    frozen in the compute dtype, without gradients or moments, and trains only the adapters (16 bytes each).
-    Activations per block follow Korthikanti et al. (2022) with sequence parallelism and flash attention
-    (no s^2 term), for SwiGLU's wider MLP: this rank holds s / context positions, split again by tensor
-    between the blocks. LoRA's backward needs the same ones: gradients flow through every frozen block to the
-    adapters beneath it. With experts (tensor parallel 1), every parameter still shards over the FSDP group (the
-    experts over expert x expert_shard, which is the group), a block gathers its dense part whole and only this
-    rank's experts, and a position keeps top_k copies of its token, each with an expert's three intermediates
-    and output, and its router's logits (fp32)."""
+
+def estimate_stage(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, stage: Stage, on_gpu: bool = True
+                   ) -> MemoryEstimate:
+    """One stage's peak, each term at the peak's moment (the loss's backward on the last stage, when every saved
+    activation, the loss's tensors and the root's gathered weights coexist, before any block's gradient is made):
+
+    - weights, optimizer: pretraining keeps fp32 master weights and two fp32 AdamW moments (the harness's AdamW;
+      the reference's precision-aware optimizer keeps the moments in bf16, 4 bytes a parameter less) of the
+      stage's FSDP shard; LoRA the frozen base in the compute dtype and 16 bytes per adapter parameter.
+    - gradients: optimizer.zero_grad(set_to_none=True) frees them every step, and FSDP2 makes a block's sharded
+      gradient only when its backward ends, after the peak: so none with one micro batch, the whole shard when
+      micro batches accumulate (the earlier ones' sum is held).
+    - gathered: without a pipeline FSDP2 keeps the root's (embedding, output) bf16 weights from forward to backward
+      (the root is not resharded after forward), and during a block's backward that block's and the prefetched
+      next one's, plus the block's unsharded gradient (bf16, then fp32 for the reduce-scatter). With a pipeline,
+      torch.distributed.pipelining's stage (backward_maybe_with_nosync) turns off FSDP's resharding and gradient
+      sync until the last micro batch, as torchtitan runs it: the stage's whole local share stays unsharded in
+      bf16, its gradients accumulate unsharded in fp32 (FSDP2 accumulates in the reduce dtype).
+    - activations: block_activation_bytes per position, for every block; with activation checkpointing each
+      block's input in the compute dtype plus one block's full set, recomputed during its backward; times the
+      micro batches in flight (micro_batches_in_flight); the last stage adds the final norm's input and output.
+    - pipeline buffers: a received activation and a received gradient (s x b x d each) per virtual chunk.
+    - logits: bf16 logits (the loop holds them), fp32 log-probabilities (log_softmax keeps its output), the nll
+      loss's fp32 gradient and log_softmax's fp32 gradient, all alive during log_softmax's backward: compute +
+      12 bytes per logit, for the loss and each MTP module's."""
     m, tp, cp = cfg.model, layout.tensor, layout.context
     s, b, h = m.seq_len // cp, layout.micro_batch, m.d_model
     compute = 2 if on_gpu else 4
-    norms = m.n_layer * 2 * h + h  # RMSNorm weights: whole on every tensor rank (sequence parallel)
-    shard = (m.params - norms) / (tp * layout.fsdp) + norms / layout.fsdp
-    block = (m.block_params() - m.expert_params() - 2 * h) / tp + 2 * h + m.expert_params() / layout.expert
-    root = 2 * m.vocab_size * h / tp + h
-    unsharded_grad = compute + (4 if compute != 4 else 0)
+    params = stage_params(m, stage)
+    shard = (params.dense - params.norms) / (tp * layout.fsdp) + params.norms / layout.fsdp \
+        + params.experts / layout.fsdp
+    local = (params.dense - params.norms) / tp + params.norms + params.experts / layout.expert
+    block = (params.block_dense - 2 * h) / tp + 2 * h + params.block_experts / layout.expert
+    root = params.root / tp
+    accumulating = layout.grad_accum > 1
     if isinstance(cfg, LoraFinetuneConfig):
         adapters = cfg.lora.params(m) / (tp * layout.fsdp)
         weights, trained = compute * shard + 4 * adapters, adapters
         gathered = compute * (2 * block + root)  # no gradient of a frozen block is ever whole
     else:
         weights, trained = 4 * shard, shard
-        gathered = compute * (2 * block + root) + unsharded_grad * max(block, root)
-    # Per block, per position: the norms' inputs and outputs, q, k, v, attention output, SwiGLU's three
-    # intermediates (in bytes at 16 bits: 2 x (4h + 2 kv + 3 ffn)), with everything between norms split by tp;
-    # for experts, each of top_k copies' input, three intermediates and output, and the router's fp32 logits.
-    ffn = m.moe.top_k * (2 * h + 3 * m.moe.hidden) + 2 * m.moe.experts if m.moe else 3 * m.ffn_hidden
-    per_position = 2 * (2 * h + (2 * m.q_dim + 2 * m.kv_dim + ffn) / tp)
-    block_activations = s * b * per_position * compute / 2
+        if layout.pipeline > 1:
+            gathered = (compute + 4) * local
+        else:
+            gathered = compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block
+    blocks = list(stage.layers) + (m.mtp_blocks() if stage.output else [])  # MTP's block runs on the last stage
+    per_block = [block_activation_bytes(m, layer, compute, tp) for layer in blocks]
     if cfg.activation_checkpointing:
-        activations = (m.n_layer + m.mtp_layers) * compute * s * b * h / tp + block_activations
+        per_micro_batch = s * b * (len(per_block) * compute * h / tp)
+        recomputed = s * b * max(per_block, default=0)
     else:
-        activations = (m.n_layer + m.mtp_layers) * block_activations
-    # The main logits and each MTP depth's (workloads.decoder.mtp): backward keeps them all.
-    logits = (1 + m.mtp_layers) * s * b * m.vocab_size / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
-    return MemoryEstimate(weights=weights, gradients=4 * trained, optimizer=8 * trained, gathered=gathered,
-                          activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
+        per_micro_batch, recomputed = s * b * sum(per_block), 0
+    if stage.output:
+        per_micro_batch += s * b * 2 * h * compute / tp
+    activations = per_micro_batch * micro_batches_in_flight(layout, stage.index) + recomputed
+    buffers = 2 * layout.virtual * s * b * h / tp * compute if layout.pipeline > 1 else 0
+    losses = (1 + m.mtp_layers) if stage.output else 0
+    logits = losses * s * b * m.vocab_size / tp * (compute + 12)
+    return MemoryEstimate(weights=weights, gradients=4 * trained if accumulating else 0, optimizer=8 * trained,
+                          gathered=gathered, activations=activations, pipeline_buffers=buffers, logits=logits,
+                          reserve=4 * GIB if on_gpu else 0, stage=stage.index)
 
 
 def estimate_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -> Traffic:
-    """The bytes each GPU sends per step (workloads.common.traffic). For LoRA only the adapters' gradients are
-    reduced: the frozen base's parameters are gathered, never its gradients."""
+    """The bytes each GPU sends per step (workloads.common.traffic), on the pipeline stage that sends most. For LoRA
+    only the adapters' gradients are reduced: the frozen base's parameters are gathered, never its gradients."""
+    stages = pipeline_stages(cfg.model, layout.pipeline, layout.virtual)
+    return max((stage_traffic(cfg, layout, stage) for stage in stages), key=lambda t: t.nvlink + t.infiniband)
+
+
+def stage_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, stage: Stage) -> Traffic:
+    """One stage's bytes per GPU per step: its own parameters gathered and reduced, its blocks' (and MTP's) sends."""
     m = cfg.model
     lora = isinstance(cfg, LoraFinetuneConfig)
-    return traffic.estimate_traffic(params=m.params, n_layer=m.n_layer, seq_len=m.seq_len, d_model=m.d_model,
-                                    kv_dim=m.kv_dim, tensor=layout.tensor, context=layout.context, shard=layout.shard,
-                                    replicate=layout.replicate, micro_batch=layout.micro_batch,
+    params = stage_params(m, stage)
+    layers = list(stage.layers) + (m.mtp_blocks() if stage.output else [])
+    return traffic.estimate_traffic(params=params.dense + params.experts, n_layer=len(layers), seq_len=m.seq_len,
+                                    d_model=m.d_model, kv_dim=m.kv_dim, tensor=layout.tensor, context=layout.context,
+                                    shard=layout.shard, replicate=layout.replicate, micro_batch=layout.micro_batch,
                                     grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
                                     recompute=cfg.activation_checkpointing,
                                     reduced_params=cfg.lora.params(m) if lora else None,
-                                    expert_params=m.n_layer * m.expert_params(), expert=layout.expert,
-                                    top_k=m.moe.top_k if m.moe else 0)
+                                    expert_params=params.experts, expert=layout.expert,
+                                    top_k=m.moe.top_k if m.moe else 0,
+                                    moe_layers=sum(m.is_moe(layer) for layer in layers),
+                                    pipeline=layout.pipeline, virtual=layout.virtual)
 
 
 def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
              gpu_memory_gib: float | None) -> list[str]:
-    """The lines `--dry-run` shows: the model, the layout, memory per GPU, traffic per GPU per step, and how the
-    batch's peak LR (and warmup) were chosen: the RCP rows that bound it, interpolated or given
-    (BatchHyperparameters.describe)."""
+    """The lines `--dry-run` shows: the model, the layout, memory per GPU term by term, traffic per GPU per step by
+    link, the pipeline's bubble, and how the batch's peak LR (and warmup) were chosen: the RCP rows that bound it,
+    interpolated or given (BatchHyperparameters.describe)."""
     m = cfg.model
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
-    parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
     if isinstance(cfg, LoraFinetuneConfig):
         trains = (f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on qkv and o: {_count(cfg.lora.params(m))} "
@@ -943,27 +1115,58 @@ def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: L
            if m.moe else f"SwiGLU {m.ffn_hidden}")
     experts = (f" x expert {layout.expert} (each rank holds {m.moe.experts // layout.expert} experts of each layer, "
                f"FSDP shards them over expert_shard {layout.expert_shard})") if m.moe else ""
+    pipeline = (f"pipeline {layout.pipeline} (virtual {layout.virtual}: "
+                f"{'/'.join(str(len(s.layers)) for s in pipeline_stages(m, layout.pipeline, layout.virtual))} "
+                "layers per stage) x ") if layout.pipeline > 1 else ""
     return [
         f"{benchmark} model: {m.n_layer} layers, d_model {m.d_model}, {attention}, {ffn}, sequence {m.seq_len}, "
         f"{_count(m.params)} parameters; {trains}",
-        f"{benchmark} layout: {layout.world} processes = replicate {layout.replicate} x shard {layout.shard} "
+        f"{benchmark} layout: {layout.world} processes = {pipeline}replicate {layout.replicate} x shard {layout.shard} "
         f"(HSDP: FSDP over shard x context = {layout.fsdp}) x context {layout.context} x tensor {layout.tensor}"
         f"{experts}; global batch {layout.global_batch} = {layout.data} data ranks x micro batch {layout.micro_batch} "
-        f"x {layout.grad_accum} accumulation steps; {schedule}",
-        f"{benchmark} memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
-        f"{'on' if cfg.activation_checkpointing else 'off'})",
+        f"x {layout.grad_accum} {'pipeline micro batches' if layout.pipeline > 1 else 'accumulation steps'}; "
+        f"{schedule}",
+        f"{benchmark} memory per GPU{f' (stage {memory.stage})' if layout.pipeline > 1 else ''}: "
+        f"{memory.describe(limit)}; activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}",
         f"{benchmark} traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
+        f"{benchmark} pipeline bubble: {bubble_fraction(layout):.1%} of a step ((p - 1) / (v m + p - 1) with p "
+        f"{layout.pipeline}, v {layout.virtual}, m {layout.grad_accum})",
         *([f"{benchmark} hyperparameters: {cfg.hyperparameters.describe()}"] if cfg.hyperparameters else []),
     ]
 
 
 def check_fits(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
                gpu_memory_gib: float) -> None:
-    total = estimate_memory(cfg, layout).total / GIB
-    if total > gpu_memory_gib:
-        raise ValueError(f"{benchmark} needs about {total:.1f} GiB per GPU with tensor {layout.tensor} x context "
-                         f"{layout.context} x FSDP {layout.fsdp}, more than the {gpu_memory_gib:g} GiB each has: "
-                         "use more GPUs per FSDP group (more nodes per shard group) or activation checkpointing")
+    """Refuse a layout whose estimate exceeds the GPU's memory, with the arithmetic: each term, the total and the
+    limit, and what would shrink it."""
+    memory = estimate_memory(cfg, layout)
+    if memory.total / GIB > gpu_memory_gib:
+        nodes = layout.world // layout.procs_per_node
+        options = "; ".join(f"{what}: {estimate_memory(cfg, other).total / GIB:.1f} GiB"
+                            for what, other in _larger_layouts(cfg, layout))
+        raise ValueError(
+            f"{benchmark} needs about {memory.describe()} per GPU on pipeline stage {memory.stage} with "
+            f"{nodes} nodes x {layout.procs_per_node} GPUs = pipeline {layout.pipeline} x replicate "
+            f"{layout.replicate} x FSDP {layout.fsdp} (expert {layout.expert}) x tensor {layout.tensor}, more than "
+            f"the {gpu_memory_gib:g} GiB each has: use more nodes (more GPUs per FSDP group: --shard-nodes), more "
+            f"pipeline stages, a larger expert parallel, or activation checkpointing ({options or 'none planned'})")
+
+
+def _larger_layouts(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -> list[tuple[str, Layout]]:
+    """What check_fits offers instead: twice the nodes with FSDP over twice the ranks, and (same nodes) twice the
+    pipeline stages, each where the batch and the layers split evenly."""
+    offers = []
+    if layout.grad_accum % 2 == 0:
+        offers.append((f"{2 * layout.world // layout.procs_per_node} nodes with FSDP over {2 * layout.fsdp}",
+                       replace(layout, world=2 * layout.world, shard=2 * layout.shard,
+                               grad_accum=layout.grad_accum // 2)))
+    halved = {"replicate": layout.replicate // 2} if layout.replicate % 2 == 0 else \
+        {"shard": layout.shard // 2} if layout.shard % 2 == 0 else None
+    stages = 2 * layout.pipeline * layout.virtual
+    if halved and -(-cfg.model.n_layer // stages) * (stages - 1) < cfg.model.n_layer:
+        fewer = replace(layout, pipeline=2 * layout.pipeline, grad_accum=2 * layout.grad_accum, **halved)
+        offers.append((f"pipeline {fewer.pipeline}", replace(fewer, expert=math.gcd(fewer.expert, fewer.fsdp))))
+    return offers
 
 
 def _count(n: float) -> str:

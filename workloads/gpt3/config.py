@@ -70,6 +70,7 @@ class GPT3Config:
     init_checkpoint_step: int  # steps the starting checkpoint trained, at `lr_batch`
     weight_decay: float = 0.1
     tensor_parallel: int = 1  # at most the GPUs of a node; 1 on CPU
+    pipeline_parallel: int = 1  # pipeline stages, the outermost dimension; the dry run plans it, a run refuses > 1
     activation_checkpointing: bool = False
     max_steps: int = 100_000
     loader_workers: int = 2  # processes per rank that read the samples ahead (0: the training thread)
@@ -82,7 +83,11 @@ PRESETS = {
         global_batch=REFERENCE_BATCH, micro_batch=1, base_lr=None, end_lr_ratio=0.1,
         warmup_steps=REFERENCE_WARMUP_STEPS, decay_steps=REFERENCE_DECAY_STEPS, lr_batch=REFERENCE_BATCH,
         eval_interval=EVAL_INTERVAL_SAMPLES, eval_sequences=5_760, target=2.69,
-        init_checkpoint_step=REFERENCE_INIT_CHECKPOINT_STEP, tensor_parallel=8, activation_checkpointing=True),
+        init_checkpoint_step=REFERENCE_INIT_CHECKPOINT_STEP, tensor_parallel=8, activation_checkpointing=True,
+        # Pipeline 8 (12 layers a stage): at 448 x 8 H100 it cuts InfiniBand bytes per GPU per step from 697 GB
+        # (FSDP over 448 ranks, 4 micro batches) to 17 GB, at a 20% bubble (docs/benchmarks/gpt3.md). Planned: the
+        # dry run shows it, a run refuses it until the workload builds a pipeline (plan_layout).
+        pipeline_parallel=8),
     # A 2-layer GPT on generated Markov-chain text, same sequence length and optimizer keys, from a
     # warm-start checkpoint the harness trains once (as MLPerf starts from its reference checkpoint).
     "tiny": GPT3Config(
@@ -95,14 +100,14 @@ PRESETS = {
 
 @dataclass(frozen=True)
 class Layout:
-    """How `world` processes split the work: tensor x pipeline x data (FSDP) parallel."""
+    """How `world` processes split the work: pipeline x data (FSDP) x tensor parallel (pipeline outermost)."""
 
     world: int
     tensor: int
     pipeline: int
     data: int
     micro_batch: int
-    grad_accum: int
+    grad_accum: int  # micro batches per data rank per step (with a pipeline: the schedule's micro batches)
     procs_per_node: int | None = None  # where the groups' links change from NVLink to InfiniBand (the dry run's)
 
     @property
@@ -110,16 +115,27 @@ class Layout:
         return self.data * self.micro_batch * self.grad_accum
 
 
-def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
-    """Tensor parallel inside a node, FSDP across the rest; the global batch rounds up to whole micro batches."""
-    tensor = min(cfg.tensor_parallel, procs_per_node)
+def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int, dry_run: bool = False) -> Layout:
+    """Tensor parallel inside a node, pipeline stages across nodes (dividing the world first), FSDP over the rest;
+    the global batch rounds up to whole micro batches. The workload builds no pipeline yet (parallel.py's mesh is
+    (data, tensor)), so a run with pipeline_parallel above 1 is refused here; `dry_run` plans it anyway, for its
+    arithmetic."""
+    tensor, pipeline = min(cfg.tensor_parallel, procs_per_node), cfg.pipeline_parallel
     if world % tensor or cfg.model.n_head % tensor or cfg.model.seq_len % tensor:
         raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the "
                          f"{cfg.model.n_head} attention heads and the sequence length {cfg.model.seq_len} "
                          "(sequence parallelism splits it)")
-    data = world // tensor
+    if (world // tensor) % pipeline or cfg.model.n_layer % pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} must divide the {world // tensor} processes left by tensor "
+                         f"parallel {tensor} and the {cfg.model.n_layer} layers: use a multiple of "
+                         f"{tensor * pipeline} processes")
+    if pipeline > 1 and not dry_run:
+        raise ValueError(f"gpt3 plans pipeline parallel {pipeline}, but its workload runs no pipeline yet "
+                         "(workloads/gpt3/parallel.py builds a (data, tensor) mesh): `--dry-run` shows the planned "
+                         "layout; a run needs pipeline_parallel 1 (the tiny preset's) until the pipeline lands")
+    data = world // (tensor * pipeline)
     grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
-    layout = Layout(world=world, tensor=tensor, pipeline=1, data=data, micro_batch=cfg.micro_batch,
+    layout = Layout(world=world, tensor=tensor, pipeline=pipeline, data=data, micro_batch=cfg.micro_batch,
                     grad_accum=grad_accum, procs_per_node=procs_per_node)
     base_lr(cfg, layout.global_batch)  # a batch with no LR in the rules' table is refused with the layout
     return layout
@@ -144,91 +160,162 @@ def base_lr(cfg: GPT3Config, global_batch: int) -> float:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per process at the peak of a training step: what parallel.py's layout really holds."""
+    """Bytes per process at the peak of a training step, on the pipeline stage that needs most: what parallel.py's
+    layout really holds (estimate_memory gives each term's reason)."""
 
-    weights: float  # fp32 master weights: this rank's FSDP shard of its tensor-parallel share
-    gradients: float  # fp32 gradients, the same shard (reduce-scattered after every micro batch)
+    weights: float  # fp32 master weights: this rank's FSDP shard of its stage's tensor-parallel share
+    gradients: float  # fp32 sharded gradients: alive at the peak only when micro batches accumulate
     optimizer: float  # Adam's two fp32 moments, the same shard
-    gathered: float  # what FSDP unshards at once: two blocks and the root's weights, one block's gradients
-    activations: float  # what backward keeps (sequence parallel: 1/tensor of the positions), one block recomputed
-    logits: float  # this rank's vocabulary shard of the logits, and what the loss keeps for backward
-    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only)
+    gathered: float  # unsharded bf16 parameters (and gradients) FSDP holds at once
+    activations: float  # what backward keeps (sequence parallel: 1/tensor of the positions), per micro batch in flight
+    pipeline_buffers: float  # the received activation and gradient (pipeline only)
+    logits: float  # this rank's vocabulary shard of the logits, and what the loss keeps (last stage)
+    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only): outside max_memory_allocated
+    stage: int = 0
 
-    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits", "reserve")
+    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "pipeline_buffers", "logits", "reserve")
 
     @property
     def total(self) -> float:
         return sum(getattr(self, term) for term in self.TERMS)
 
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated would report: every term but the reserve."""
+        return self.total - self.reserve
 
-def tensor_replicated_params(model: GPTConfig) -> int:
+    def describe(self, limit: str = "") -> str:
+        parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in self.TERMS)
+        return (f"{self.total / GIB:.1f} GiB{limit} ({parts} GiB; {self.allocated / GIB:.1f} GiB without the "
+                "reserve, what max_memory_allocated counts)")
+
+
+def tensor_replicated_params(model: GPTConfig, layers: int | None = None, final_norm: bool = True) -> int:
     """Parameters every tensor-parallel rank holds whole: the LayerNorms (sequence parallel) and the biases
-    of the row-parallel linears (attention output, MLP's second linear)."""
-    return model.n_layer * 6 * model.d_model + 2 * model.d_model
+    of the row-parallel linears (attention output, MLP's second linear), of `layers` blocks (default all)."""
+    return (model.n_layer if layers is None else layers) * 6 * model.d_model + (2 * model.d_model if final_norm else 0)
+
+
+def stage_params(model: GPTConfig, pipeline: int, stage: int) -> tuple[float, float]:
+    """A stage's parameters and, of them, the root's (embeddings, the final LayerNorm): n_layer / pipeline blocks;
+    the first the token and position embeddings, the last the final LayerNorm and the tied output layer (a copy of
+    the token embedding, as Megatron keeps one on the last stage and all-reduces the two copies' gradients)."""
+    h, v = model.d_model, model.vocab_size
+    first, last = stage == 0, stage == pipeline - 1
+    root = (v * h + model.seq_len * h if first else 0) + (2 * h + (0 if first else v * h) if last else 0)
+    return model.n_layer // pipeline * (12 * h * h + 13 * h) + root, root
+
+
+def micro_batches_in_flight(layout: Layout, stage: int) -> int:
+    """1F1B: stage i runs p - i forwards before its first backward, so holds min(p - i, m) micro batches' activations;
+    one without a pipeline."""
+    return min(layout.pipeline - stage, layout.grad_accum)
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """The pipeline's idle share of a step under 1F1B: (p - 1) / (m + p - 1) (Narayanan et al., 2021)."""
+    return (layout.pipeline - 1) / (layout.grad_accum + layout.pipeline - 1)
 
 
 def estimate_memory(cfg: GPT3Config, layout: Layout, on_gpu: bool = True) -> MemoryEstimate:
-    """Per-rank bytes, term by term. Compute runs in bf16 on GPUs (2 bytes) and fp32 on CPU (4).
+    """Per-rank bytes at the step's peak, term by term, for the stage whose total is largest (estimate_stage)."""
+    return max((estimate_stage(cfg, layout, stage, on_gpu) for stage in range(layout.pipeline)),
+               key=lambda e: e.total)
 
-    Activations follow Korthikanti et al. (2022) with sequence parallelism and flash attention
-    (34 s b h / t bytes per block at 16 bits, no s^2 term), scaled to the compute dtype."""
+
+def estimate_stage(cfg: GPT3Config, layout: Layout, stage: int, on_gpu: bool = True) -> MemoryEstimate:
+    """One stage's bytes, each term at the peak's moment (the loss's backward on the last stage: every saved
+    activation, the loss's tensors and the root's gathered weights at once, before any block's gradient). Compute
+    runs in bf16 on GPUs (2 bytes) and fp32 on CPU (4).
+
+    - weights, optimizer: fp32 master weights and Adam's two fp32 moments of this rank's shard.
+    - gradients: zero_grad(set_to_none=True) frees them each step and FSDP2 makes a block's sharded gradient only
+      after its backward, past the peak: none with one micro batch, the whole shard when micro batches accumulate.
+    - gathered: without a pipeline the root's bf16 weights (the root is not resharded after forward), the current
+      and the prefetched block's, and one block's unsharded gradient (bf16, then fp32 for the reduce-scatter); with
+      a pipeline torch.distributed.pipelining keeps the stage unsharded and its gradients unsynced (fp32) until the
+      last micro batch, so the stage's whole tensor-parallel share, in bf16 and fp32.
+    - activations: what autograd keeps per block and position, eager: the two LayerNorms' inputs and outputs, q, k,
+      v and the output of flash attention (which the projection keeps too: the same tensor), the fp32 logsumexp,
+      the MLP's first linear's output and GELU's (4d each): 16 d elements (Korthikanti et al. (2022)'s 34 s b h less
+      the dropout masks this model has not, and with the MLP's two); with activation checkpointing each block's
+      input plus one block's set, recomputed; times the micro batches in flight.
+    - logits: bf16 logits, fp32 log-probabilities (log_softmax's output), nll's fp32 gradient and log_softmax's
+      fp32 gradient, alive together during log_softmax's backward: compute + 12 bytes each."""
     m, tp = cfg.model, layout.tensor
     s, b, h, v = m.seq_len, layout.micro_batch, m.d_model, m.vocab_size
     compute = 2 if on_gpu else 4
-    replicated = tensor_replicated_params(m)
-    shard = (m.params - replicated) / layout.world + replicated / layout.data  # parameters per rank
+    layers = m.n_layer // layout.pipeline
+    last = stage == layout.pipeline - 1
+    params, root_params = stage_params(m, layout.pipeline, stage)
+    replicated = tensor_replicated_params(m, layers, final_norm=last)
+    shard = (params - replicated) / (tp * layout.data) + replicated / layout.data  # parameters per rank
     block = (12 * h * h + 7 * h) / tp + 6 * h  # one block's parameters on one tensor rank, unsharded
-    root = (v * h + s * h) / tp + 2 * h  # embeddings and the final LayerNorm
-    # Unsharded gradients in the compute dtype, plus FSDP's fp32 copy for the reduce-scatter when that differs.
-    unsharded_grad = compute + (4 if compute != 4 else 0)
-    block_activations = 34 * s * b * h / tp * compute / 2
-    if cfg.activation_checkpointing:
-        activations = m.n_layer * compute * s * b * h / tp + block_activations  # each block's input kept
+    root = root_params / tp
+    if layout.pipeline > 1:
+        gathered = (compute + 4) * ((params - replicated) / tp + replicated)
     else:
-        activations = m.n_layer * block_activations
-    # The compute-dtype logits, their fp32 copy (on GPUs), the fp32 log-probabilities and their gradient.
-    logits = s * b * v / tp * (compute + (4 if compute != 4 else 0) + 4 + 4)
-    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
-                          gathered=compute * (2 * block + root) + unsharded_grad * max(block, root),
-                          activations=activations, logits=logits, reserve=4 * GIB if on_gpu else 0)
+        gathered = compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block
+    per_block = s * b * (16 * h * compute / tp + 4 * m.n_head / tp)
+    if cfg.activation_checkpointing:
+        per_micro_batch, recomputed = layers * compute * s * b * h / tp, per_block
+    else:
+        per_micro_batch, recomputed = layers * per_block, 0
+    activations = per_micro_batch * micro_batches_in_flight(layout, stage) + recomputed
+    buffers = 2 * s * b * h / tp * compute if layout.pipeline > 1 else 0
+    logits = s * b * v / tp * (compute + 12) if last else 0
+    return MemoryEstimate(weights=4 * shard, gradients=4 * shard if layout.grad_accum > 1 else 0,
+                          optimizer=8 * shard, gathered=gathered, activations=activations, pipeline_buffers=buffers,
+                          logits=logits, reserve=4 * GIB if on_gpu else 0, stage=stage)
 
 
 def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> list[str]:
-    """The lines `--dry-run` shows: the layout, the batch, and the memory estimate against the GPU's."""
+    """The lines `--dry-run` shows: the layout, the batch, the memory estimate term by term against the GPU's, the
+    bytes each GPU sends per step by link, and the pipeline's bubble."""
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
-    parts = ", ".join(f"{name} {getattr(memory, name) / GIB:.1f}" for name in memory.TERMS)
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
+    stage = f" (stage {memory.stage})" if layout.pipeline > 1 else ""
+    runs = "" if layout.pipeline == 1 else " (planned: the workload runs no pipeline yet)"
+    steps = "pipeline micro batches" if layout.pipeline > 1 else "accumulation steps"
     return [
         f"gpt3 model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {cfg.model.n_head} heads, "
         f"sequence {cfg.model.seq_len}, {_count(cfg.model.params)} parameters",
-        f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline} "
+        f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline}{runs} "
         f"x data (FSDP) {layout.data}; global batch {layout.global_batch} = {layout.data} x micro batch "
-        f"{layout.micro_batch} x {layout.grad_accum} accumulation steps; base LR {base_lr(cfg, layout.global_batch):g}",
-        f"gpt3 memory per GPU: {memory.total / GIB:.1f} GiB{limit} ({parts} GiB; activation checkpointing "
-        f"{'on' if cfg.activation_checkpointing else 'off'})",
+        f"{layout.micro_batch} x {layout.grad_accum} {steps}; "
+        f"base LR {base_lr(cfg, layout.global_batch):g}",
+        f"gpt3 memory per GPU{stage}: {memory.describe(limit)}; activation checkpointing "
+        f"{'on' if cfg.activation_checkpointing else 'off'}",
         f"gpt3 traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
+        f"gpt3 pipeline bubble: {bubble_fraction(layout):.1%} of a step ((p - 1) / (m + p - 1) with p "
+        f"{layout.pipeline}, m {layout.grad_accum})",
     ]
 
 
 def estimate_traffic(cfg: GPT3Config, layout: Layout) -> Traffic:
-    """The bytes each GPU sends per step (workloads.common.traffic): FSDP over every data rank. With tensor
-    parallel 8 filling each node, every FSDP group of 175B crosses nodes, so HSDP would not move its gathers
-    to NVLink (it would add the replicas' all-reduce); what cuts this is fewer micro batches per step."""
+    """The bytes each GPU sends per step (workloads.common.traffic), on the stage that sends most: FSDP over every
+    data rank of a stage. With tensor parallel 8 filling each node, every FSDP group crosses nodes, so HSDP would
+    not move its gathers to NVLink; what cuts them is a pipeline: a stage gathers and reduces only its own
+    parameters, once per step (traffic.estimate_traffic), and sends each micro batch's activations instead."""
     m = cfg.model
-    return traffic.estimate_traffic(params=m.params, n_layer=m.n_layer, seq_len=m.seq_len, d_model=m.d_model,
-                                    kv_dim=m.d_model, tensor=layout.tensor, context=1, shard=layout.data, replicate=1,
-                                    micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
-                                    procs_per_node=layout.procs_per_node or layout.world,
-                                    recompute=cfg.activation_checkpointing)
+    return max((traffic.estimate_traffic(params=stage_params(m, layout.pipeline, stage)[0],
+                                         n_layer=m.n_layer // layout.pipeline, seq_len=m.seq_len, d_model=m.d_model,
+                                         kv_dim=m.d_model, tensor=layout.tensor, context=1, shard=layout.data,
+                                         replicate=1, micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                                         procs_per_node=layout.procs_per_node or layout.world,
+                                         recompute=cfg.activation_checkpointing, pipeline=layout.pipeline)
+                for stage in range(layout.pipeline)), key=lambda t: t.nvlink + t.infiniband)
 
 
 def check_fits(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float) -> None:
-    """Refuse, with the numbers, a config whose estimate exceeds the GPU's memory."""
-    total = estimate_memory(cfg, layout).total / GIB
-    if total > gpu_memory_gib:
-        raise ValueError(f"gpt3 needs about {total:.1f} GiB per GPU with tensor parallel {layout.tensor} over "
-                         f"{layout.world} GPUs, more than the {gpu_memory_gib:g} GiB each has: use more nodes "
-                         "or a smaller micro batch (--batch-size)")
+    """Refuse, with the arithmetic (each term, the total, the limit), a config whose estimate exceeds the GPU's
+    memory."""
+    memory = estimate_memory(cfg, layout)
+    if memory.total / GIB > gpu_memory_gib:
+        raise ValueError(f"gpt3 needs about {memory.describe()} per GPU on stage {memory.stage} with tensor "
+                         f"parallel {layout.tensor} x pipeline {layout.pipeline} over {layout.world} GPUs, more than "
+                         f"the {gpu_memory_gib:g} GiB each has: use more nodes, more pipeline stages or a smaller "
+                         "micro batch (--batch-size)")
 
 
 def _count(n: float) -> str:
