@@ -694,9 +694,13 @@ class Layout:
 
 
 def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_node: int) -> Layout:
-    """Tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
-    sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP)."""
+    """Pipeline stages first, on consecutive blocks of world / pipeline ranks (a node or group of nodes each);
+    inside a stage: tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
+    sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP). With a pipeline,
+    grad_accum is the schedule's micro batches per data rank."""
     m = cfg.model
+    pipeline, virtual = _pipeline_stages(cfg, world)
+    world //= pipeline  # one stage's ranks: everything below splits them
     tensor = min(cfg.tensor_parallel, procs_per_node, world)
     if m.moe and tensor > 1:
         raise ValueError("a model with experts runs at tensor parallel 1 (context parallel splits its sequences)")
@@ -722,9 +726,38 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
     shard = math.gcd(data, per_group)
     # Experts split over the most ranks of an FSDP group that divide their count, up to the preset's cap (a node).
     expert = math.gcd(shard * context, m.moe.experts, cfg.expert_parallel, procs_per_node) if m.moe else 1
-    return Layout(world=world, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
-                  context=context, tensor=tensor, micro_batch=cfg.micro_batch,
-                  grad_accum=cfg.global_batch // (data * cfg.micro_batch), expert=expert)
+    grad_accum = cfg.global_batch // (data * cfg.micro_batch)
+    if pipeline > 1:
+        if tensor > 1 or context > 1:
+            raise ValueError(f"pipeline parallel {pipeline} runs with tensor and context parallel 1 (this layout "
+                             f"needs tensor {tensor} x context {context}): a stage after the first would not know "
+                             "its sequence shard's positions; use fewer pipeline stages or a batch that gives every "
+                             "data rank whole sequences")
+        if grad_accum < pipeline:
+            raise ValueError(f"pipeline parallel {pipeline} needs at least {pipeline} micro batches per data rank "
+                             f"per step (1F1B keeps every stage busy only then), but global batch {cfg.global_batch} "
+                             f"over {data} data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a "
+                             "larger global batch or fewer pipeline stages")
+    return Layout(world=world * pipeline, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
+                  context=context, tensor=tensor, micro_batch=cfg.micro_batch, grad_accum=grad_accum, expert=expert,
+                  pipeline=pipeline, virtual=virtual)
+
+
+def _pipeline_stages(cfg: PretrainConfig | LoraFinetuneConfig, world: int) -> tuple[int, int]:
+    """The pipeline's ranks and model chunks per rank, refused where they cannot split the world or the layers.
+    LoRA fine-tuning has no pipeline: its adapters draw after every base weight, which a stage cannot replay."""
+    pipeline, virtual = getattr(cfg, "pipeline_parallel", 1), getattr(cfg, "virtual_stages", 1)
+    if pipeline < 1 or world % pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} must divide the world size {world} (each stage takes "
+                         f"world / pipeline consecutive ranks): choose one of "
+                         f"{', '.join(str(n) for n in range(1, world + 1) if world % n == 0)}")
+    if virtual != 1:
+        raise ValueError(f"virtual stages {virtual}: only 1 model chunk per pipeline rank is supported (1F1B); the "
+                         "interleaved schedule is not built yet")
+    if cfg.model.n_layer < pipeline * virtual:
+        raise ValueError(f"pipeline parallel {pipeline} x virtual stages {virtual} would leave a stage no layers: "
+                         f"the model has {cfg.model.n_layer}; use at most {cfg.model.n_layer} stages")
+    return pipeline, virtual
 
 
 @dataclass(frozen=True)
