@@ -236,13 +236,16 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
-        tokens' places in the whole sequence (default 0..seq-1)."""
+        tokens' places in the whole sequence (default 0..seq-1). A pipeline stage (workloads.decoder.pipeline)
+        without the embedding reads the previous stage's hidden states (batch, seq, d_model) instead of tokens, and
+        one without the output layer returns its hidden states; each computes its positions from the sequence's
+        length, since stages pass one tensor."""
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device)
         rope = rope_tables(self.rope_freqs, positions)
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             # Checkpointing keeps only each block's input and recomputes the rest in backward.
             x = checkpoint(layer, x, rope, positions, use_reentrant=False) \
                 if self.activation_checkpointing and self.training else layer(x, rope, positions)
-        return self.output(self.norm(x))
+        return self.output(self.norm(x)) if self.output is not None else x

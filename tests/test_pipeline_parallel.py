@@ -1,0 +1,83 @@
+"""Pipeline parallelism for the decoders (workloads.decoder.pipeline): the planner's stages and refusals, the split
+of the blocks, and on CPU (gloo) each stage against the whole model in one process (tests/pipeline_parallel_worker.py):
+llama31_8b's tiny model over 2 stages (alone, and FSDP 2 within each stage) and over 4 (middle stages), and
+gpt_oss_20b's over 2 stages x expert parallel 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import REPO
+from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, plan_layout
+from workloads.decoder.pipeline import describe_stages, stage_layers
+
+TINY = PRESETS["tiny"]
+
+
+def test_the_planner_divides_the_world_by_the_pipeline_first():
+    """8 processes, 2 a node, pipeline 2: each stage 4 consecutive ranks (2 nodes), FSDP over a node's 2 within it,
+    replicated across its 2 nodes; the step's 8 sequences are 2 micro batches per data rank (the schedule's)."""
+    layout = plan_layout(replace(TINY, pipeline_parallel=2, shard_nodes=1), world=8, procs_per_node=2)
+    assert (layout.pipeline, layout.replicate, layout.shard, layout.context, layout.tensor) == (2, 2, 2, 1, 1)
+    assert layout.world == 8 and layout.grad_accum == 2 and layout.global_batch == 8
+    moe = plan_layout(replace(GPT_OSS_PRESETS["tiny"], pipeline_parallel=2, global_batch=8), world=4,
+                      procs_per_node=4)
+    assert (moe.pipeline, moe.shard, moe.expert, moe.grad_accum) == (2, 2, 2, 4)
+
+
+@pytest.mark.parametrize("changes, world, words", [
+    (dict(pipeline_parallel=3), 4, "pipeline parallel 3 must divide the world size 4"),
+    (dict(pipeline_parallel=4), 4, "would leave a stage no layers: the model has 2"),
+    (dict(pipeline_parallel=2, global_batch=1), 2, "needs at least 2 micro batches per data rank"),
+    (dict(pipeline_parallel=2, global_batch=2), 8, "runs with tensor and context parallel 1"),
+    (dict(pipeline_parallel=2, virtual_stages=2), 2, "the interleaved schedule is not built yet"),
+])
+def test_the_planner_refuses_a_pipeline_that_cannot_split_the_world_the_layers_or_the_batch(changes, world, words):
+    with pytest.raises(ValueError, match=words):
+        plan_layout(replace(TINY, **changes), world=world, procs_per_node=world)
+
+
+def test_the_blocks_split_evenly_counting_the_embedding_and_the_output_as_one_each():
+    assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
+    assert stage_layers(32, 4) == [range(0, 7), range(7, 16), range(16, 25), range(25, 32)]  # 8 + 9 + 9 + 8 units
+    assert stage_layers(4, 4) == [range(n, n + 1) for n in range(4)]  # at least one block a stage
+    deepseek = stage_layers(61, 8)  # 63 units over 8 stages: 7 or 8 each
+    units = [len(blocks) + (stage == 0) + (stage == 7) for stage, blocks in enumerate(deepseek)]
+    assert sorted(set(units)) == [7, 8] and sum(units) == 63 and deepseek[-1].stop == 61
+
+
+def test_the_dry_run_line_says_which_blocks_each_stage_holds():
+    cfg = replace(TINY, pipeline_parallel=2)
+    line = describe_stages(cfg, plan_layout(cfg, world=4, procs_per_node=2))
+    assert line == ("pipeline 2 stages, 1F1B over 4 micro batches per data rank: stage 0 (ranks 0-1): the "
+                    "embedding, block 0; stage 1 (ranks 2-3): block 1, the final norm and output layer")
+    assert describe_stages(TINY, plan_layout(TINY, world=2, procs_per_node=2)) == ""
+
+
+def _workers(processes: int, *layouts: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), str(REPO / "tests" / "pipeline_parallel_worker.py"), *layouts], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    for layout in layouts:
+        assert proc.stdout.count(f"pipeline ok {layout}") == processes, proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_two_stages_match_the_whole_model():
+    """llama31_8b's tiny model over 2 stages, one process each: the initial weights, the 1F1B step's loss over 4
+    micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's."""
+    _workers(2, "dense:2,1,1")
+
+
+@pytest.mark.slow
+def test_stages_with_fsdp_middle_stages_and_expert_parallel_match_the_whole_model():
+    """4 processes: 2 stages x FSDP 2; 4 stages of one block each (two middle stages, which read and send hidden
+    states); and gpt_oss_20b's tiny model (at sequence 64) over 2 stages x expert parallel 2 (its experts split
+    within each stage, the all-to-alls inside the stage's ranks)."""
+    _workers(4, "dense:2,1,2", "dense4:4,1,1", "moe:2,1,2,2")

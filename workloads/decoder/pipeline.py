@@ -1,0 +1,179 @@
+"""Pipeline parallelism for the decoders (torch.distributed.pipelining), the torchtitan way: each pipeline rank
+keeps a contiguous range of the model's blocks (the first stage the embedding too, the last the final norm and the
+output layer), and a 1F1B schedule runs the step's micro batches through the stages, the loss on the last one.
+
+- Stages: the whole model is built on the meta device and each stage drops what it does not own (StageLayers keeps
+  its blocks under their numbers in the whole model, so every parameter's name, "layers.N....", is the unsplit
+  model's: DCP checkpoints and the Hugging Face converter see the same names). The split counts the embedding and
+  the output layer as one block each (Megatron's account_for_embedding_in_pipeline_split and
+  account_for_loss_in_pipeline_split): the first and last stages hold a block fewer where that evens the work.
+- Within a stage everything else applies as without a pipeline (FSDP2/HSDP and expert parallel on the stage's
+  slice of the meshes, workloads.decoder.parallelize); tensor and context parallel stay 1 (plan_layout refuses
+  them: a stage after the first reads hidden states, not the tokens whose positions a context rank holds).
+- Initial weights: a stage draws exactly what the whole model draws for its parameters (init_stage_weights replays
+  the draws of every parameter before its own), so the model does not depend on the layout.
+- The step: the loss is the harness's per-token mean cross-entropy of each micro batch, and the schedule divides
+  the gradients by the micro batches (scale_grads), as accumulate_gradients divides each loss; the step's loss,
+  which only the last stage has, is summed over the pipeline group so that every rank (rank 0 is on the first stage)
+  logs it. Evaluation runs forward only through the stages, the scored sums on the last stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from workloads.common.language_model import IGNORED, Split, token_loss
+from workloads.decoder.config import DecoderConfig, Layout, PretrainConfig
+from workloads.decoder.model import Decoder
+
+
+def stage_layers(n_layer: int, stages: int) -> list[range]:
+    """The blocks of each stage: the embedding and the output layer weigh one block each, and the n_layer + 2 units
+    split as evenly as whole blocks allow, every stage keeping at least one block (plan_layout refuses fewer blocks
+    than stages)."""
+    units = n_layer + 2
+    bounds = [0]
+    for stage in range(1, stages):
+        cut = round(stage * units / stages) - 1  # unit 0 is the embedding: the blocks before the cut
+        bounds.append(min(max(cut, bounds[-1] + 1), n_layer - (stages - stage)))
+    bounds.append(n_layer)
+    return [range(start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def describe_stages(cfg: PretrainConfig, layout: Layout) -> str:
+    """One line for the dry run: which blocks each pipeline stage holds (and where the embedding and the output
+    layer are); empty without a pipeline."""
+    if layout.pipeline == 1:
+        return ""
+    ranges = stage_layers(cfg.model.n_layer, layout.pipeline)
+    per_stage = layout.world // layout.pipeline
+    parts = []
+    for stage, blocks in enumerate(ranges):
+        held = [f"blocks {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 else f"block {blocks.start}"]
+        if stage == 0:
+            held.insert(0, "the embedding")
+        if stage == len(ranges) - 1:
+            held.append("the final norm and output layer")
+        parts.append(f"stage {stage} (ranks {stage * per_stage}-{(stage + 1) * per_stage - 1}): {', '.join(held)}")
+    return (f"pipeline {layout.pipeline} stages, 1F1B over {layout.grad_accum} micro batches per data rank: "
+            + "; ".join(parts))
+
+
+class StageLayers(nn.ModuleList):
+    """Some of a decoder's blocks, under their numbers in the whole model ("layers.5." stays "layers.5."). Iterates
+    in order, as the nn.ModuleList it replaces does; `layers[n]` is block n of the whole model."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for number, block in blocks.items():
+            self.add_module(str(number), block)
+
+    def __getitem__(self, number: int) -> nn.Module:
+        return self._modules[str(number)]
+
+
+def keep_stage(model: Decoder, blocks: range, first: bool, last: bool) -> Decoder:
+    """`model` (the whole decoder, on the meta device) cut down in place to one stage: its blocks, the embedding
+    on the first stage, the final norm and output layer on the last."""
+    model.layers = StageLayers({number: model.layers[number] for number in blocks})
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = None
+    return model
+
+
+def stage_model(cfg: DecoderConfig, layout: Layout, stage: int, activation_checkpointing: bool = False) -> Decoder:
+    """Pipeline stage `stage`'s part of the decoder (the whole decoder without a pipeline), on the meta device:
+    parallelize it, then materialize it and draw_weights."""
+    with torch.device("meta"):
+        model = Decoder(cfg, activation_checkpointing=activation_checkpointing)
+    if layout.pipeline == 1:
+        return model
+    return keep_stage(model, stage_layers(cfg.n_layer, layout.pipeline)[stage], stage == 0,
+                      stage == layout.pipeline - 1)
+
+
+@torch.no_grad()
+def draw_weights(model: Decoder, device: torch.device) -> None:
+    """Draw `model`'s weights (the whole decoder's, or a stage's) as the whole model draws them from the generator's
+    state (Decoder.init_weights: each parameter whole, in the model's order): for a stage after the first, draw and
+    drop first, one part at a time, every parameter the whole model draws before the stage's own (the embedding,
+    then each earlier block); then the stage's. What follows the stage draws nothing it needs."""
+    if model.tok_embeddings is None:
+        with torch.device("meta"):
+            skeleton = Decoder(model.cfg)
+        blocks, embedding = skeleton.layers, skeleton.tok_embeddings
+        keep_stage(skeleton, range(0), first=False, last=False)  # nothing that draws: a frame for one part
+        first_owned = int(next(iter(model.layers._modules)))
+        parts = [embedding] + [blocks[number] for number in range(first_owned)]
+        del blocks, embedding
+        while parts:
+            part, piece = parts.pop(0), copy.deepcopy(skeleton)
+            if isinstance(part, nn.Embedding):
+                piece.tok_embeddings = part
+            else:
+                piece.layers = StageLayers({0: part})
+            piece.to_empty(device=device)  # this part alone, whole: one block at a time in memory
+            piece.init_weights()
+    model.init_weights()
+
+
+def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return token_loss(logits, targets)
+
+
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return token_loss(logits, targets, reduction="sum")
+
+
+class Pipeline:
+    """This rank's stage and its schedules: train_step (1F1B over the step's micro batches) and scored_loss_sum
+    (forward only), for DecoderSteps."""
+
+    def __init__(self, model: Decoder, mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
+        self.model, self.device, self.split = model, device, split
+        self.group = mesh["pipeline"].get_group()
+        self.stage_index, self.stages = mesh["pipeline"].get_local_rank(), layout.pipeline
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.stages - 1
+        self.micro_batches = layout.grad_accum
+        self.train = Schedule1F1B(self._stage(), self.micro_batches, loss_fn=_mean_loss, scale_grads=True)
+        self._eval: dict[tuple[int, ...], ScheduleGPipe] = {}  # by batch shape: a stage's buffers have one shape
+
+    def _stage(self) -> PipelineStage:
+        return PipelineStage(self.model, self.stage_index, self.stages, self.device, group=self.group)
+
+    def train_step(self, micro_batches: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over the step's micro batches through every stage; the mean loss, on every rank."""
+        inputs, targets = zip(*(self.split(tokens) for tokens in micro_batches))
+        losses: list[torch.Tensor] = []
+        self.train.step(arg_mbs=list(inputs) if self.is_first else None,
+                        target_mbs=list(targets) if self.is_last else None,
+                        losses=losses if self.is_last else None, return_outputs=False)
+        loss = torch.stack(losses).mean().detach() if self.is_last else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.group)  # only the last stage's is not zero
+        return loss
+
+    @torch.no_grad()
+    def scored_loss_sum(self, tokens: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """As workloads.common.language_model.scored_loss_sum, through the stages: the sum and its token count on
+        the last stage, zero on the others (so a sum over the world counts each scored token once)."""
+        inputs, targets = self.split(tokens)
+        targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
+        schedule = self._eval.get(tuple(tokens.shape))
+        if schedule is None:
+            schedule = self._eval[tuple(tokens.shape)] = ScheduleGPipe(self._stage(), 1, loss_fn=_summed_loss,
+                                                                       scale_grads=False)
+        losses: list[torch.Tensor] = []
+        schedule.eval(arg_mbs=[inputs] if self.is_first else None, target_mbs=[targets] if self.is_last else None,
+                      losses=losses if self.is_last else None)
+        if not self.is_last:
+            return torch.zeros((), dtype=torch.float64, device=self.device), 0
+        return losses[0].double(), int((targets != IGNORED).sum())
