@@ -106,7 +106,7 @@ class DecoderWorkload(DecoderSteps, Workload):
             C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
             C.LOWEST_NUMERICAL_PRECISION_IN_COMM: precision,  # FSDP's gathers
             C.TENSOR_PARALLELISM: layout.tensor,
-            C.PIPELINE_PARALLELISM: 1,
+            C.PIPELINE_PARALLELISM: layout.pipeline,
             C.CONTEXT_PARALLELISM: layout.context,
             C.EXPERT_PARALLELISM: self.layout.expert,
             C.MICRO_BATCH_SIZE: layout.micro_batch,
