@@ -30,40 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from workloads.common.language_model import IGNORED, Split, token_loss
-from workloads.decoder.config import DecoderConfig, Layout, PretrainConfig
+from workloads.decoder.config import DecoderConfig, Layout
 from workloads.decoder.model import Decoder
-
-
-def stage_layers(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each stage: the embedding and the output layer weigh one block each, and the n_layer + 2 units
-    split as evenly as whole blocks allow, every stage keeping at least one block (plan_layout refuses fewer blocks
-    than stages)."""
-    units = n_layer + 2
-    bounds = [0]
-    for stage in range(1, stages):
-        cut = round(stage * units / stages) - 1  # unit 0 is the embedding: the blocks before the cut
-        bounds.append(min(max(cut, bounds[-1] + 1), n_layer - (stages - stage)))
-    bounds.append(n_layer)
-    return [range(start, end) for start, end in zip(bounds, bounds[1:])]
-
-
-def describe_stages(cfg: PretrainConfig, layout: Layout) -> str:
-    """One line for the dry run: which blocks each pipeline stage holds (and where the embedding and the output
-    layer are); empty without a pipeline."""
-    if layout.pipeline == 1:
-        return ""
-    ranges = stage_layers(cfg.model.n_layer, layout.pipeline)
-    per_stage = layout.world // layout.pipeline
-    parts = []
-    for stage, blocks in enumerate(ranges):
-        held = [f"blocks {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 else f"block {blocks.start}"]
-        if stage == 0:
-            held.insert(0, "the embedding")
-        if stage == len(ranges) - 1:
-            held.append("the final norm and output layer")
-        parts.append(f"stage {stage} (ranks {stage * per_stage}-{(stage + 1) * per_stage - 1}): {', '.join(held)}")
-    return (f"pipeline {layout.pipeline} stages, 1F1B over {layout.grad_accum} micro batches per data rank: "
-            + "; ".join(parts))
+from workloads.decoder.stages import stage_layers
 
 
 class StageLayers(nn.ModuleList):
