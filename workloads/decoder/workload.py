@@ -22,6 +22,7 @@ from workloads.common.megatron_data import TokenLoaders
 from workloads.common.refusals import ConfigurationError
 from workloads.decoder.config import PRESET_TABLES, plan_layout, run_config
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh
+from workloads.decoder.stages import with_pipeline
 
 # Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
 # about DTensor random operators on CPU is noise.
@@ -34,13 +35,15 @@ class DecoderWorkload(DecoderSteps, Workload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
         super().__init__(opts, ctx, seed)
         try:
-            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
-                             learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples)
+            cfg = with_pipeline(run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
+                                           learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples),
+                                opts.pipeline_parallel)
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
         except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
             raise ConfigurationError(f"workloads: {exc}") from None
         self.cfg = cfg
         self.clip_norm = cfg.clip_norm
+        self.ranks_hold_other_parameters = layout.pipeline > 1
         self.mesh = build_mesh(layout, ctx.device)
         self.expert_mesh = build_expert_mesh(layout, ctx.device) if cfg.model.moe else None
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
