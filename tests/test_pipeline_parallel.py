@@ -1,19 +1,26 @@
 """Pipeline parallelism for the decoders (workloads.decoder.pipeline): the planner's stages and refusals, the split
 of the blocks, and on CPU (gloo) each stage against the whole model in one process (tests/pipeline_parallel_worker.py):
 llama31_8b's tiny model over 2 stages (alone, and FSDP 2 within each stage) and over 4 (middle stages), and
-gpt_oss_20b's over 2 stages x expert parallel 2."""
+gpt_oss_20b's over 2 stages x expert parallel 2; and `harness run llama31_8b --pipeline-parallel 2` surviving a
+killed rank."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from harness.errors import HarnessError
+from harness.spec import JobSpec, validate
+from tests.conftest import REPO, harness
+from tests.test_resilience import _restored_step
+from workloads.common.campaign import RunOptions
 from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, plan_layout
-from workloads.decoder.pipeline import describe_stages, stage_layers
+from workloads.decoder.stages import describe_stages, stage_layers
 
 TINY = PRESETS["tiny"]
 
@@ -81,3 +88,49 @@ def test_stages_with_fsdp_middle_stages_and_expert_parallel_match_the_whole_mode
     states); and gpt_oss_20b's tiny model (at sequence 64) over 2 stages x expert parallel 2 (its experts split
     within each stage, the all-to-alls inside the stage's ranks)."""
     _workers(4, "dense:2,1,2", "dense4:4,1,1", "moe:2,1,2,2")
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_survives_a_killed_rank_with_the_losses_of_a_run_never_killed(tmp_path):
+    """`harness run llama31_8b --pipeline-parallel 2` on 2 processes (a stage each, rank 0 on the first), rank 1 (the
+    last stage) killed at step 6: one restart from step 4's checkpoint, in which each stage saved its own
+    parameters and AdamW state under the whole model's names, and the eval loss at step 8 equals a run's never
+    killed (to the last bit); the log discloses pipeline_parallelism 2. (Both stop at --max-steps 8, short of the
+    target: exit 1.)"""
+    killed, unbroken = tmp_path / "killed", tmp_path / "unbroken"
+    common = ("run", "llama31_8b", "--pipeline-parallel", "2", "--seed", "5", "--max-steps", "8")
+    result = harness(*common, "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(killed))
+    assert result.returncode == 1 and "did not reach the quality target" in result.stderr, result.stdout + result.stderr
+    assert _restored_step(killed) == 4
+    harness(*common, "--out", str(unbroken))
+    evals = [_eval_values(folder / "result_0.txt") for folder in (killed, unbroken)]
+    assert len(evals[0]) == 1 and evals[0] == evals[1], evals
+    assert '"key": "pipeline_parallelism", "value": 2' in (killed / "result_0.txt").read_text()
+
+
+def test_the_option_is_refused_where_it_does_not_apply_or_divide(tmp_path):
+    """--pipeline-parallel applies to the pretraining decoders; a count that does not divide the processes is
+    refused before anything starts, naming the counts that do."""
+    result = harness("run", "resnet", "--pipeline-parallel", "2", "--dry-run", "--out", str(tmp_path / "r"))
+    assert result.returncode != 0 and "--pipeline-parallel applies to llama31_8b, gpt_oss_20b only" in result.stderr
+    result = harness("run", "llama31_8b", "--pipeline-parallel", "3", "--dry-run", "--out", str(tmp_path / "l"))
+    assert result.returncode != 0
+    assert "pipeline parallel 3 must divide the world size 2" in result.stderr and "one of 1, 2" in result.stderr
+
+
+def test_the_option_travels_from_the_command_line_to_every_rank(tmp_path):
+    """`harness run --pipeline-parallel 2`: the spec keeps it through job.json and its own command line, and each
+    rank's `python -m workloads` gets it."""
+    from harness.cli import _spec_from_args, build_parser
+
+    spec = JobSpec("llama31_8b", pipeline_parallel=2, out_dir=tmp_path / "o").resolved()
+    assert _spec_from_args(build_parser().parse_args(spec.command_line("local")[1:])).resolved() == spec
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert RunOptions.parse(spec.worker_args()).pipeline_parallel == 2
+    with pytest.raises(HarnessError, match="--pipeline-parallel must be at least 1"):
+        validate(JobSpec("gpt_oss_20b", pipeline_parallel=0))
+
+
+def _eval_values(log: Path) -> list[float]:
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines() if ":::MLLOG " in line]
+    return [e["value"] for e in events if e["key"] == "eval_accuracy"]
