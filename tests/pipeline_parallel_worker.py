@@ -2,11 +2,11 @@
 (workloads.decoder.pipeline), FSDP2 or expert parallel within each stage, against the whole model in this process,
 for each layout named on the command line:
 
-    pipeline_parallel_worker.py KIND:P,R,S[,E] [...]
+    pipeline_parallel_worker.py KIND:P,R,S,C,T[,E] [...]
 
 KIND is `dense` (llama31_8b's tiny model), `dense4` (the same with 4 blocks, so that middle stages read and send
 hidden states) or `moe` (gpt_oss_20b's tiny model, 8 experts top 2 and a sliding window, at a short sequence); P
-pipeline stages x R replicas x S shards, E expert ranks. For each: every stage's initial weights drawn from one seed
+pipeline stages x R replicas x S shards x C context ranks x T tensor ranks, E expert ranks. For each: every stage's initial weights drawn from one seed
 equal the whole model's; the 1F1B step's loss over 4 micro batches per data rank, on every rank, and every
 parameter's gradient (each stage's, gathered whole; together every parameter of the model) equal the whole
 model's; one clipping norm over every stage; the eval's scored loss sums, at two batch shapes, too. Prints
@@ -26,7 +26,7 @@ from tests.gpt3_parallel_worker import full, say
 from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, scored_loss_sum
 from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, Layout
 from workloads.decoder.model import Decoder
-from workloads.decoder.parallelize import build_expert_mesh, build_mesh, parallelize
+from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh, parallelize
 from workloads.decoder.pipeline import Pipeline, draw_weights, stage_model
 
 CONFIGS = {"dense": PRESETS["tiny"].model, "dense4": replace(PRESETS["tiny"].model, n_layer=4),
@@ -57,7 +57,8 @@ def parity(kind: str, layout: Layout) -> None:
     dist.all_gather_object(everyone, [name for name, _ in model.named_parameters()])
     assert set().union(*everyone) == set(wanted), "the stages together hold every parameter, under its name"
 
-    pipeline = Pipeline(model, mesh, layout, CPU, next_token_split)
+    split = ContextSplit(mesh["context"].get_local_rank(), layout.context) if layout.context > 1 else next_token_split
+    pipeline = Pipeline(model, mesh, layout, CPU, split)
     tokens = torch.randint(0, config.vocab_size, (layout.global_batch, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     data_rank = mesh["data"].get_local_rank()
@@ -65,8 +66,8 @@ def parity(kind: str, layout: Layout) -> None:
     expected = accumulate_gradients(reference, tokens.split(MICRO_BATCH), layout.global_batch // MICRO_BATCH)
     loss = pipeline.train_step(iter(mine))
     assert loss.item() != 0  # every stage got the last stage's loss
-    dist.all_reduce(loss, group=mesh["data"].get_group())  # each data rank's mean: their mean is the batch's
-    assert_close(loss / layout.data, expected)
+    dist.all_reduce(loss)  # each rank's mean over its targets (a context rank's chunks): their mean is the batch's
+    assert_close(loss / layout.world, expected)
 
     for name, param in model.named_parameters():
         assert_close(full(param.grad), wanted[name].grad, rtol=1e-4, atol=1e-6,
@@ -90,22 +91,24 @@ def parity(kind: str, layout: Layout) -> None:
         rows = slice(data_rank * batch, (data_rank + 1) * batch)
         got_sum, got_count = pipeline.scored_loss_sum(scored[rows], counted[rows])
         sums = torch.tensor([got_sum.item(), float(got_count)], dtype=torch.float64)
-        dist.all_reduce(sums)  # only the last stage's ranks hold sums
-        assert_close(sums, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
+        dist.all_reduce(sums)  # only the last stage's ranks hold sums, each tensor rank of them the same
+        assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
                      rtol=1e-6, atol=0)  # float32 sums, added in another order
     say(f"rank {dist.get_rank()}: pipeline ok {kind}:{','.join(map(str, shape_of(layout)))}")
 
 
 def shape_of(layout: Layout) -> tuple[int, ...]:
-    return (layout.pipeline, layout.replicate, layout.shard) + ((layout.expert,) if layout.expert > 1 else ())
+    return (layout.pipeline, layout.replicate, layout.shard, layout.context, layout.tensor) + (
+        (layout.expert,) if layout.expert > 1 else ())
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     for spec in sys.argv[1:]:
         kind, shape = spec.split(":")
-        pipeline, replicate, shard, *expert = map(int, shape.split(","))
+        pipeline, replicate, shard, context, tensor, *expert = map(int, shape.split(","))
         parity(kind, Layout(world=dist.get_world_size(), procs_per_node=dist.get_world_size(), replicate=replicate,
-                            shard=shard, context=1, tensor=1, micro_batch=MICRO_BATCH, grad_accum=ACCUMULATE,
+                            shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH,
+                            grad_accum=ACCUMULATE,
                             expert=expert[0] if expert else 1, pipeline=pipeline))
     dist.destroy_process_group()

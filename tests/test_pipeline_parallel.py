@@ -40,7 +40,6 @@ def test_the_planner_divides_the_world_by_the_pipeline_first():
     (dict(pipeline_parallel=3), 4, "pipeline parallel 3 must divide the world size 4"),
     (dict(pipeline_parallel=4), 4, "would leave a stage no layers: the model has 2"),
     (dict(pipeline_parallel=2, global_batch=1), 2, "needs at least 2 micro batches per data rank"),
-    (dict(pipeline_parallel=2, global_batch=2), 8, "runs with tensor and context parallel 1"),
     (dict(pipeline_parallel=2, virtual_stages=2), 2, "the interleaved schedule is not built yet"),
 ])
 def test_the_planner_refuses_a_pipeline_that_cannot_split_the_world_the_layers_or_the_batch(changes, world, words):
@@ -79,15 +78,17 @@ def _workers(processes: int, *layouts: str) -> str:
 def test_two_stages_match_the_whole_model():
     """llama31_8b's tiny model over 2 stages, one process each: the initial weights, the 1F1B step's loss over 4
     micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's."""
-    _workers(2, "dense:2,1,1")
+    _workers(2, "dense:2,1,1,1,1")
 
 
 @pytest.mark.slow
-def test_stages_with_fsdp_middle_stages_and_expert_parallel_match_the_whole_model():
-    """4 processes: 2 stages x FSDP 2; 4 stages of one block each (two middle stages, which read and send hidden
-    states); and gpt_oss_20b's tiny model (at sequence 64) over 2 stages x expert parallel 2 (its experts split
-    within each stage, the all-to-alls inside the stage's ranks)."""
-    _workers(4, "dense:2,1,2", "dense4:4,1,1", "moe:2,1,2,2")
+def test_stages_with_fsdp_tensor_context_and_expert_parallel_and_middle_stages_match_the_whole_model():
+    """4 processes (pipeline, replicate, shard, context, tensor[, expert]): 2 stages x FSDP 2; 2 stages x tensor 2
+    (sequence shards between the stages, the loss over vocabulary shards); 2 stages x context 2 (each stage given
+    its chunks' positions); 4 stages of one block each (two middle stages, which read and send hidden states); and
+    gpt_oss_20b's tiny model (at sequence 64) over 2 stages x expert parallel 2 (its experts split within each
+    stage, the all-to-alls inside the stage's ranks)."""
+    _workers(4, "dense:2,1,2,1,1", "dense:2,1,1,1,2", "dense:2,1,1,2,1", "dense4:4,1,1,1,1", "moe:2,1,2,1,1,2")
 
 
 @pytest.mark.slow

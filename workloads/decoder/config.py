@@ -727,17 +727,11 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
     # Experts split over the most ranks of an FSDP group that divide their count, up to the preset's cap (a node).
     expert = math.gcd(shard * context, m.moe.experts, cfg.expert_parallel, procs_per_node) if m.moe else 1
     grad_accum = cfg.global_batch // (data * cfg.micro_batch)
-    if pipeline > 1:
-        if tensor > 1 or context > 1:
-            raise ValueError(f"pipeline parallel {pipeline} runs with tensor and context parallel 1 (this layout "
-                             f"needs tensor {tensor} x context {context}): a stage after the first would not know "
-                             "its sequence shard's positions; use fewer pipeline stages or a batch that gives every "
-                             "data rank whole sequences")
-        if grad_accum < pipeline:
-            raise ValueError(f"pipeline parallel {pipeline} needs at least {pipeline} micro batches per data rank "
-                             f"per step (1F1B keeps every stage busy only then), but global batch {cfg.global_batch} "
-                             f"over {data} data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a "
-                             "larger global batch or fewer pipeline stages")
+    if grad_accum < pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} needs at least {pipeline} micro batches per data rank "
+                         f"per step (1F1B keeps every stage busy only then), but global batch {cfg.global_batch} "
+                         f"over {data} data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a larger "
+                         "global batch or fewer pipeline stages")
     return Layout(world=world * pipeline, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
                   context=context, tensor=tensor, micro_batch=cfg.micro_batch, grad_accum=grad_accum, expert=expert,
                   pipeline=pipeline, virtual=virtual)

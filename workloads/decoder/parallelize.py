@@ -121,11 +121,14 @@ def _expert_parallel(moe: MoE, expert_mesh: DeviceMesh) -> None:
 
 def _tensor_parallel(model: Decoder, tp: DeviceMesh) -> None:
     sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
-    parallelize_module(model, tp, {
+    root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    # A pipeline stage holds some of these (the embedding on the first, the norm and output on the last); between
+    # stages the hidden states travel as this rank's sequence shard, as between blocks.
+    parallelize_module(model, tp, {name: style for name, style in root.items() if getattr(model, name) is not None})
     for layer in model.layers:
         parallelize_module(layer, tp, {
             "attention_norm": SequenceParallel(),

@@ -7,9 +7,11 @@ output layer), and a 1F1B schedule runs the step's micro batches through the sta
   model's: DCP checkpoints and the Hugging Face converter see the same names). The split counts the embedding and
   the output layer as one block each (Megatron's account_for_embedding_in_pipeline_split and
   account_for_loss_in_pipeline_split): the first and last stages hold a block fewer where that evens the work.
-- Within a stage everything else applies as without a pipeline (FSDP2/HSDP and expert parallel on the stage's
-  slice of the meshes, workloads.decoder.parallelize); tensor and context parallel stay 1 (plan_layout refuses
-  them: a stage after the first reads hidden states, not the tokens whose positions a context rank holds).
+- Within a stage everything else applies as without a pipeline, on the stage's slice of the meshes
+  (workloads.decoder.parallelize): FSDP2/HSDP, expert parallel, tensor parallel (the hidden states travel between
+  stages as this rank's sequence shard, as between blocks; the loss runs under loss_parallel) and context parallel
+  (each stage gets its chunks' positions as a keyword: a stage after the first reads hidden states, which do not
+  say where in the sequence they lie).
 - Initial weights: a stage draws exactly what the whole model draws for its parameters (init_stage_weights replays
   the draws of every parameter before its own), so the model does not depend on the layout.
 - The step: the loss is the harness's per-token mean cross-entropy of each micro batch, and the schedule divides
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor.parallel import loss_parallel
 
-from workloads.common.language_model import IGNORED, Split, token_loss
+from workloads.common.language_model import IGNORED, Split, _local, token_loss
 from workloads.decoder.config import DecoderConfig, Layout
 from workloads.decoder.model import Decoder
 from workloads.decoder.stages import stage_layers
@@ -109,6 +113,9 @@ class Pipeline:
 
     def __init__(self, model: Decoder, mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
         self.model, self.device, self.split = model, device, split
+        # Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward, which
+        # the schedule runs inside its step.
+        self.loss_context = loss_parallel if mesh["tensor"].size() > 1 else nullcontext
         self.group = mesh["pipeline"].get_group()
         self.stage_index, self.stages = mesh["pipeline"].get_local_rank(), layout.pipeline
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.stages - 1
@@ -119,14 +126,24 @@ class Pipeline:
     def _stage(self) -> PipelineStage:
         return PipelineStage(self.model, self.stage_index, self.stages, self.device, group=self.group)
 
+    def _inputs(self, tokens: torch.Tensor) -> tuple[tuple[torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+        """One micro batch's inputs as the schedule takes them: the tokens (for the first stage), the positions as
+        a keyword every stage gets (a stage after the first reads hidden states, which do not say where in the
+        sequence they lie: a context rank holds two chunks of it), and the targets (for the last stage)."""
+        (tokens, *positions), targets = self.split(tokens)
+        positions = positions[0] if positions else torch.arange(tokens.size(1), device=tokens.device)
+        return (tokens,), {"positions": positions}, targets
+
     def train_step(self, micro_batches: Iterable[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the step's micro batches through every stage; the mean loss, on every rank."""
-        inputs, targets = zip(*(self.split(tokens) for tokens in micro_batches))
+        inputs, keywords, targets = zip(*(self._inputs(tokens) for tokens in micro_batches))
         losses: list[torch.Tensor] = []
-        self.train.step(arg_mbs=list(inputs) if self.is_first else None,
-                        target_mbs=list(targets) if self.is_last else None,
-                        losses=losses if self.is_last else None, return_outputs=False)
-        loss = torch.stack(losses).mean().detach() if self.is_last else torch.zeros((), device=self.device)
+        with self.loss_context():
+            self.train.step(arg_mbs=list(inputs) if self.is_first else None, kwarg_mbs=list(keywords),
+                            target_mbs=list(targets) if self.is_last else None,
+                            losses=losses if self.is_last else None, return_outputs=False)
+        loss = _local(torch.stack([_local(loss) for loss in losses]).mean().detach()) if self.is_last \
+            else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # only the last stage's is not zero
         return loss
 
@@ -134,15 +151,16 @@ class Pipeline:
     def scored_loss_sum(self, tokens: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, int]:
         """As workloads.common.language_model.scored_loss_sum, through the stages: the sum and its token count on
         the last stage, zero on the others (so a sum over the world counts each scored token once)."""
-        inputs, targets = self.split(tokens)
+        inputs, keywords, targets = self._inputs(tokens)
         targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
         schedule = self._eval.get(tuple(tokens.shape))
         if schedule is None:
             schedule = self._eval[tuple(tokens.shape)] = ScheduleGPipe(self._stage(), 1, loss_fn=_summed_loss,
                                                                        scale_grads=False)
         losses: list[torch.Tensor] = []
-        schedule.eval(arg_mbs=[inputs] if self.is_first else None, target_mbs=[targets] if self.is_last else None,
-                      losses=losses if self.is_last else None)
+        with self.loss_context():
+            schedule.eval(arg_mbs=[inputs] if self.is_first else None, kwarg_mbs=[keywords],
+                          target_mbs=[targets] if self.is_last else None, losses=losses if self.is_last else None)
         if not self.is_last:
             return torch.zeros((), dtype=torch.float64, device=self.device), 0
-        return losses[0].double(), int((targets != IGNORED).sum())
+        return _local(losses[0]).double(), int((targets != IGNORED).sum())
