@@ -2,11 +2,12 @@
 (workloads.decoder.pipeline), FSDP2 or expert parallel within each stage, against the whole model in this process,
 for each layout named on the command line:
 
-    pipeline_parallel_worker.py KIND:P,R,S,C,T[,E] [...]
+    pipeline_parallel_worker.py KIND:P[xV],R,S,C,T[,E] [...]
 
 KIND is `dense` (llama31_8b's tiny model), `dense4` (the same with 4 blocks, so that middle stages read and send
 hidden states) or `moe` (gpt_oss_20b's tiny model, 8 experts top 2 and a sliding window, at a short sequence); P
-pipeline stages x R replicas x S shards x C context ranks x T tensor ranks, E expert ranks. For each: every stage's initial weights drawn from one seed
+pipeline ranks (each holding V virtual stages: the interleaved schedule) x R replicas x S shards x C context ranks x
+T tensor ranks, E expert ranks. For each: every stage's initial weights drawn from one seed
 equal the whole model's; the 1F1B step's loss over 4 micro batches per data rank, on every rank, and every
 parameter's gradient (each stage's, gathered whole; together every parameter of the model) equal the whole
 model's; one clipping norm over every stage; the eval's scored loss sums, at two batch shapes, too. Prints
@@ -27,7 +28,7 @@ from workloads.common.language_model import accumulate_gradients, clip_grad_norm
 from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, Layout
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh, parallelize
-from workloads.decoder.pipeline import Pipeline, draw_weights, stage_model
+from workloads.decoder.pipeline import Pipeline, draw_weights, rank_model, stage_models
 
 CONFIGS = {"dense": PRESETS["tiny"].model, "dense4": replace(PRESETS["tiny"].model, n_layer=4),
            "moe": replace(GPT_OSS_PRESETS["tiny"].model, seq_len=64)}
@@ -41,11 +42,13 @@ def parity(kind: str, layout: Layout) -> None:
     config = CONFIGS[kind]
     mesh = build_mesh(layout, CPU)
     expert_mesh = build_expert_mesh(layout, CPU) if config.moe else None
-    model = stage_model(config, layout, mesh["pipeline"].get_local_rank())
-    parallelize(model, mesh, CPU, expert_mesh=expert_mesh)
-    model.to_empty(device=CPU)
-    torch.manual_seed(SEED)
-    draw_weights(model, CPU)
+    chunks = stage_models(config, layout, mesh["pipeline"].get_local_rank())
+    for chunk in chunks:
+        parallelize(chunk, mesh, CPU, expert_mesh=expert_mesh)
+        chunk.to_empty(device=CPU)
+        torch.manual_seed(SEED)
+        draw_weights(chunk, CPU)
+    model = rank_model(chunks)
     reference = Decoder(config)
     torch.manual_seed(SEED)
     reference.init_weights()
@@ -58,7 +61,7 @@ def parity(kind: str, layout: Layout) -> None:
     assert set().union(*everyone) == set(wanted), "the stages together hold every parameter, under its name"
 
     split = ContextSplit(mesh["context"].get_local_rank(), layout.context) if layout.context > 1 else next_token_split
-    pipeline = Pipeline(model, mesh, layout, CPU, split)
+    pipeline = Pipeline(chunks, mesh, layout, CPU, split)
     tokens = torch.randint(0, config.vocab_size, (layout.global_batch, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     data_rank = mesh["data"].get_local_rank()
@@ -94,21 +97,25 @@ def parity(kind: str, layout: Layout) -> None:
         dist.all_reduce(sums)  # only the last stage's ranks hold sums, each tensor rank of them the same
         assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
                      rtol=1e-6, atol=0)  # float32 sums, added in another order
-    say(f"rank {dist.get_rank()}: pipeline ok {kind}:{','.join(map(str, shape_of(layout)))}")
+    say(f"rank {dist.get_rank()}: pipeline ok {kind}:{shape_of(layout)}")
 
 
-def shape_of(layout: Layout) -> tuple[int, ...]:
-    return (layout.pipeline, layout.replicate, layout.shard, layout.context, layout.tensor) + (
+def shape_of(layout: Layout) -> str:
+    stages = f"{layout.pipeline}x{layout.virtual}" if layout.virtual > 1 else str(layout.pipeline)
+    sizes = (layout.replicate, layout.shard, layout.context, layout.tensor) + (
         (layout.expert,) if layout.expert > 1 else ())
+    return ",".join((stages, *map(str, sizes)))
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     for spec in sys.argv[1:]:
         kind, shape = spec.split(":")
-        pipeline, replicate, shard, context, tensor, *expert = map(int, shape.split(","))
+        stages, *sizes = shape.split(",")
+        pipeline, virtual = map(int, (stages + "x1").split("x")[:2])  # P, or PxV: V virtual stages a rank
+        replicate, shard, context, tensor, *expert = map(int, sizes)
         parity(kind, Layout(world=dist.get_world_size(), procs_per_node=dist.get_world_size(), replicate=replicate,
                             shard=shard, context=context, tensor=tensor, micro_batch=MICRO_BATCH,
-                            grad_accum=ACCUMULATE,
-                            expert=expert[0] if expert else 1, pipeline=pipeline))
+                            grad_accum=ACCUMULATE, expert=expert[0] if expert else 1, pipeline=pipeline,
+                            virtual=virtual))
     dist.destroy_process_group()

@@ -40,7 +40,10 @@ def test_the_planner_divides_the_world_by_the_pipeline_first():
     (dict(pipeline_parallel=3), 4, "pipeline parallel 3 must divide the world size 4"),
     (dict(pipeline_parallel=4), 4, "would leave a stage no layers: the model has 2"),
     (dict(pipeline_parallel=2, global_batch=1), 2, "needs at least 2 micro batches per data rank"),
-    (dict(pipeline_parallel=2, virtual_stages=2), 2, "the interleaved schedule is not built yet"),
+    (dict(virtual_stages=2), 2, "virtual stages 2: 1, or with a pipeline"),
+    (dict(pipeline_parallel=2, virtual_stages=2), 2, "would leave a stage no layers: the model has 2"),
+    (dict(pipeline_parallel=2, virtual_stages=2, global_batch=5, model=replace(TINY.model, n_layer=4)), 2,
+     "the 5 per data rank are not a multiple of 2"),
 ])
 def test_the_planner_refuses_a_pipeline_that_cannot_split_the_world_the_layers_or_the_batch(changes, world, words):
     with pytest.raises(ValueError, match=words):
@@ -59,8 +62,13 @@ def test_the_blocks_split_evenly_counting_the_embedding_and_the_output_as_one_ea
 def test_the_dry_run_line_says_which_blocks_each_stage_holds():
     cfg = replace(TINY, pipeline_parallel=2)
     line = describe_stages(cfg, plan_layout(cfg, world=4, procs_per_node=2))
-    assert line == ("pipeline 2 stages, 1F1B over 4 micro batches per data rank: stage 0 (ranks 0-1): the "
+    assert line == ("pipeline 2 ranks, 2 stages, 1F1B over 4 micro batches per data rank: stage 0 (ranks 0-1): the "
                     "embedding, block 0; stage 1 (ranks 2-3): block 1, the final norm and output layer")
+    cfg = replace(TINY, pipeline_parallel=2, virtual_stages=2, model=replace(TINY.model, n_layer=6))
+    line = describe_stages(cfg, plan_layout(cfg, world=2, procs_per_node=2))
+    assert line == ("pipeline 2 ranks, 4 stages, interleaved 1F1B, 2 stages a rank over 8 micro batches per data "
+                    "rank: stage 0 (ranks 0-0): the embedding, block 0; stage 1 (ranks 1-1): blocks 1-2; stage 2 "
+                    "(ranks 0-0): blocks 3-4; stage 3 (ranks 1-1): block 5, the final norm and output layer")
     assert describe_stages(TINY, plan_layout(TINY, world=2, procs_per_node=2)) == ""
 
 
@@ -75,10 +83,11 @@ def _workers(processes: int, *layouts: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_stages_match_the_whole_model():
+def test_two_stages_and_interleaved_virtual_stages_match_the_whole_model():
     """llama31_8b's tiny model over 2 stages, one process each: the initial weights, the 1F1B step's loss over 4
-    micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's."""
-    _workers(2, "dense:2,1,1,1,1")
+    micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's; and with 4
+    blocks in 4 stages, 2 a rank (interleaved 1F1B: rank 0 holds stages 0 and 2)."""
+    _workers(2, "dense:2,1,1,1,1", "dense4:2x2,1,1,1,1")
 
 
 @pytest.mark.slow

@@ -732,6 +732,11 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
                          f"per step (1F1B keeps every stage busy only then), but global batch {cfg.global_batch} "
                          f"over {data} data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a larger "
                          "global batch or fewer pipeline stages")
+    rounds = max(1, grad_accum // pipeline)  # torch's ScheduleInterleaved1F1B runs its micro batches in rounds
+    if virtual > 1 and grad_accum % rounds:
+        raise ValueError(f"the interleaved 1F1B schedule runs the micro batches in {rounds} rounds (one micro "
+                         f"batch per pipeline rank in each), and the {grad_accum} per data rank are not a multiple of "
+                         f"{rounds}: use a global batch giving a multiple of {pipeline} micro batches per data rank")
     return Layout(world=world * pipeline, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
                   context=context, tensor=tensor, micro_batch=cfg.micro_batch, grad_accum=grad_accum, expert=expert,
                   pipeline=pipeline, virtual=virtual)
@@ -745,9 +750,9 @@ def _pipeline_stages(cfg: PretrainConfig | LoraFinetuneConfig, world: int) -> tu
         raise ValueError(f"pipeline parallel {pipeline} must divide the world size {world} (each stage takes "
                          f"world / pipeline consecutive ranks): choose one of "
                          f"{', '.join(str(n) for n in range(1, world + 1) if world % n == 0)}")
-    if virtual != 1:
-        raise ValueError(f"virtual stages {virtual}: only 1 model chunk per pipeline rank is supported (1F1B); the "
-                         "interleaved schedule is not built yet")
+    if virtual < 1 or virtual > 1 and pipeline == 1:
+        raise ValueError(f"virtual stages {virtual}: 1, or with a pipeline (pipeline parallel above 1) more model "
+                         "chunks per pipeline rank (the interleaved 1F1B schedule)")
     if cfg.model.n_layer < pipeline * virtual:
         raise ValueError(f"pipeline parallel {pipeline} x virtual stages {virtual} would leave a stage no layers: "
                          f"the model has {cfg.model.n_layer}; use at most {cfg.model.n_layer} stages")

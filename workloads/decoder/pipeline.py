@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import loss_parallel
 
 from workloads.common.language_model import IGNORED, Split, _local, token_loss
 from workloads.decoder.config import DecoderConfig, Layout
 from workloads.decoder.model import Decoder
-from workloads.decoder.stages import stage_layers
+from workloads.decoder.stages import rank_stages, stage_layers
 
 
 class StageLayers(nn.ModuleList):
@@ -63,15 +63,49 @@ def keep_stage(model: Decoder, blocks: range, first: bool, last: bool) -> Decode
     return model
 
 
-def stage_model(cfg: DecoderConfig, layout: Layout, stage: int, activation_checkpointing: bool = False) -> Decoder:
-    """Pipeline stage `stage`'s part of the decoder (the whole decoder without a pipeline), on the meta device:
-    parallelize it, then materialize it and draw_weights."""
-    with torch.device("meta"):
-        model = Decoder(cfg, activation_checkpointing=activation_checkpointing)
-    if layout.pipeline == 1:
-        return model
-    return keep_stage(model, stage_layers(cfg.n_layer, layout.pipeline)[stage], stage == 0,
-                      stage == layout.pipeline - 1)
+def stage_models(cfg: DecoderConfig, layout: Layout, pipeline_rank: int, activation_checkpointing: bool = False
+                 ) -> list[Decoder]:
+    """This pipeline rank's stages of the decoder (rank_stages: one, or one per virtual stage; the whole decoder
+    without a pipeline), each on the meta device: parallelize each, then materialize it and draw_weights."""
+    stages = layout.pipeline * layout.virtual
+    models = []
+    for stage in rank_stages(layout, pipeline_rank):
+        with torch.device("meta"):
+            model = Decoder(cfg, activation_checkpointing=activation_checkpointing)
+        if stages > 1:
+            keep_stage(model, stage_layers(cfg.n_layer, stages)[stage], stage == 0, stage == stages - 1)
+        models.append(model)
+    return models
+
+
+class StageChunks(nn.Module):
+    """A rank's virtual stages as one module for the training loop, the optimizer and checkpoints: their parts
+    under the whole model's names (the chunks keep running their own forward, through the Pipeline), and
+    train()/eval() reaching each chunk."""
+
+    def __init__(self, chunks: list[Decoder]):
+        super().__init__()
+        self.__dict__["chunks"] = chunks  # not registered: the parts are, under their own names
+        for chunk in chunks:
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(chunk, name) is not None:
+                    setattr(self, name, getattr(chunk, name))
+        self.layers = StageLayers({int(number): block for chunk in chunks
+                                   for number, block in chunk.layers._modules.items()})
+
+    def train(self, mode: bool = True) -> StageChunks:
+        super().train(mode)
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a rank's virtual stages run through their Pipeline's schedule, not as one module")
+
+
+def rank_model(chunks: list[Decoder]) -> nn.Module:
+    """What the loop, the optimizer and checkpoints see of this rank's stages: the stage itself, or StageChunks."""
+    return chunks[0] if len(chunks) == 1 else StageChunks(chunks)
 
 
 @torch.no_grad()
@@ -108,23 +142,30 @@ def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Pipeline:
-    """This rank's stage and its schedules: train_step (1F1B over the step's micro batches) and scored_loss_sum
-    (forward only), for DecoderSteps."""
+    """This rank's stages and their schedules: train_step (1F1B, or interleaved 1F1B with virtual stages, over the
+    step's micro batches) and scored_loss_sum (forward only), for DecoderSteps."""
 
-    def __init__(self, model: Decoder, mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
-        self.model, self.device, self.split = model, device, split
+    def __init__(self, chunks: list[Decoder], mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
+        self.chunks, self.device, self.split = chunks, device, split
         # Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward, which
         # the schedule runs inside its step.
         self.loss_context = loss_parallel if mesh["tensor"].size() > 1 else nullcontext
         self.group = mesh["pipeline"].get_group()
-        self.stage_index, self.stages = mesh["pipeline"].get_local_rank(), layout.pipeline
-        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.stages - 1
-        self.micro_batches = layout.grad_accum
-        self.train = Schedule1F1B(self._stage(), self.micro_batches, loss_fn=_mean_loss, scale_grads=True)
-        self._eval: dict[tuple[int, ...], ScheduleGPipe] = {}  # by batch shape: a stage's buffers have one shape
+        self.stage_indices = rank_stages(layout, mesh["pipeline"].get_local_rank())
+        self.stages = layout.pipeline * layout.virtual
+        self.is_first, self.is_last = self.stage_indices[0] == 0, self.stage_indices[-1] == self.stages - 1
+        self.train = self._schedule(layout.grad_accum, _mean_loss, training=True)
+        self._eval: dict[tuple[int, ...], object] = {}  # by batch shape: a stage's buffers have one shape
 
-    def _stage(self) -> PipelineStage:
-        return PipelineStage(self.model, self.stage_index, self.stages, self.device, group=self.group)
+    def _schedule(self, micro_batches: int, loss_fn, training: bool = False):
+        """A schedule over new PipelineStages of this rank's chunks, the gradients divided by the micro batches
+        (1F1B needs at least one micro batch per stage: the eval's one goes through GPipe's order)."""
+        stages = [PipelineStage(chunk, index, self.stages, self.device, group=self.group)
+                  for chunk, index in zip(self.chunks, self.stage_indices)]
+        if len(stages) > 1:
+            return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return (Schedule1F1B if training else ScheduleGPipe)(stages[0], micro_batches, loss_fn=loss_fn,
+                                                             scale_grads=True)
 
     def _inputs(self, tokens: torch.Tensor) -> tuple[tuple[torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
         """One micro batch's inputs as the schedule takes them: the tokens (for the first stage), the positions as
@@ -155,8 +196,7 @@ class Pipeline:
         targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
         schedule = self._eval.get(tuple(tokens.shape))
         if schedule is None:
-            schedule = self._eval[tuple(tokens.shape)] = ScheduleGPipe(self._stage(), 1, loss_fn=_summed_loss,
-                                                                       scale_grads=False)
+            schedule = self._eval[tuple(tokens.shape)] = self._schedule(1, _summed_loss)
         losses: list[torch.Tensor] = []
         with self.loss_context():
             schedule.eval(arg_mbs=[inputs] if self.is_first else None, kwarg_mbs=[keywords],

@@ -31,7 +31,7 @@ from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.common.resilience import Block
 from workloads.decoder.data import c4_loaders, ensure_tiny_corpus, reference_validation_samples
 from workloads.decoder.parallelize import parallelize
-from workloads.decoder.pipeline import Pipeline, draw_weights, stage_model
+from workloads.decoder.pipeline import Pipeline, draw_weights, rank_model, stage_models
 from workloads.decoder.workload import DecoderWorkload
 
 def lr_factor(step: int, warmup: int, max_steps: int, end_ratio: float) -> float:
@@ -67,16 +67,17 @@ class PretrainWorkload(DecoderWorkload):
         # Built without storage (this rank's pipeline stage of it), split, then given only this rank's shards, drawn
         # from the seed every rank shares, so that HSDP's replicas start identical and the stages hold the whole
         # model's values.
-        model = stage_model(cfg.model, self.layout, self.mesh["pipeline"].get_local_rank(),
-                            activation_checkpointing=cfg.activation_checkpointing)
-        parallelize(model, self.mesh, ctx.device, self.compiled, self.expert_mesh)
-        model.to_empty(device=ctx.device)
+        chunks = stage_models(cfg.model, self.layout, self.mesh["pipeline"].get_local_rank(),
+                              activation_checkpointing=cfg.activation_checkpointing)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            draw_weights(model, ctx.device)
-        self.model = model
+            for chunk in chunks:
+                parallelize(chunk, self.mesh, ctx.device, self.compiled, self.expert_mesh)
+                chunk.to_empty(device=ctx.device)
+                torch.manual_seed(seed)
+                draw_weights(chunk, ctx.device)
+        self.model = model = rank_model(chunks)
         if self.layout.pipeline > 1:
-            self.pipeline = Pipeline(model, self.mesh, self.layout, ctx.device, self.split)
+            self.pipeline = Pipeline(chunks, self.mesh, self.layout, ctx.device, self.split)
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
         end_ratio = cfg.floor_lr / cfg.base_lr

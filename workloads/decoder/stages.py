@@ -33,13 +33,19 @@ def stage_layers(n_layer: int, stages: int) -> list[range]:
     return [range(start, end) for start, end in zip(bounds, bounds[1:])]
 
 
+def rank_stages(layout: Layout, pipeline_rank: int) -> list[int]:
+    """The stages pipeline rank `pipeline_rank` holds: itself alone, or with virtual stages one in each round of
+    the pipeline (rank r holds r, r + pipeline, ...: the looped order the interleaved 1F1B schedule runs)."""
+    return [pipeline_rank + chunk * layout.pipeline for chunk in range(layout.virtual)]
+
+
 def describe_stages(cfg: PretrainConfig, layout: Layout) -> str:
     """One line for the dry run: which blocks each pipeline stage holds (and where the embedding and the output
-    layer are); empty without a pipeline."""
+    layer are), on which ranks; empty without a pipeline."""
     if layout.pipeline == 1:
         return ""
-    ranges = stage_layers(cfg.model.n_layer, layout.pipeline)
-    per_stage = layout.world // layout.pipeline
+    ranges = stage_layers(cfg.model.n_layer, layout.pipeline * layout.virtual)
+    per_rank = layout.world // layout.pipeline
     parts = []
     for stage, blocks in enumerate(ranges):
         held = [f"blocks {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 else f"block {blocks.start}"]
@@ -47,6 +53,8 @@ def describe_stages(cfg: PretrainConfig, layout: Layout) -> str:
             held.insert(0, "the embedding")
         if stage == len(ranges) - 1:
             held.append("the final norm and output layer")
-        parts.append(f"stage {stage} (ranks {stage * per_stage}-{(stage + 1) * per_stage - 1}): {', '.join(held)}")
-    return (f"pipeline {layout.pipeline} stages, 1F1B over {layout.grad_accum} micro batches per data rank: "
-            + "; ".join(parts))
+        first = stage % layout.pipeline * per_rank
+        parts.append(f"stage {stage} (ranks {first}-{first + per_rank - 1}): {', '.join(held)}")
+    schedule = f"interleaved 1F1B, {layout.virtual} stages a rank" if layout.virtual > 1 else "1F1B"
+    return (f"pipeline {layout.pipeline} ranks, {len(ranges)} stages, {schedule} over {layout.grad_accum} micro "
+            f"batches per data rank: " + "; ".join(parts))
