@@ -1,6 +1,7 @@
 """Pipeline parallelism for the decoders (torch.distributed.pipelining), the torchtitan way: each pipeline rank
 keeps a contiguous range of the model's blocks (the first stage the embedding too, the last the final norm and the
-output layer), and a 1F1B schedule runs the step's micro batches through the stages, the loss on the last one.
+output layer), and a 1F1B schedule runs the step's micro batches through the stages, the loss on the last one
+(with virtual stages, several non-adjacent ranges a rank and the interleaved 1F1B schedule).
 
 - Stages: the whole model is built on the meta device and each stage drops what it does not own (StageLayers keeps
   its blocks under their numbers in the whole model, so every parameter's name, "layers.N....", is the unsplit
@@ -12,8 +13,8 @@ output layer), and a 1F1B schedule runs the step's micro batches through the sta
   stages as this rank's sequence shard, as between blocks; the loss runs under loss_parallel) and context parallel
   (each stage gets its chunks' positions as a keyword: a stage after the first reads hidden states, which do not
   say where in the sequence they lie).
-- Initial weights: a stage draws exactly what the whole model draws for its parameters (init_stage_weights replays
-  the draws of every parameter before its own), so the model does not depend on the layout.
+- Initial weights: a stage draws exactly what the whole model draws for its parameters (draw_weights replays the
+  draws of every parameter before its own), so the model does not depend on the layout.
 - The step: the loss is the harness's per-token mean cross-entropy of each micro batch, and the schedule divides
   the gradients by the micro batches (scale_grads), as accumulate_gradients divides each loss; the step's loss,
   which only the last stage has, is summed over the pipeline group so that every rank (rank 0 is on the first stage)
