@@ -238,8 +238,7 @@ class Decoder(nn.Module):
         """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
         tokens' places in the whole sequence (default 0..seq-1). A pipeline stage (workloads.decoder.pipeline)
         without the embedding reads the previous stage's hidden states (batch, seq, d_model) instead of tokens, and
-        one without the output layer returns its hidden states; each computes its positions from the sequence's
-        length, since stages pass one tensor."""
+        one without the output layer returns its hidden states (the pipeline gives every stage the positions)."""
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device)
         rope = rope_tables(self.rope_freqs, positions)

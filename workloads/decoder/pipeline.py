@@ -52,6 +52,8 @@ class StageLayers(nn.ModuleList):
     def __getitem__(self, number: int) -> nn.Module:
         return self._modules[str(number)]
 
+    __repr__ = nn.Module.__repr__  # ModuleList's numbers its children by position
+
 
 def keep_stage(model: Decoder, blocks: range, first: bool, last: bool) -> Decoder:
     """`model` (the whole decoder, on the meta device) cut down in place to one stage: its blocks, the embedding
