@@ -155,7 +155,7 @@ class Pipeline:
         self.loss_context = loss_parallel if mesh["tensor"].size() > 1 else nullcontext
         self.group = mesh["pipeline"].get_group()
         self.stage_indices = rank_stages(layout, mesh["pipeline"].get_local_rank())
-        self.stages = layout.pipeline * layout.virtual
+        self.ranks, self.stages = layout.pipeline, layout.pipeline * layout.virtual
         self.is_first, self.is_last = self.stage_indices[0] == 0, self.stage_indices[-1] == self.stages - 1
         self.train = self._schedule(layout.grad_accum, _mean_loss, training=True)
         self._eval: dict[tuple[int, ...], object] = {}  # by batch shape: a stage's buffers have one shape
@@ -193,17 +193,27 @@ class Pipeline:
 
     @torch.no_grad()
     def scored_loss_sum(self, tokens: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """As workloads.common.language_model.scored_loss_sum, through the stages: the sum and its token count on
-        the last stage, zero on the others (so a sum over the world counts each scored token once)."""
-        inputs, keywords, targets = self._inputs(tokens)
-        targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
+        """As workloads.common.language_model.scored_loss_sum, through the stages, each sequence a micro batch so
+        that the stages overlap: the sum and its token count on the last stage, zero on the others (so a sum over
+        the world counts each scored token once)."""
+        micro_batches = self._eval_micro_batches(len(tokens))
+        inputs, keywords, targets = (list(part) for part in zip(*map(self._inputs, tokens.chunk(micro_batches))))
+        targets = [target.masked_fill(~flags.bool().to(target.device)[:, None], IGNORED)
+                   for target, flags in zip(targets, counted.chunk(micro_batches))]
         schedule = self._eval.get(tuple(tokens.shape))
         if schedule is None:
-            schedule = self._eval[tuple(tokens.shape)] = self._schedule(1, _summed_loss)
+            schedule = self._eval[tuple(tokens.shape)] = self._schedule(micro_batches, _summed_loss)
         losses: list[torch.Tensor] = []
         with self.loss_context():
-            schedule.eval(arg_mbs=[inputs] if self.is_first else None, kwarg_mbs=[keywords],
-                          target_mbs=[targets] if self.is_last else None, losses=losses if self.is_last else None)
+            schedule.eval(arg_mbs=inputs if self.is_first else None, kwarg_mbs=keywords,
+                          target_mbs=targets if self.is_last else None, losses=losses if self.is_last else None)
         if not self.is_last:
             return torch.zeros((), dtype=torch.float64, device=self.device), 0
-        return _local(losses[0]).double(), int((targets != IGNORED).sum())
+        return (sum(_local(loss).double() for loss in losses),
+                sum(int((target != IGNORED).sum()) for target in targets))
+
+    def _eval_micro_batches(self, sequences: int) -> int:
+        """One micro batch a sequence, where the schedule takes that many (the interleaved one runs them in rounds
+        of one per pipeline rank, which must divide them); else the batch as one."""
+        rounds = max(1, sequences // self.ranks)
+        return sequences if len(self.chunks) == 1 or sequences % rounds == 0 else 1
