@@ -705,8 +705,9 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
     if m.moe and tensor > 1:
         raise ValueError("a model with experts runs at tensor parallel 1 (context parallel splits its sequences)")
     if world % tensor or m.n_kv_head % tensor or m.n_head % tensor:
-        raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the {m.n_head} attention "
-                         f"heads and the {m.n_kv_head} key/value heads")
+        raise ValueError(f"tensor parallel {tensor} must divide the world size {world}"
+                         + (f" (of a pipeline stage, {pipeline} stages)" if pipeline > 1 else "")
+                         + f", the {m.n_head} attention heads and the {m.n_kv_head} key/value heads")
     # The smallest context parallel (a power of two: each rank holds two chunks of seq_len / 2^k) that leaves
     # every data rank whole sequences, in whole micro batches.
     context = 1
@@ -717,8 +718,9 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
             break
         context *= 2
         if context > world // tensor or m.seq_len % (2 * context):
-            raise ValueError(f"global batch {cfg.global_batch} does not split evenly over {world} processes with "
-                             f"tensor parallel {tensor} and micro batch {cfg.micro_batch} at any context parallel "
+            stage = f" (a pipeline stage's, of {pipeline})" if pipeline > 1 else ""
+            raise ValueError(f"global batch {cfg.global_batch} does not split evenly over {world} processes{stage} "
+                             f"with tensor parallel {tensor} and micro batch {cfg.micro_batch} at any context parallel "
                              f"(a power of two up to {world // tensor}): the data ranks, {world} / (tensor x "
                              "context), must divide the global batch; use a process count of a power of two times "
                              "the tensor parallel, or another batch")
