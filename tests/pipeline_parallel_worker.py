@@ -10,21 +10,26 @@ pipeline ranks (each holding V virtual stages: the interleaved schedule) x R rep
 T tensor ranks, E expert ranks. For each: every stage's initial weights drawn from one seed
 equal the whole model's; the 1F1B step's loss over 4 micro batches per data rank, on every rank, and every
 parameter's gradient (each stage's, gathered whole; together every parameter of the model) equal the whole
-model's; one clipping norm over every stage; the eval's scored loss sums, at two batch shapes, too. Prints
-"pipeline ok SPEC" per layout and rank.
+model's; one clipping norm over every stage; the eval's scored loss sums, at two batch shapes, too; and the
+stages' parameters and AdamW state, saved with DCP and loaded into stages drawn from another seed, come back.
+Prints "pipeline ok SPEC" per layout and rank.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.testing import assert_close
 
 from tests.gpt3_parallel_worker import full, say
 from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, scored_loss_sum
+from workloads.common.resilience import _ModelAndOptimizer
 from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, Layout
 from workloads.decoder.model import Decoder
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh, parallelize
@@ -42,12 +47,7 @@ def parity(kind: str, layout: Layout) -> None:
     config = CONFIGS[kind]
     mesh = build_mesh(layout, CPU)
     expert_mesh = build_expert_mesh(layout, CPU) if config.moe else None
-    chunks = stage_models(config, layout, mesh["pipeline"].get_local_rank())
-    for chunk in chunks:
-        parallelize(chunk, mesh, CPU, expert_mesh=expert_mesh)
-        chunk.to_empty(device=CPU)
-        torch.manual_seed(SEED)
-        draw_weights(chunk, CPU)
+    chunks = build_stages(config, layout, mesh, expert_mesh, SEED)
     model = rank_model(chunks)
     reference = Decoder(config)
     torch.manual_seed(SEED)
@@ -97,7 +97,42 @@ def parity(kind: str, layout: Layout) -> None:
         dist.all_reduce(sums)  # only the last stage's ranks hold sums, each tensor rank of them the same
         assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
                      rtol=1e-6, atol=0)  # float32 sums, added in another order
+    checkpoint_round_trip(config, layout, mesh, expert_mesh, model)
     say(f"rank {dist.get_rank()}: pipeline ok {kind}:{shape_of(layout)}")
+
+
+def build_stages(config, layout: Layout, mesh, expert_mesh, seed: int) -> list[Decoder]:
+    chunks = stage_models(config, layout, mesh["pipeline"].get_local_rank())
+    for chunk in chunks:
+        parallelize(chunk, mesh, CPU, expert_mesh=expert_mesh)
+        chunk.to_empty(device=CPU)
+        torch.manual_seed(seed)
+        draw_weights(chunk, CPU)
+    return chunks
+
+
+def checkpoint_round_trip(config, layout: Layout, mesh, expert_mesh, model: torch.nn.Module) -> None:
+    """The stages' parameters and AdamW state, saved with DCP as the harness saves them (each stage's under the
+    whole model's names), come back whole into stages drawn from another seed."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save({"train": _ModelAndOptimizer(model, optimizer, flat=True)}, checkpoint_id=folder[0])
+    fresh = rank_model(build_stages(config, layout, mesh, expert_mesh, SEED + 1))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    assert not all(torch.equal(full(a.detach()), full(b.detach())) for a, b in zip(model.parameters(),
+                                                                                 fresh.parameters()))
+    dcp.load({"train": _ModelAndOptimizer(fresh, fresh_optimizer, flat=True)}, checkpoint_id=folder[0])
+    restored = dict(fresh.named_parameters())
+    for name, param in model.named_parameters():
+        assert_close(full(restored[name].detach()), full(param.detach()), rtol=0, atol=0,
+                     msg=lambda text, name=name: f"{name}: {text}")
+        for key, value in optimizer.state[param].items():
+            assert_close(full(fresh_optimizer.state[restored[name]][key]), full(value), rtol=0, atol=0)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
 
 
 def shape_of(layout: Layout) -> str:

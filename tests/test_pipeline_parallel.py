@@ -85,8 +85,9 @@ def _workers(processes: int, *layouts: str) -> str:
 @pytest.mark.slow
 def test_two_stages_and_interleaved_virtual_stages_match_the_whole_model():
     """llama31_8b's tiny model over 2 stages, one process each: the initial weights, the 1F1B step's loss over 4
-    micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's; and with 4
-    blocks in 4 stages, 2 a rank (interleaved 1F1B: rank 0 holds stages 0 and 2)."""
+    micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's, and a DCP
+    checkpoint of the stages comes back whole; and with 4 blocks in 4 stages, 2 a rank (interleaved 1F1B: rank 0
+    holds stages 0 and 2; its checkpoint through StageChunks)."""
     _workers(2, "dense:2,1,1,1,1", "dense4:2x2,1,1,1,1")
 
 
