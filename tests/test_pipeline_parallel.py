@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.errors import HarnessError
 from harness.spec import JobSpec, validate
@@ -20,6 +21,7 @@ from tests.conftest import REPO, harness
 from tests.test_resilience import _restored_step
 from workloads.common.campaign import RunOptions
 from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, plan_layout
+from workloads.decoder.pipeline import rank_model, stage_models
 from workloads.decoder.stages import describe_stages, stage_layers
 
 TINY = PRESETS["tiny"]
@@ -70,6 +72,27 @@ def test_the_dry_run_line_says_which_blocks_each_stage_holds():
                     "rank: stage 0 (ranks 0-0): the embedding, block 0; stage 1 (ranks 1-1): blocks 1-2; stage 2 "
                     "(ranks 0-0): blocks 3-4; stage 3 (ranks 1-1): block 5, the final norm and output layer")
     assert describe_stages(TINY, plan_layout(TINY, world=2, procs_per_node=2)) == ""
+
+
+def test_a_ranks_virtual_stages_are_one_module_under_the_whole_models_names_whose_hooks_see_each_forward():
+    """StageChunks (a rank's virtual stages, for the loop, the optimizer and checkpoints): rank 0 of 2 holds stages 0
+    and 2 of 4, the embedding and blocks 0 and 2 under their names; train()/eval() reach every chunk; forward hooks
+    (the stragglers' timing, a slow fault) run on each chunk's forward and are removed together."""
+    cfg = replace(TINY, pipeline_parallel=2, virtual_stages=2, model=replace(TINY.model, n_layer=4))
+    chunks = stage_models(cfg.model, plan_layout(cfg, world=2, procs_per_node=2), pipeline_rank=0)
+    model = rank_model(chunks)
+    assert {name.split(".")[0] + "." + name.split(".")[1] for name, _ in model.named_parameters()} \
+        == {"tok_embeddings.weight", "layers.0", "layers.2"}
+    model.eval()
+    assert not any(chunk.training for chunk in chunks)
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append(module))
+    tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    chunks[1](chunks[0](tokens))
+    assert seen == chunks
+    handle.remove()
+    chunks[0](tokens)
+    assert len(seen) == 2
 
 
 def _workers(processes: int, *layouts: str) -> str:

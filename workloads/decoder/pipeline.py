@@ -105,6 +105,24 @@ class StageChunks(nn.Module):
     def forward(self, *args, **kwargs):
         raise TypeError("a rank's virtual stages run through their Pipeline's schedule, not as one module")
 
+    def register_forward_pre_hook(self, hook, **kwargs) -> _Handles:
+        """On each chunk: the forward passes that run (the stragglers' timing, a slow fault's delay)."""
+        return _Handles([chunk.register_forward_pre_hook(hook, **kwargs) for chunk in self.chunks])
+
+    def register_forward_hook(self, hook, **kwargs) -> _Handles:
+        return _Handles([chunk.register_forward_hook(hook, **kwargs) for chunk in self.chunks])
+
+
+class _Handles:
+    """Hooks on several modules, removed together as one hook's handle is."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
 
 def rank_model(chunks: list[Decoder]) -> nn.Module:
     """What the loop, the optimizer and checkpoints see of this rank's stages: the stage itself, or StageChunks."""
