@@ -22,6 +22,7 @@ from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_ou
 from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words
+from workloads.decoder.stages import PIPELINED_BENCHMARKS
 from workloads.registry import BENCHMARKS
 
 
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup-samples", type=int, metavar="N",
                      help=f"{', '.join(RCP_WARMUP_BENCHMARKS)}: the learning-rate warmup in samples instead of the RCP "
                           "row's or the interpolated one (llama2_70b_lora runs no warmup)")
+    run.add_argument("--pipeline-parallel", type=int, metavar="N",
+                     help=f"{', '.join(PIPELINED_BENCHMARKS)}: split the model into N pipeline stages "
+                          "(torch.distributed.pipelining, 1F1B), each on world / N consecutive processes; N must divide "
+                          "the process count and leave every stage a block (default: the preset's, 1)")
     run.add_argument("--allow-unflushed-cache", action="store_true",
                      help="let a closed run go ahead when its page cache could not be flushed before it (the log "
                           "keeps cache_clear false); without it such a run stops with the reason")
@@ -322,6 +327,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
                    synthetic=args.synthetic, max_steps=args.max_steps,
                    batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
                    learning_rate=args.learning_rate, warmup_samples=args.warmup_samples,
+                   pipeline_parallel=args.pipeline_parallel,
                    allow_unflushed_cache=args.allow_unflushed_cache,
                    packing_factor=args.packing_factor, decode=args.decode,
                    submitter=args.submitter, system=args.system, name=args.name,

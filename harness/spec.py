@@ -23,6 +23,7 @@ from workloads.common.page_cache import ALLOW_FLAG  # torch-free
 from workloads.common.resilience_options import CheckpointEvery, FaultPlan, StragglerWindow  # torch-free
 from workloads.decoder.config import FIXED_WARMUP, RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, \
     rcp_batches_in_words  # torch-free
+from workloads.decoder.stages import PIPELINED_BENCHMARKS  # torch-free
 from workloads.registry import BENCHMARKS, missing_inputs  # torch-free
 
 # How often a run checkpoints unless told: tiny runs often enough that a fault costs seconds; full runs
@@ -73,6 +74,7 @@ class JobSpec:
     force_batch: bool = False  # the Llamas: accept a global batch outside the RCP table
     learning_rate: float | None = None  # the Llamas: the peak LR; None: the RCP row's, interpolated, or the preset's
     warmup_samples: int | None = None  # llama31_8b: LR warmup in samples; None: as the peak LR
+    pipeline_parallel: int | None = None  # llama31_8b, gpt_oss_20b: pipeline stages; None: the preset's
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
     decode: str | None = None  # resnet: where its JPEGs are decoded, "workers" or "device"; None: the preset's
@@ -159,6 +161,8 @@ class JobSpec:
             args += ["--learning-rate", repr(self.learning_rate)]
         if self.warmup_samples is not None:
             args += ["--warmup-samples", str(self.warmup_samples)]
+        if self.pipeline_parallel is not None:
+            args += ["--pipeline-parallel", str(self.pipeline_parallel)]
         if self.allow_unflushed_cache:
             args.append(ALLOW_FLAG)
         if self.packing_factor != 1:
@@ -194,6 +198,7 @@ class JobSpec:
                             ("--batch-size", self.batch_size), ("--global-batch", self.global_batch),
                             ("--learning-rate", None if self.learning_rate is None else repr(self.learning_rate)),
                             ("--warmup-samples", self.warmup_samples), ("--run-minutes", self.run_minutes),
+                            ("--pipeline-parallel", self.pipeline_parallel),
                             ("--packing-factor", self.packing_factor if self.packing_factor != 1 else None),
                             ("--system", self.system), ("--name", self.name),
                             ("--checkpoint-every", self.checkpoint_every),
@@ -282,6 +287,9 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
         raise HarnessError(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, whose RCP rows "
                            f"carry a warmup; {spec.benchmark} "
                            + FIXED_WARMUP.get(spec.benchmark, "follows its reference's warmup"))
+    if spec.pipeline_parallel is not None and spec.benchmark not in PIPELINED_BENCHMARKS:
+        raise HarnessError(f"--pipeline-parallel applies to {', '.join(PIPELINED_BENCHMARKS)} only, not "
+                           f"{spec.benchmark}")
     if spec.learning_rate is not None and not spec.learning_rate > 0:
         raise HarnessError(f"--learning-rate must be above 0 (the peak LR), got {spec.learning_rate:g}")
     if spec.warmup_samples is not None and spec.warmup_samples < 0:
@@ -297,7 +305,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
                            f"{spec.packing_factor}")
     if spec.force_batch and spec.global_batch is None:
         raise HarnessError("--force-batch accepts a --global-batch outside the RCP table: give --global-batch too")
-    for name in ("procs_per_node", "max_steps", "batch_size", "global_batch"):
+    for name in ("procs_per_node", "max_steps", "batch_size", "global_batch", "pipeline_parallel"):
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise HarnessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -58,7 +58,7 @@ def test_stages_split_as_megatron_bridge_splits_deepseek():
     split = lambda p, v=1: [len(s.layers) for s in decoder.pipeline_stages(DEEPSEEK_V3_671B, p, v)]  # noqa: E731
     assert split(4) == [16, 16, 16, 13] and split(8) == [8] * 7 + [5] and split(16) == [4] * 15 + [1]
     assert split(4, 4) == [16, 16, 16, 13]  # 16 chunks of 4, the last of 1
-    with pytest.raises(ValueError, match="leaves the last chunk empty"):
+    with pytest.raises(ValueError, match="leaves the last one empty"):
         decoder.pipeline_stages(DEEPSEEK_V3_671B, 16, 2)
 
 

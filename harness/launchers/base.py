@@ -339,8 +339,11 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
 
         if spec.benchmark in llama.PRESET_TABLES:
 
-            cfg = llama.run_config(spec.benchmark, spec.preset, spec.global_batch, spec.force_batch,
-                                   learning_rate=spec.learning_rate, warmup_samples=spec.warmup_samples)
+            from workloads.decoder.stages import with_pipeline  # torch-free
+
+            cfg = with_pipeline(llama.run_config(spec.benchmark, spec.preset, spec.global_batch, spec.force_batch,
+                                                 learning_rate=spec.learning_rate,
+                                                 warmup_samples=spec.warmup_samples), spec.pipeline_parallel)
             layout = llama.plan_layout(cfg, world, nproc_per_node)
             if gpu_memory_gib:
                 llama.check_fits(spec.benchmark, cfg, layout, gpu_memory_gib)

@@ -84,6 +84,7 @@ class RunOptions:
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch outside the RCP table
     learning_rate: float | None = None  # llama31_8b, llama2_70b_lora: the peak LR (default: the RCP table's)
     warmup_samples: int | None = None  # llama31_8b: the LR warmup in samples (default: the RCP table's)
+    pipeline_parallel: int | None = None  # llama31_8b, gpt_oss_20b: pipeline stages (default: the preset's)
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
     last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
@@ -120,6 +121,7 @@ class RunOptions:
         p.add_argument("--force-batch", action="store_true")
         p.add_argument("--learning-rate", type=float)
         p.add_argument("--warmup-samples", type=int)
+        p.add_argument("--pipeline-parallel", type=int)
         p.add_argument(ALLOW_FLAG, action="store_true")
         # Not a prefix of any torchrun option (argparse would call `--run` ambiguous with torchrun's --run-path).
         p.add_argument("--last-run", type=int, help="do the runs up to this one (0-based; the finished ones are "
@@ -140,6 +142,11 @@ class RunOptions:
             p.error(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
+        from workloads.decoder.stages import PIPELINED_BENCHMARKS  # torch-free
+        if args.pipeline_parallel is not None and args.benchmark not in PIPELINED_BENCHMARKS:
+            p.error(f"--pipeline-parallel applies to {', '.join(PIPELINED_BENCHMARKS)} only, not {args.benchmark}")
+        if args.pipeline_parallel is not None and args.pipeline_parallel < 1:
+            p.error(f"--pipeline-parallel counts pipeline stages: 1 or more, got {args.pipeline_parallel}")
         if args.last_run is not None and not 0 <= args.last_run < args.runs:
             p.error(f"--last-run {args.last_run} is not one of the campaign's runs: 0 to {args.runs - 1} "
                     f"(--runs {args.runs})")
@@ -174,6 +181,9 @@ class Workload(ABC):
     rate_shown: tuple[str, str] = ("samples/s", "throughput")
     logs_trained_samples = False  # log train_samples (the epoch_num trained) when the run stops
     checkpoint_frozen = True  # checkpoints hold the parameters that do not train too (False: LoRA's frozen base)
+    # Ranks hold different parameters (pipeline stages): checkpoints key the optimizer's hyperparameters by parameter
+    # name (DCP's flatten_optimizer_state_dict), since each stage's param_groups list other names under one key.
+    ranks_hold_other_parameters = False
     eval_count_key = C.EPOCH_NUM  # the eval events' metadata key for epoch_num(step) (newer rules: samples_count)
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -61,6 +62,13 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The next-token cross-entropy of (batch, sequence, vocab) logits, in fp32: the mean over the scored targets
+    (training) or their sum (evaluation); targets of IGNORED are not scored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction,
+                           ignore_index=IGNORED)
+
+
 def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.Tensor], count: int,
                          split: Split = next_token_split) -> torch.Tensor:
     """Forward and backward over `count` micro batches of (batch, sequence + 1) tokens; returns the mean loss
@@ -81,7 +89,7 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: Iterable[torch.T
         else:
             logits, mtp_loss = model(*inputs), 0.0
         with _loss_context(logits):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / count
+            loss = token_loss(logits, targets) / count
             (loss + mtp_loss / count).backward()
         total += _local(loss.detach())
     return total
@@ -97,8 +105,7 @@ def scored_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, counted: torch
     targets = targets.masked_fill(~counted.bool().to(tokens.device)[:, None], IGNORED)
     logits = model(*inputs)
     with _loss_context(logits):
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                               ignore_index=IGNORED)
+        loss = token_loss(logits, targets, reduction="sum")
     return _local(loss).double(), int((targets != IGNORED).sum())
 
 
@@ -116,18 +123,24 @@ def optimizer_groups(model: nn.Module, weight_decay: float, decay_vectors: bool 
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                    pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
 
     The gradients of one mesh have one norm, a partial DTensor that full_tensor() reduces over that mesh
     (replicated pieces, the norms, count once); a model with experts has two meshes (workloads.decoder.parallelize),
-    whose norms add as squares."""
+    whose norms add as squares. With a pipeline, each stage holds other parameters: the squares add over
+    `pipeline_group` too."""
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = [_local(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) for group in by_mesh.values()]
     total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pipeline_group is not None:
+        squares = total.square()
+        dist.all_reduce(squares, group=pipeline_group)
+        total = squares.sqrt()
     for group in by_mesh.values():  # one mesh at a time: DTensor's foreach operations take one
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
@@ -137,7 +150,10 @@ class DecoderSteps:
     """The training loop's questions (workloads.common.loop) that GPT-3 and llama31_8b answer alike, for a
     workload that sets `model`, `optimizer`, `scheduler`, `loaders` (workloads.common.megatron_data),
     `layout` (grad_accum, global_batch, data), `cfg` (micro_batch, eval_sequences, model.seq_len, model.vocab_size,
-    model.flops_per_token()), `mesh`, `eval_every` (steps), `split` and `clip_norm`."""
+    model.flops_per_token()), `mesh`, `eval_every` (steps), `split` and `clip_norm`; a pipelined decoder sets
+    `pipeline` (workloads.decoder.pipeline.Pipeline: its step and eval run through the stages)."""
+
+    pipeline = None
 
     rate_shown = ("tok/s", "tokens_per_second")
     logs_trained_samples = True
@@ -178,8 +194,11 @@ class DecoderSteps:
         """One optimizer step over grad_accum micro batches: the mean loss and the sequences trained."""
         self.model.train()
         micro_batches = (next(batches).to(self.ctx.device, non_blocking=True) for _ in range(self.layout.grad_accum))
-        loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum, self.split)
-        clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(micro_batches)
+        else:
+            loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum, self.split)
+        clip_grad_norm_(self.model.parameters(), self.clip_norm, self.pipeline.group if self.pipeline else None)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -200,10 +219,12 @@ class DecoderSteps:
         self.model.eval()
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.ctx.device), 0
         for tokens, counted in self.loaders.eval if batches is None else batches:
-            batch_sum, batch_count = scored_loss_sum(self.model, tokens.to(self.ctx.device, non_blocking=True),
-                                                     counted, self.split)
+            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            batch_sum, batch_count = self.pipeline.scored_loss_sum(tokens, counted) if self.pipeline is not None \
+                else scored_loss_sum(self.model, tokens, counted, self.split)
             loss_sum, count = loss_sum + batch_sum, count + batch_count
         # Each sequence is scored on one data rank (its tokens split over the context ranks, if any); every tensor
-        # rank of them holds the same sums, so the ratio over the whole world is the mean over the tokens.
+        # rank of them holds the same sums, so the ratio over the whole world is the mean over the tokens (with a
+        # pipeline, only the last stage's ranks hold sums).
         loss_sum, count = all_sum([loss_sum.item(), count], self.ctx)
         return loss_sum / count

@@ -75,11 +75,14 @@ class InjectedFault(RuntimeError):
 
 class _ModelAndOptimizer(Stateful):
     """The model and its optimizer; with `frozen` False, only the parameters that train (LoRA's adapters: the
-    frozen base comes back from its own checkpoint when the workload is built again)."""
+    frozen base comes back from its own checkpoint when the workload is built again). With `flat`, the optimizer's
+    state and hyperparameters are keyed by parameter name (Workload.ranks_hold_other_parameters)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True,
+                 flat: bool = False):
         self.model, self.optimizer = model, optimizer
-        self.options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+        self.options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen,
+                                        flatten_optimizer_state_dict=flat)
 
     def state_dict(self) -> dict[str, Any]:
         model, optim = get_state_dict(self.model, self.optimizer, options=self.options)
@@ -156,7 +159,8 @@ class Resilience:
 
     def _state(self, manifest: dict | None = None) -> dict[str, Any]:
         state: dict[str, Any] = {"train": _ModelAndOptimizer(
-            self.workload.model, self.workload.optimizer, getattr(self.workload, "checkpoint_frozen", True))}
+            self.workload.model, self.workload.optimizer, getattr(self.workload, "checkpoint_frozen", True),
+            getattr(self.workload, "ranks_hold_other_parameters", False))}
         # RNG states are per rank: restorable only onto the same world size.
         if manifest is None or manifest.get("world_size") == self.ctx.world_size:
             state[f"rng_rank{self.ctx.rank}"] = _RankRNG(self.ctx.device)

@@ -814,15 +814,20 @@ class Layout:
 
 
 def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_node: int) -> Layout:
-    """Tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
-    sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP)."""
+    """Pipeline stages first, on consecutive blocks of world / pipeline ranks (a node or group of nodes each);
+    inside a stage: tensor parallel inside a node; context parallel when the batch leaves a data rank less than one
+    sequence; FSDP within groups of `shard_nodes` nodes, replicated across groups (HSDP). With a pipeline,
+    grad_accum is the schedule's micro batches per data rank."""
     m = cfg.model
+    pipeline, virtual = _pipeline_stages(cfg, world)
+    world //= pipeline  # one stage's ranks: everything below splits them
     tensor = min(cfg.tensor_parallel, procs_per_node, world)
     if m.moe and tensor > 1:
         raise ValueError("a model with experts runs at tensor parallel 1 (context parallel splits its sequences)")
     if world % tensor or m.n_kv_head % tensor or m.n_head % tensor:
-        raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the {m.n_head} attention "
-                         f"heads and the {m.n_kv_head} key/value heads")
+        raise ValueError(f"tensor parallel {tensor} must divide the world size {world}"
+                         + (f" (of a pipeline stage, {pipeline} stages)" if pipeline > 1 else "")
+                         + f", the {m.n_head} attention heads and the {m.n_kv_head} key/value heads")
     # The smallest context parallel (a power of two: each rank holds two chunks of seq_len / 2^k) that leaves
     # every data rank whole sequences, in whole micro batches.
     context = 1
@@ -833,8 +838,9 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
             break
         context *= 2
         if context > world // tensor or m.seq_len % (2 * context):
-            raise ValueError(f"global batch {cfg.global_batch} does not split evenly over {world} processes with "
-                             f"tensor parallel {tensor} and micro batch {cfg.micro_batch} at any context parallel "
+            stage = f" (a pipeline stage's, of {pipeline})" if pipeline > 1 else ""
+            raise ValueError(f"global batch {cfg.global_batch} does not split evenly over {world} processes{stage} "
+                             f"with tensor parallel {tensor} and micro batch {cfg.micro_batch} at any context parallel "
                              f"(a power of two up to {world // tensor}): the data ranks, {world} / (tensor x "
                              "context), must divide the global batch; use a process count of a power of two times "
                              "the tensor parallel, or another batch")
@@ -842,9 +848,49 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
     shard = math.gcd(data, per_group)
     # Experts split over the most ranks of an FSDP group that divide their count, up to the preset's cap (a node).
     expert = math.gcd(shard * context, m.moe.experts, cfg.expert_parallel, procs_per_node) if m.moe else 1
-    return Layout(world=world, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
-                  context=context, tensor=tensor, micro_batch=cfg.micro_batch,
-                  grad_accum=cfg.global_batch // (data * cfg.micro_batch), expert=expert)
+    grad_accum = cfg.global_batch // (data * cfg.micro_batch)
+    if grad_accum < pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} needs at least {pipeline} micro batches per data rank "
+                         f"per step (1F1B keeps every stage busy only then), but global batch {cfg.global_batch} "
+                         f"over {data} data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a larger "
+                         "global batch or fewer pipeline stages")
+    rounds = max(1, grad_accum // pipeline)  # torch's ScheduleInterleaved1F1B runs its micro batches in rounds
+    if virtual > 1 and grad_accum % rounds:
+        raise ValueError(f"the interleaved 1F1B schedule runs the micro batches in {rounds} rounds (one micro "
+                         f"batch per pipeline rank in each), and the {grad_accum} per data rank are not a multiple of "
+                         f"{rounds}: use a global batch giving a multiple of {pipeline} micro batches per data rank")
+    return Layout(world=world * pipeline, procs_per_node=procs_per_node, replicate=data // shard, shard=shard,
+                  context=context, tensor=tensor, micro_batch=cfg.micro_batch, grad_accum=grad_accum, expert=expert,
+                  pipeline=pipeline, virtual=virtual)
+
+
+def _pipeline_stages(cfg: PretrainConfig | LoraFinetuneConfig, world: int) -> tuple[int, int]:
+    """The pipeline's ranks and model chunks per rank, refused where they cannot split the world or the layers.
+    LoRA fine-tuning has no pipeline: its adapters draw after every base weight, which a stage cannot replay."""
+    pipeline, virtual = getattr(cfg, "pipeline_parallel", 1), getattr(cfg, "virtual_stages", 1)
+    if pipeline < 1 or world % pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} must divide the world size {world} (each stage takes "
+                         f"world / pipeline consecutive ranks): choose one of "
+                         f"{', '.join(str(n) for n in range(1, world + 1) if world % n == 0)}")
+    if virtual < 1 or virtual > 1 and pipeline == 1:
+        raise ValueError(f"virtual stages {virtual}: 1, or with a pipeline (pipeline parallel above 1) more model "
+                         "chunks per pipeline rank (the interleaved 1F1B schedule)")
+    layer_chunks(cfg.model.n_layer, pipeline * virtual)  # refuses a split that leaves a stage no layer
+    return pipeline, virtual
+
+
+def layer_chunks(n_layer: int, chunks: int) -> list[range]:
+    """The decoder layers of each of the pipeline's `chunks` model chunks (stages x virtual stages), as
+    Megatron-Bridge splits DeepSeek-V3 (set_deepseek_v3_pipeline_model_parallel_layout): ceil(layers / chunks) each,
+    the last chunk the rest (PP4: 16/16/16/13). One rule for what runs (workloads.decoder.pipeline) and what the
+    memory arithmetic counts (pipeline_stages)."""
+    size = -(-n_layer // chunks)
+    if n_layer < chunks or size * (chunks - 1) >= n_layer:
+        fits = [n for n in range(1, n_layer + 1) if -(-n_layer // n) * (n - 1) < n_layer]
+        raise ValueError(f"{n_layer} layers do not fill {chunks} pipeline stages (x virtual stages): ceil({n_layer} / "
+                         f"{chunks}) = {size} a stage leaves the last one empty; choose stages x virtual stages among "
+                         f"{', '.join(map(str, fits))}")
+    return [range(chunk * size, min((chunk + 1) * size, n_layer)) for chunk in range(chunks)]
 
 
 @dataclass(frozen=True)
@@ -862,14 +908,9 @@ def pipeline_stages(m: DecoderConfig, pipeline: int, virtual: int = 1) -> list[S
     """Megatron-Bridge's DeepSeek-V3 split (set_deepseek_v3_pipeline_model_parallel_layout): the layers in
     pipeline x virtual chunks of ceil(layers / chunks) each, the last chunk the rest (PP4: 16/16/16/13), chunk c on
     rank c mod pipeline; the embedding on the first rank, the output layer, MTP and the loss on the last."""
-    chunks = pipeline * virtual
-    size = -(-m.n_layer // chunks)
-    if size * (chunks - 1) >= m.n_layer:
-        raise ValueError(f"{m.n_layer} layers do not fill {pipeline} pipeline stages x {virtual} virtual chunks "
-                         f"(ceil({m.n_layer} / {chunks}) = {size} each leaves the last chunk empty): choose fewer")
     owned = [[] for _ in range(pipeline)]
-    for chunk in range(chunks):
-        owned[chunk % pipeline] += range(chunk * size, min((chunk + 1) * size, m.n_layer))
+    for chunk, layers in enumerate(layer_chunks(m.n_layer, pipeline * virtual)):
+        owned[chunk % pipeline] += layers
     return [Stage(index=i, layers=tuple(layers), embedding=i == 0, output=i == pipeline - 1)
             for i, layers in enumerate(owned)]
 

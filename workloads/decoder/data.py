@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root

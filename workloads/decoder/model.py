@@ -324,16 +324,20 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, targets: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
-        tokens' places in the whole sequence (default 0..seq-1). With the next-token `targets` (training a model with
+        tokens' places in the whole sequence (default 0..seq-1). A pipeline stage (workloads.decoder.pipeline)
+        without the embedding reads the previous stage's hidden states (batch, seq, d_model) instead of tokens, and
+        one without the output layer returns its hidden states (the pipeline gives every stage the positions). With the next-token `targets` (training a model with
         MTP depths): the logits and the weighted MTP loss (workloads.decoder.mtp), for the caller to add to its loss."""
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device)
         rope = rope_tables(self.rope_freqs, positions)
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             # Checkpointing keeps only each block's input and recomputes the rest in backward.
             x = checkpoint(layer, x, rope, positions, use_reentrant=False) \
                 if self.activation_checkpointing and self.training else layer(x, rope, positions)
+        if self.output is None:
+            return x
         hidden = self.norm(x)
         logits = self.output(hidden)
         if targets is None:

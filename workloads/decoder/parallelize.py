@@ -1,5 +1,7 @@
-"""The decoders' parallelism, the torchtitan way, on a (replicate, shard, context, tensor) mesh, and for a Mixture of
-Experts a second mesh of the same ranks, (replicate, expert_shard, expert), that splits the experts.
+"""The decoders' parallelism, the torchtitan way, on a (pipeline, replicate, shard, context, tensor) mesh, and for a
+Mixture of Experts a second mesh of the same ranks, (pipeline, replicate, expert_shard, expert), that splits the
+experts. The pipeline's stages (workloads.decoder.pipeline) are its outermost blocks of ranks; everything below
+applies within a stage, to the stage's part of the model.
 
 - tensor: Megatron's column/row split of attention (by query and key/value heads, LoRA's adapters alongside)
   and SwiGLU, with sequence parallelism between them (the norms and the residual stream hold 1/tensor of the
@@ -44,28 +46,29 @@ from workloads.decoder.config import Layout
 from workloads.decoder.model import Decoder, visible
 from workloads.decoder.moe import MoE
 
-MESH_DIMS = ("replicate", "shard", "context", "tensor")
-EXPERT_MESH_DIMS = ("replicate", "expert_shard", "expert")
+MESH_DIMS = ("pipeline", "replicate", "shard", "context", "tensor")
+EXPERT_MESH_DIMS = ("pipeline", "replicate", "expert_shard", "expert")
 # torchtitan's way of naming flattened dimensions (sliced from the root mesh) warns of a deprecation in a
 # torch later than the one the harness pins; its replacement is not in 2.14.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The 4-D mesh, with shard x context flattened for FSDP ("fsdp") and replicate x shard for the data
-    ranks ("data")."""
-    mesh = init_device_mesh(device.type, (layout.replicate, layout.shard, layout.context, layout.tensor),
-                            mesh_dim_names=MESH_DIMS)
+    """The 5-D mesh, the pipeline outermost (each stage a block of consecutive ranks: a node or group of nodes),
+    with shard x context flattened for FSDP ("fsdp") and replicate x shard for the data ranks ("data"); a stage
+    parallelizes over its own slice of these."""
+    mesh = init_device_mesh(device.type, (layout.pipeline, layout.replicate, layout.shard, layout.context,
+                                          layout.tensor), mesh_dim_names=MESH_DIMS)
     mesh["shard", "context"]._flatten("fsdp")
     mesh["replicate", "shard"]._flatten("data")
     return mesh
 
 
 def build_expert_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The same ranks as (replicate, FSDP group / expert, expert): expert ranks are consecutive inside an FSDP group
-    (tensor parallel is 1 with experts, so an FSDP group's ranks are consecutive)."""
-    mesh = init_device_mesh(device.type, (layout.replicate, layout.fsdp // layout.expert, layout.expert),
-                            mesh_dim_names=EXPERT_MESH_DIMS)
+    """The same ranks as (pipeline, replicate, FSDP group / expert, expert): expert ranks are consecutive inside an
+    FSDP group (tensor parallel is 1 with experts, so an FSDP group's ranks are consecutive)."""
+    mesh = init_device_mesh(device.type, (layout.pipeline, layout.replicate, layout.fsdp // layout.expert,
+                                          layout.expert), mesh_dim_names=EXPERT_MESH_DIMS)
     # Named by nothing here: DTensor finds a flattened group by its layout, and reduces the experts' gradient norm
     # over it in one all-reduce rather than one per dimension (clipping).
     mesh["expert_shard", "expert"]._flatten("expert_fsdp")
@@ -126,11 +129,14 @@ def _expert_parallel(moe: MoE, expert_mesh: DeviceMesh) -> None:
 
 def _tensor_parallel(model: Decoder, tp: DeviceMesh) -> None:
     sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
-    parallelize_module(model, tp, {
+    root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    # A pipeline stage holds some of these (the embedding on the first, the norm and output on the last); between
+    # stages the hidden states travel as this rank's sequence shard, as between blocks.
+    parallelize_module(model, tp, {name: style for name, style in root.items() if getattr(model, name) is not None})
     for layer in model.layers:
         parallelize_module(layer, tp, {
             "attention_norm": SequenceParallel(),

@@ -39,9 +39,9 @@ from workloads.common.loop import Target
 from workloads.common.megatron_data import RandomTokens, token_loaders
 from workloads.decoder.convert import convert, load_base
 from workloads.decoder.data import c4_loaders, ensure_tiny_corpus, reference_validation_samples
-from workloads.decoder.model import Decoder
 from workloads.decoder.moe import MoE, update_expert_bias
 from workloads.decoder.parallelize import parallelize
+from workloads.decoder.pipeline import Pipeline, draw_weights, rank_model, stage_models
 from workloads.decoder.workload import DecoderWorkload
 from workloads.registry import BENCHMARKS
 
@@ -75,19 +75,23 @@ class PretrainWorkload(DecoderWorkload):
         self.eval_every, self.first_eval = cfg.eval_every, cfg.first_eval_step  # steps
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
 
-        # Built without storage, split, then given only this rank's shards, drawn from the seed every rank
-        # shares, so that HSDP's replicas start identical.
-        with torch.device("meta"):
-            model = Decoder(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
-        parallelize(model, self.mesh, ctx.device, self.compiled, self.expert_mesh)
-        model.to_empty(device=ctx.device)
+        # Built without storage (this rank's pipeline stage of it), split, then given only this rank's shards, drawn
+        # from the seed every rank shares, so that HSDP's replicas start identical and the stages hold the whole
+        # model's values.
+        chunks = stage_models(cfg.model, self.layout, self.mesh["pipeline"].get_local_rank(),
+                              activation_checkpointing=cfg.activation_checkpointing)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            model.init_weights()
+            for chunk in chunks:
+                parallelize(chunk, self.mesh, ctx.device, self.compiled, self.expert_mesh)
+                chunk.to_empty(device=ctx.device)
+                torch.manual_seed(seed)
+                draw_weights(chunk, ctx.device)
+        self.model = model = rank_model(chunks)
+        if self.layout.pipeline > 1:
+            self.pipeline = Pipeline(chunks, self.mesh, self.layout, ctx.device, self.split)
         start = self.starting_checkpoint()
         if start is not None:
             load_base(model, start)
-        self.model = model
         self.balance_group = self._expert_balance(model)
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.base_lr,
                                            betas=cfg.adam_betas, eps=cfg.adam_eps, fused=True)
@@ -96,7 +100,7 @@ class PretrainWorkload(DecoderWorkload):
             if cfg.framework == "megatron" else (lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, end_ratio))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
-    def _expert_balance(self, model: Decoder):
+    def _expert_balance(self, model: torch.nn.Module):
         """DeepSeek-V3's balance terms: each MoE layer's sequence loss scaled as the main loss is (1 / the micro
         batches a step accumulates: AuxLossScaler), and the process group over which the expert loads are summed
         for the bias update (every rank that saw different tokens: replicate x shard x context), None where no

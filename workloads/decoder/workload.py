@@ -23,6 +23,7 @@ from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 from workloads.decoder.config import PRESET_TABLES, plan_layout, run_config
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh
+from workloads.decoder.stages import with_pipeline
 
 # Weights are drawn on each shard locally, from the seed every rank shares: by design, so torch's warning
 # about DTensor random operators on CPU is noise.
@@ -35,13 +36,15 @@ class DecoderWorkload(DecoderSteps, Workload):
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int, whole: Split = next_token_split):
         super().__init__(opts, ctx, seed)
         try:
-            cfg = run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
-                             learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples)
+            cfg = with_pipeline(run_config(opts.benchmark, opts.preset, opts.global_batch, opts.force_batch,
+                                           learning_rate=opts.learning_rate, warmup_samples=opts.warmup_samples),
+                                opts.pipeline_parallel)
             self.layout = layout = plan_layout(cfg, ctx.world_size, ctx.local_world_size)
         except ValueError as exc:  # the plan refuses the job's own numbers, the same on every node
             raise ConfigurationError(f"workloads: {exc}") from None
         self.cfg = cfg
         self.clip_norm = cfg.clip_norm
+        self.ranks_hold_other_parameters = layout.pipeline > 1
         self.mesh = build_mesh(layout, ctx.device)
         self.expert_mesh = build_expert_mesh(layout, ctx.device) if cfg.model.moe else None
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)
@@ -107,7 +110,7 @@ class DecoderWorkload(DecoderSteps, Workload):
             C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
             C.LOWEST_NUMERICAL_PRECISION_IN_COMM: precision,  # FSDP's gathers
             C.TENSOR_PARALLELISM: layout.tensor,
-            C.PIPELINE_PARALLELISM: 1,
+            C.PIPELINE_PARALLELISM: layout.pipeline,
             C.CONTEXT_PARALLELISM: layout.context,
             C.EXPERT_PARALLELISM: self.layout.expert,
             C.MICRO_BATCH_SIZE: layout.micro_batch,
