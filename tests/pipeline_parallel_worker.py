@@ -5,7 +5,10 @@ for each layout named on the command line:
     pipeline_parallel_worker.py KIND:P[xV],R,S,C,T[,E] [...]
 
 KIND is `dense` (llama31_8b's tiny model), `dense4` (the same with 4 blocks, so that middle stages read and send
-hidden states) or `moe` (gpt_oss_20b's tiny model, 8 experts top 2 and a sliding window, at a short sequence); P
+hidden states), `moe` (gpt_oss_20b's tiny model, 8 experts top 2 and a sliding window, at a short sequence) or
+`deepseek` (deepseekv3_671b's tiny model at a short sequence: MLA, a dense first block, the grouped sigmoid router
+with its sequence balance loss, a shared expert, and a multi-token-prediction depth on the last stage, which reads
+the tokens ahead that the first stage embeds); P
 pipeline ranks (each holding V virtual stages: the interleaved schedule) x R replicas x S shards x C context ranks x
 T tensor ranks, E expert ranks. For each: every stage's initial weights drawn from one seed
 equal the whole model's; the 1F1B step's loss over 4 micro batches per data rank, on every rank, and every
@@ -30,13 +33,14 @@ from torch.testing import assert_close
 from tests.gpt3_parallel_worker import full, say
 from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, scored_loss_sum
 from workloads.common.resilience import _ModelAndOptimizer
-from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, Layout
+from workloads.decoder.config import DEEPSEEK_TINY, GPT_OSS_PRESETS, PRESETS, Layout
 from workloads.decoder.model import Decoder
+from workloads.decoder.moe import MoE
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh, parallelize
 from workloads.decoder.pipeline import Pipeline, draw_weights, rank_model, stage_models
 
 CONFIGS = {"dense": PRESETS["tiny"].model, "dense4": replace(PRESETS["tiny"].model, n_layer=4),
-           "moe": replace(GPT_OSS_PRESETS["tiny"].model, seq_len=64)}
+           "moe": replace(GPT_OSS_PRESETS["tiny"].model, seq_len=64), "deepseek": replace(DEEPSEEK_TINY, seq_len=64)}
 MICRO_BATCH = 2
 ACCUMULATE = 4
 SEED = 5
@@ -66,6 +70,10 @@ def parity(kind: str, layout: Layout) -> None:
                            generator=torch.Generator().manual_seed(1))
     data_rank = mesh["data"].get_local_rank()
     mine = [tokens[(step * layout.data + data_rank) * MICRO_BATCH:][:MICRO_BATCH] for step in range(ACCUMULATE)]
+    # The balance loss's gradient scale (PretrainWorkload._expert_balance): 1 / the micro batches where each micro
+    # batch's loss is divided by them; 1 in a stage, whose schedule divides the gradients after backward.
+    for moe in (m for m in reference.modules() if isinstance(m, MoE)):
+        moe.aux_loss_scale = MICRO_BATCH / layout.global_batch
     expected = accumulate_gradients(reference, tokens.split(MICRO_BATCH), layout.global_batch // MICRO_BATCH)
     loss = pipeline.train_step(iter(mine))
     assert loss.item() != 0  # every stage got the last stage's loss

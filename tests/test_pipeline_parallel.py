@@ -114,8 +114,9 @@ def test_two_stages_and_interleaved_virtual_stages_match_the_whole_model():
     """llama31_8b's tiny model over 2 stages, one process each: the initial weights, the 1F1B step's loss over 4
     micro batches, every gradient, the clipping norm and the eval's scored loss equal the whole model's, and a DCP
     checkpoint of the stages comes back whole; and with 4 blocks in 4 stages, 2 a rank (interleaved 1F1B: rank 0
-    holds stages 0 and 2; its checkpoint through StageChunks)."""
-    _workers(2, "dense:2,1,1,1,1", "dense4:2x2,1,1,1,1")
+    holds stages 0 and 2; its checkpoint through StageChunks); and deepseekv3_671b's tiny model over 2 stages, its
+    multi-token prediction on the last stage reading what the first embeds."""
+    _workers(2, "dense:2,1,1,1,1", "dense4:2x2,1,1,1,1", "deepseek:2,1,1,1,1")
 
 
 @pytest.mark.slow
@@ -124,8 +125,10 @@ def test_stages_with_fsdp_tensor_context_and_expert_parallel_and_middle_stages_m
     (sequence shards between the stages, the loss over vocabulary shards); 2 stages x context 2 (each stage given
     its chunks' positions); 4 stages of one block each (two middle stages, which read and send hidden states); and
     gpt_oss_20b's tiny model (at sequence 64) over 2 stages x expert parallel 2 (its experts split within each
-    stage, the all-to-alls inside the stage's ranks)."""
-    _workers(4, "dense:2,1,2,1,1", "dense:2,1,1,1,2", "dense:2,1,1,2,1", "dense4:4,1,1,1,1", "moe:2,1,2,1,1,2")
+    stage, the all-to-alls inside the stage's ranks); and deepseekv3_671b's tiny model (MLA, the balance loss, MTP)
+    over 2 stages x expert parallel 2."""
+    _workers(4, "dense:2,1,2,1,1", "dense:2,1,1,1,2", "dense:2,1,1,2,1", "dense4:4,1,1,1,1", "moe:2,1,2,1,1,2",
+             "deepseek:2,1,2,1,1,2")
 
 
 @pytest.mark.slow

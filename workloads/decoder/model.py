@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from workloads.common.whole_draws import draw_
 from workloads.decoder.config import DecoderConfig, LoraConfig, MlaConfig, RopeScaling, YarnScaling
 from workloads.decoder.moe import MoE, SwiGLU
-from workloads.decoder.mtp import MultiTokenPrediction, mtp_loss
+from workloads.decoder.mtp import MultiTokenPrediction, mtp_loss, tokens_ahead
 
 
 def rope_frequencies(cfg: DecoderConfig) -> torch.Tensor:
@@ -323,24 +323,35 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, targets: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the
-        tokens' places in the whole sequence (default 0..seq-1). A pipeline stage (workloads.decoder.pipeline)
-        without the embedding reads the previous stage's hidden states (batch, seq, d_model) instead of tokens, and
-        one without the output layer returns its hidden states (the pipeline gives every stage the positions). With the next-token `targets` (training a model with
-        MTP depths): the logits and the weighted MTP loss (workloads.decoder.mtp), for the caller to add to its loss."""
+        """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). `positions` are the tokens'
+        places in the whole sequence (default 0..seq-1). With the next-token `targets` (training a model with MTP
+        depths): the logits and the weighted MTP loss (workloads.decoder.mtp), for the caller to add to its loss.
+
+        A pipeline stage (workloads.decoder.pipeline) without the embedding reads the previous stage's hidden states
+        (batch, seq, d_model) instead of tokens, and one without the output layer returns its hidden states (the
+        pipeline gives every stage the positions and, with MTP, the targets). With MTP, the embedded tokens the
+        depths read (mtp.tokens_ahead) are made where the embedding is and travel between stages beside the hidden
+        states, concatenated along the features (one tensor a stage boundary, as the schedule sends)."""
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device)
         rope = rope_tables(self.rope_freqs, positions)
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        predicting = targets is not None and self.cfg.mtp_layers > 0
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(tokens)
+            ahead = tokens_ahead(self.tok_embeddings, tokens, self.cfg.mtp_layers) if predicting else None
+        elif predicting:
+            x, ahead = tokens.split([self.cfg.d_model, self.cfg.mtp_layers * self.cfg.d_model], dim=-1)
+        else:
+            x = tokens
         for layer in self.layers:
             # Checkpointing keeps only each block's input and recomputes the rest in backward.
             x = checkpoint(layer, x, rope, positions, use_reentrant=False) \
                 if self.activation_checkpointing and self.training else layer(x, rope, positions)
         if self.output is None:
-            return x
+            return torch.cat((x, ahead), dim=-1) if predicting else x
         hidden = self.norm(x)
         logits = self.output(hidden)
-        if targets is None:
+        if not predicting:
             return logits
-        return logits, mtp_loss(self.mtp, self.tok_embeddings, self.output, hidden, tokens, targets, rope, positions,
+        return logits, mtp_loss(self.mtp, self.output, hidden, ahead, targets, rope, positions,
                                 self.cfg.mtp_loss_scale, self.activation_checkpointing and self.training)

@@ -33,6 +33,12 @@ that the reference keeps that default is read from the recipe, which does not se
 parallelism (Megatron's roll_tensor swaps the boundary tokens between context ranks) and tensor parallelism (the
 depths' blocks and vocabulary-sharded logits): parallelize.py refuses both; the reference runs context and tensor
 parallel 1.
+
+Under pipeline parallelism the depths live on the last stage with the output layer, and the embedding on the first:
+the first stage embeds the tokens each depth reads (tokens_ahead) and the stages pass them on beside the hidden
+states, so the embedding stays one parameter whose gradient comes back through the pipeline. (Megatron keeps a copy
+of the embedding on the last stage instead and all-reduces the two copies' gradients; sending the embedded tokens
+costs s x d x depths more bytes per micro batch per stage boundary and needs no copy to keep equal.)
 """
 
 from __future__ import annotations
@@ -72,18 +78,27 @@ def roll_left(x: torch.Tensor, fill: int) -> torch.Tensor:
     return torch.cat((x[:, 1:], x.new_full((x.size(0), 1), fill)), dim=1)
 
 
-def mtp_loss(depths: nn.ModuleList, embedding: nn.Embedding, output: nn.Linear, hidden: torch.Tensor,
-             tokens: torch.Tensor, targets: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-             positions: torch.Tensor, scale: float, checkpointed: bool = False) -> torch.Tensor:
+def tokens_ahead(embedding: nn.Embedding, tokens: torch.Tensor, depths: int) -> torch.Tensor:
+    """The embeddings of the tokens 1..depths places ahead of each position (roll_left once per depth, 0 in the
+    vacated places), side by side: (batch, seq, depths x d), what mtp_loss reads."""
+    rolled = []
+    for _ in range(depths):
+        tokens = roll_left(tokens, 0)
+        rolled.append(embedding(tokens))
+    return torch.cat(rolled, dim=-1)
+
+
+def mtp_loss(depths: nn.ModuleList, output: nn.Linear, hidden: torch.Tensor, ahead: torch.Tensor,
+             targets: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, scale: float,
+             checkpointed: bool = False) -> torch.Tensor:
     """The MTP loss of a micro batch, weighted: scale / depths x the sum over the depths of each one's mean cross
-    entropy over the positions it scores. hidden: the main decoder's output after its final norm; tokens: its input
-    (batch, seq); targets: its next-token targets (IGNORED where not scored). `checkpointed`: keep only each depth's
-    inputs and recompute the rest in backward, as the decoder's blocks do (Megatron's MTP layer recomputes
-    eh_proj, its block and its norm under full recompute)."""
+    entropy over the positions it scores. hidden: the main decoder's output after its final norm; ahead: the
+    embedded tokens each depth reads (tokens_ahead); targets: the next-token targets (IGNORED where not scored).
+    `checkpointed`: keep only each depth's inputs and recompute the rest in backward, as the decoder's blocks do
+    (Megatron's MTP layer recomputes eh_proj, its block and its norm under full recompute)."""
     losses = []
-    for depth in depths:
-        tokens, targets = roll_left(tokens, 0), roll_left(targets, IGNORED)
-        embedded = embedding(tokens)
+    for depth, embedded in zip(depths, ahead.chunk(len(depths), dim=-1)):
+        targets = roll_left(targets, IGNORED)
         hidden = checkpoint(depth, hidden, embedded, rope, positions, use_reentrant=False) if checkpointed \
             else depth(hidden, embedded, rope, positions)
         logits = output(hidden)

@@ -57,12 +57,13 @@ class StageLayers(nn.ModuleList):
 
 def keep_stage(model: Decoder, blocks: range, first: bool, last: bool) -> Decoder:
     """`model` (the whole decoder, on the meta device) cut down in place to one stage: its blocks, the embedding
-    on the first stage, the final norm and output layer on the last."""
+    on the first stage, the final norm, output layer and MTP depths on the last."""
     model.layers = StageLayers({number: model.layers[number] for number in blocks})
     if not first:
         model.tok_embeddings = None
     if not last:
         model.norm = model.output = None
+        model.mtp = nn.ModuleList()
     return model
 
 
@@ -93,6 +94,8 @@ class StageChunks(nn.Module):
             for name in ("tok_embeddings", "norm", "output"):
                 if getattr(chunk, name) is not None:
                     setattr(self, name, getattr(chunk, name))
+            if len(chunk.mtp):  # the last stage's MTP depths
+                self.mtp = chunk.mtp
         self.layers = StageLayers({int(number): block for chunk in chunks
                                    for number, block in chunk.layers._modules.items()})
 
@@ -158,6 +161,21 @@ def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_loss(logits, targets)
 
 
+class _WithPrediction:
+    """The loss of a last stage with MTP depths, whose output is (logits, weighted MTP loss): the next-token loss
+    plus the MTP loss, as accumulate_gradients adds them; each micro batch's next-token loss is kept for the log
+    (the step's loss is the next-token one, as without a pipeline)."""
+
+    def __init__(self):
+        self.next_token: list[torch.Tensor] = []
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        logits, mtp_loss = output
+        loss = token_loss(logits, targets)
+        self.next_token.append(loss.detach())
+        return loss + mtp_loss
+
+
 def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_loss(logits, targets, reduction="sum")
 
@@ -175,7 +193,10 @@ class Pipeline:
         self.stage_indices = rank_stages(layout, mesh["pipeline"].get_local_rank())
         self.ranks, self.stages = layout.pipeline, layout.pipeline * layout.virtual
         self.is_first, self.is_last = self.stage_indices[0] == 0, self.stage_indices[-1] == self.stages - 1
-        self.train = self._schedule(layout.grad_accum, _mean_loss, training=True)
+        # With MTP depths every stage gets the targets (the first embeds the tokens ahead, the last scores them).
+        self.predicting = chunks[0].cfg.mtp_layers > 0
+        self.train_loss = _WithPrediction() if self.predicting else _mean_loss
+        self.train = self._schedule(layout.grad_accum, self.train_loss, training=True)
         self._eval: dict[tuple[int, ...], object] = {}  # by batch shape: a stage's buffers have one shape
 
     def _schedule(self, micro_batches: int, loss_fn, training: bool = False):
@@ -199,11 +220,17 @@ class Pipeline:
     def train_step(self, micro_batches: Iterable[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the step's micro batches through every stage; the mean loss, on every rank."""
         inputs, keywords, targets = zip(*(self._inputs(tokens) for tokens in micro_batches))
+        if self.predicting:
+            keywords = [{**words, "targets": target} for words, target in zip(keywords, targets)]
+            self.train_loss.next_token.clear()
         losses: list[torch.Tensor] = []
         with self.loss_context():
             self.train.step(arg_mbs=list(inputs) if self.is_first else None, kwarg_mbs=list(keywords),
                             target_mbs=list(targets) if self.is_last else None,
                             losses=losses if self.is_last else None, return_outputs=False)
+        if self.predicting:
+            # the micro batches' own: the schedule's first step also runs the loss once to infer the stage's shapes
+            losses = self.train_loss.next_token[-len(losses):]
         loss = _local(torch.stack([_local(loss) for loss in losses]).mean().detach()) if self.is_last \
             else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # only the last stage's is not zero

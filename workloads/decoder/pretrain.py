@@ -101,13 +101,14 @@ class PretrainWorkload(DecoderWorkload):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def _expert_balance(self, model: torch.nn.Module):
-        """DeepSeek-V3's balance terms: each MoE layer's sequence loss scaled as the main loss is (1 / the micro
-        batches a step accumulates: AuxLossScaler), and the process group over which the expert loads are summed
-        for the bias update (every rank that saw different tokens: replicate x shard x context), None where no
-        layer moves a bias."""
+        """DeepSeek-V3's balance terms: each MoE layer's sequence loss scaled as the main loss is (AuxLossScaler: 1 /
+        the micro batches a step accumulates, where accumulate_gradients divides each micro batch's loss; 1 under a
+        pipeline, whose schedule divides every gradient by them after backward), and the process group over which
+        the expert loads are summed for the bias update (every rank of this stage that saw different tokens:
+        replicate x shard x context), None where no layer moves a bias."""
         moes = [m for m in model.modules() if isinstance(m, MoE)]
         for moe in moes:
-            moe.aux_loss_scale = 1 / self.layout.grad_accum
+            moe.aux_loss_scale = 1 / self.layout.grad_accum if self.layout.pipeline == 1 else 1.0
         if not any(moe.bias_update_rate for moe in moes):
             return None
         return self.mesh["replicate", "shard", "context"]._flatten("expert_balance").get_group()
