@@ -147,8 +147,8 @@ def test_verdicts_are_cached_by_content_ruleset_and_checker_version(tmp_path, pr
     assert [first[p].passed for p in paths] == [False, True, True, True, True]
     cached = sorted((private_cache / "compliance").rglob("*.json"))
     assert len(cached) == 5
-    assert all(f"mlperf-logging-{compliance.checker_version()}" in p.parts and "training_4.0.0" in p.parts
-               for p in cached)
+    folder = f"mlperf-logging-{compliance.checker_version()}-v{compliance.VERDICT_FORMAT}"
+    assert all(folder in p.parts and "training_4.0.0" in p.parts for p in cached)
 
     def no_checker(path, ruleset):
         raise AssertionError(f"{path} was checked again")

@@ -210,8 +210,9 @@ def _judge(group: Group, ruleset: str) -> None:
         return
     try:
         for run in group.runs:
-            run.converged = run.compliant and converged(run.status, run.eval_records,
-                                                        target_check(ruleset, run.division, run.benchmark))
+            run.reached_target = converged(run.status, run.eval_records,
+                                           target_check(ruleset, run.division, run.benchmark))
+            run.converged = run.compliant and run.reached_target
     except RuleError as exc:
         group.unscorable = str(exc)
         for run in group.runs:
@@ -252,6 +253,7 @@ def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
     grouped: dict[tuple, Group] = {}
     for run in runs:
         run.compliance_error = checked[Path(run.file)].error
+        run.compliance_failed_keys = checked[Path(run.file)].failed_keys
         key = group_key(run)
         if key not in grouped:
             grouped[key] = Group(run.submitter, run.system, run.benchmark, runs=[], system_id=run.system_id,

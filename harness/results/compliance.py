@@ -40,12 +40,14 @@ import yaml
 from workloads.common.cache import cache_root
 
 USAGE = "training"
+VERDICT_FORMAT = 2  # the cached verdicts' fields (2: failed_keys); a new format leaves the old cache unread
 
 
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
     error: str | None = None  # the checker's first error, on one line; None when the file passed
+    failed_keys: tuple[str, ...] = ()  # the keys whose CHECK failed ("CHECK for 'KEY' failed"), in the checker's order
 
 
 @cache
@@ -132,18 +134,21 @@ def check_file(path: str, ruleset: str) -> Verdict:
     if passed:
         return Verdict(True)
     messages = [*checker.overwritable.values(), *checker.not_overwritable]  # the order it logs them in
-    return Verdict(False, _one_line(messages[0]))
+    keys = tuple(m.split("CHECK for '", 1)[1].split("'", 1)[0] for m in messages if m.startswith("CHECK for '"))
+    # Only a file whose every complaint is a key's CHECK lists its keys: any other complaint (a missing key, an
+    # order) leaves failed_keys empty, so nothing reads such a file as failing those checks alone.
+    return Verdict(False, _one_line(messages[0]), keys if len(keys) == len(messages) else ())
 
 
 def _cache_file(digest: str, ruleset: str) -> Path:
-    return cache_root() / "compliance" / f"mlperf-logging-{checker_version()}" / f"{USAGE}_{ruleset}" / \
+    return cache_root() / "compliance" / f"mlperf-logging-{checker_version()}-v{VERDICT_FORMAT}" / f"{USAGE}_{ruleset}" / \
         f"{digest}.json"
 
 
 def _cached(digest: str, ruleset: str) -> Verdict | None:
     try:
         record = json.loads(_cache_file(digest, ruleset).read_text())
-        return Verdict(bool(record["passed"]), record["error"])
+        return Verdict(bool(record["passed"]), record["error"], tuple(record.get("failed_keys", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -155,7 +160,8 @@ def _store(digest: str, ruleset: str, verdict: Verdict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"passed": verdict.passed, "error": verdict.error}))
+        tmp.write_text(json.dumps({"passed": verdict.passed, "error": verdict.error,
+                                   "failed_keys": list(verdict.failed_keys)}))
         os.replace(tmp, path)
     except OSError:
         pass

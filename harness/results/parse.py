@@ -55,7 +55,8 @@ class Run:
     last_batch_size: object = None
     last_stop: tuple[int, object] | None = None  # (len(eval_records) before the last run_stop, its status)
     accelerators: int | None = None  # from the submission's system description, where there is one
-    converged: bool = False  # set by harness.results.load under a ruleset's target check
+    converged: bool = False  # set by harness.results.load under a ruleset's target check, for a compliant log
+    reached_target: bool = False  # the same check, whatever the compliance checker says of the log
     # From the harness's run record beside the log (None for logs without one): see goodput.py.
     restarts: int | None = None
     goodput: float | None = None
@@ -68,6 +69,7 @@ class Run:
     campaign: str | None = None
     # mlperf-logging's compliance checker's first error (set by harness.results.load); None: the file passed.
     compliance_error: str | None = None
+    compliance_failed_keys: tuple[str, ...] = ()  # the keys whose CHECK failed, where nothing else did
     # Trained on synthetic input (its run record says so): a throughput run, with no quality target or score.
     synthetic: bool = False
 

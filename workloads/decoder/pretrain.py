@@ -106,11 +106,12 @@ class PretrainWorkload(DecoderWorkload):
         pipeline, whose schedule divides every gradient by them after backward), and the process group over which
         the expert loads are summed for the bias update (every rank of this stage that saw different tokens:
         replicate x shard x context), None where no layer moves a bias."""
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
-        for moe in moes:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.aux_loss_scale = 1 / self.layout.grad_accum if self.layout.pipeline == 1 else 1.0
-        if not any(moe.bias_update_rate for moe in moes):
+        moe = self.cfg.model.moe
+        if not (moe and moe.bias_update_rate):
             return None
+        # Decided from the config, so that every rank makes the group: a pipeline stage may hold no MoE layer.
         return self.mesh["replicate", "shard", "context"]._flatten("expert_balance").get_group()
 
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
