@@ -226,7 +226,7 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
     assert result.returncode == 0, result.stderr
     assert harness(*args).stdout == result.stdout  # deterministic
     # The planned pipeline (the workload runs none yet): 12 layers a stage, FSDP over a stage's 56 data ranks.
-    assert "tensor 8 x pipeline 8 (planned: the workload runs no pipeline yet) x data (FSDP) 56" in result.stderr
+    assert "tensor 8 x pipeline 8 x data (FSDP) 56" in result.stderr
     assert "global batch 1568 = 56 x micro batch 1 x 28 pipeline micro batches" in result.stderr
     assert "gpt3 memory per GPU (stage 0): 21.1 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, " \
            "gathered 15.6, activations 0.7, pipeline buffers 0.0, logits 0.0, reserve 4.0 GiB" in result.stderr
@@ -259,11 +259,11 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
 
 def test_memory_estimate_shrinks_with_more_gpus():
     cfg = PRESETS["full"]
-    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8, dry_run=True)).total for world in (64, 3584))
+    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8)).total for world in (64, 3584))
     assert small > large
     no_checkpointing = estimate_memory(dataclasses.replace(cfg, activation_checkpointing=False),
-                                       plan_layout(cfg, 3584, 8, dry_run=True))
-    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8, dry_run=True)).activations
+                                       plan_layout(cfg, 3584, 8))
+    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8)).activations
 
 
 @pytest.mark.slow
@@ -391,18 +391,17 @@ def test_the_closed_base_lr_is_the_rcps_lr_for_the_batch():
     assert base_lr(PRESETS["tiny"], 4) == 3e-5 and LR_TABLE[0][0] == 1536  # the open preset keeps its own
 
 
-@pytest.mark.parametrize("micro_batch, shown", [("80", "global batch 4480 = 56 x micro batch 80 x 1 pipeline micro "
-                                                       "batches; base LR 3e-05"), ("160", None)])
-def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_with_none(tmp_path, micro_batch, shown):
+@pytest.mark.parametrize("micro_batch, shown", [("3", "global batch 1680 = 56 x micro batch 3 x 10 pipeline micro "
+                                                      "batches; base LR 2e-05"), ("80", None)])
+def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_the_pipeline_cannot_fill(tmp_path, micro_batch, shown):
     result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100",
                      "--nodes", "448", "--gpus-per-node", "8", "--batch-size", micro_batch, "--synthetic", "--dry-run",
                      "--out", str(tmp_path))
     if shown:
         assert result.returncode == 0 and shown in result.stderr, result.stderr
-    else:  # 56 data ranks (pipeline 8) x 160 = 8,960 sequences: above the table
+    else:  # 56 data ranks (pipeline 8) x 80 covers the 1,536 sequences in 1 micro batch: 1F1B needs 8
         assert result.returncode == 2 and "Traceback" not in result.stderr
-        assert "global batch 8960 has no base LR in MLPerf's GPT-3 table (batch 1536-3072: 2e-05; batch " \
-               "4096-8192: 3e-05; either in between; above 8192 needs a new RCP)" in result.stderr
+        assert "pipeline parallel 8 needs at least 8 micro batches per data rank per step" in result.stderr
 
 
 @pytest.fixture(scope="module")
