@@ -29,6 +29,7 @@ from workloads.gpt3.config import LR_TABLE, PRESETS, base_lr, estimate_memory, p
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, c4_loaders, tiny_entropy
 from workloads.gpt3.model import GPT
+from workloads.gpt3.pipeline import optimizer_names, stage_model
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -255,6 +256,22 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
                      "--synthetic", "--dry-run", "--out", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "needs about 332.4 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
+
+
+def test_each_pipeline_stage_keeps_its_blocks_under_the_whole_models_names_and_the_last_a_copy_of_the_tied_weight():
+    """2 stages of the tiny model: the first the embeddings and block 0, the last block 1, the final LayerNorm and
+    the output layer, whose weight is its own (the copy; the first stage's embedding is the other); the last stage
+    reads and writes the copy's Adam moments under the embedding's name, as the whole model holds them once."""
+    cfg = dataclasses.replace(PRESETS["tiny"], pipeline_parallel=2)
+    layout = plan_layout(cfg, 2, 2)
+    first, last = (stage_model(cfg, layout, rank) for rank in (0, 1))
+    parts = [{".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
+              for name, _ in stage.named_parameters()} for stage in (first, last)]
+    assert parts == [{"wte", "wpe", "blocks.0"}, {"blocks.1", "ln_f", "lm_head"}]
+    assert optimizer_names({"lm_head.weight": 1, "ln_f.weight": 2}, last) == {"wte.weight": 1, "ln_f.weight": 2}
+    assert optimizer_names({"wte.weight": 1}, first) == {"wte.weight": 1}
+    with pytest.raises(ValueError, match="pipeline parallel 2 needs at least 2 micro batches per data rank"):
+        plan_layout(dataclasses.replace(cfg, global_batch=1), 2, 2)
 
 
 def test_memory_estimate_shrinks_with_more_gpus():
