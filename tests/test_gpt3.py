@@ -252,10 +252,13 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
-    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "1",
-                     "--synthetic", "--dry-run", "--out", str(tmp_path))
+    """8 nodes (tensor 8 x pipeline 8, one data rank) at micro batch 64: 12 layers' activations of 64 sequences for
+    each of the 8 micro batches stage 0 holds in flight."""
+    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "8",
+                     "--batch-size", "64", "--synthetic", "--dry-run", "--out", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "needs about 332.4 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
+    assert "needs about 104.1 GiB (weights 10.4," in result.stderr and "per GPU on stage 0" in result.stderr
+    assert "more than the 80 GiB" in result.stderr
 
 
 def test_each_pipeline_stage_keeps_its_blocks_under_the_whole_models_names_and_the_last_a_copy_of_the_tied_weight():
