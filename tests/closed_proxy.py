@@ -42,7 +42,7 @@ UNTIL_RUN_START = "--until-run-start"
 if __name__ == "__main__":
     bert.PRESETS["full"] = dataclasses.replace(bert.PRESETS["full"], model=BERT_MODEL)
     gpt3.PRESETS["full"] = dataclasses.replace(gpt3.PRESETS["full"], model=GPT3_MODEL,
-                                               pipeline_parallel=1)  # the workload runs no pipeline yet
+                                               pipeline_parallel=1)  # the proxy runs on 1 process
     llama.PRESETS["full"] = dataclasses.replace(llama.PRESETS["full"], model=LLAMA_MODEL)
     llama.LORA_PRESETS["full"] = dataclasses.replace(llama.LORA_PRESETS["full"], model=LLAMA2_MODEL)
     llama.GPT_OSS_PRESETS["full"] = dataclasses.replace(llama.GPT_OSS_PRESETS["full"], model=GPT_OSS_MODEL)

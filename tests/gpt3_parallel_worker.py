@@ -4,6 +4,10 @@ checked against the same model whole in this process.
     gpt3_parallel_worker.py parity:DATA:TENSOR:ACCUM   loss, gradients, clipping and one AdamW step
     gpt3_parallel_worker.py memory:DATA:TENSOR:ACCUM   bytes of gradients (after each micro batch), weights and
                                                        Adam moments this rank holds (JSON line)
+    gpt3_parallel_worker.py pipeline:DATA:TENSOR:ACCUM pipeline stages (the world over DATA x TENSOR) against the
+                                                       whole model: initial weights, the 1F1B step's loss and
+                                                       every gradient, the tied output layer's copies, clipping,
+                                                       one AdamW step and the eval's scored sums
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups
+from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups, rolled_split, \
+    scored_loss_sum
 from workloads.gpt3.config import GPT3Config, GPTConfig, Layout, estimate_memory
 from workloads.gpt3.model import GPT
 from workloads.gpt3.parallel import build_mesh, parallelize
+from workloads.gpt3.pipeline import TIED, TIED_COPY, GPT3Pipeline, stage_model
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 MICRO_BATCH = 2
@@ -92,6 +98,76 @@ def parity(layout: Layout) -> None:
     say(f"rank {dist.get_rank()}: parity ok")
 
 
+def pipelined(layout: Layout) -> None:
+    """A stage of the model drawn from one seed holds the whole model's initial weights (the last stage's copy of
+    the tied output layer too); over ACCUM micro batches per data rank, the 1F1B step's loss on every rank and every
+    gradient equal the whole model's (both copies of the tied weight: the embedding's and the output layer's uses
+    summed), the clipping norm counts the copy once, one AdamW step keeps the copies equal, and the eval's sums
+    match."""
+    mesh = build_mesh(layout, CPU)
+    config = _config(layout)
+    model = stage_model(config, layout, mesh["pipeline"].get_local_rank())
+    parallelize(model, mesh, CPU)
+    model.to_empty(device=CPU)
+    torch.manual_seed(3)
+    model.init_weights()
+    reference = GPT(CONFIG)
+    torch.manual_seed(3)
+    reference.init_weights()  # the draws after the seed (the constructor's drew after the modules' own)
+    wanted = dict(reference.named_parameters(remove_duplicate=False))  # "lm_head.weight" too: the tied weight
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        assert_close(full(param.detach()), wanted[name].detach(), rtol=0, atol=0, msg=lambda t, name=name: f"{name}: {t}")
+    everyone: list[list[str]] = [[] for _ in range(layout.world)]
+    dist.all_gather_object(everyone, list(params))
+    assert set().union(*everyone) == set(wanted), "the stages together hold every parameter, under its name"
+
+    pipeline = GPT3Pipeline(model, mesh, layout, CPU)
+    tokens = torch.randint(0, CONFIG.vocab_size, (layout.global_batch, CONFIG.seq_len),
+                           generator=torch.Generator().manual_seed(1))
+    data_rank = mesh["data"].get_local_rank()
+    expected = accumulate_gradients(reference, tokens.split(MICRO_BATCH), layout.global_batch // MICRO_BATCH,
+                                    rolled_split)
+    loss = pipeline.train_step(iter(micro_batches(tokens, layout, data_rank)))
+    dist.all_reduce(loss)
+    assert_close(loss / layout.world, expected)  # every rank got the last stage's loss, each data rank's its own mean
+    for name, param in params.items():
+        assert_close(full(param.grad), wanted[name].grad, rtol=1e-4, atol=1e-6, msg=lambda t, name=name: f"{name}: {t}")
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = clip_grad_norm_(model.parameters(), 0.05, pipeline.group, pipeline.copies)
+    assert expected_norm > 0.05  # the clip really scales
+    assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+    for m in (reference, model):
+        torch.optim.AdamW(optimizer_groups(m, 0.1, decay_vectors=True), lr=1e-2).step()
+    for name, param in params.items():
+        assert_close(full(param.detach()), wanted[name].detach(), rtol=1e-4, atol=1e-4,
+                     msg=lambda t, name=name: f"{name}: {t}")
+    if pipeline.tied is not None:  # the first and the last stage: their copies stay equal, to the bit
+        copies = [torch.empty_like(full(pipeline.tied.detach())) for _ in range(2)]
+        dist.all_gather(copies, full(pipeline.tied.detach()), group=pipeline.ends)
+        assert torch.equal(*copies) and (TIED in params) != (TIED_COPY in params)
+
+    reference.eval(), model.eval()
+    for batch in (MICRO_BATCH, 1):  # an eval set's full batches and its last, shorter one
+        scored = tokens[:layout.data * batch]
+        counted = torch.ones(len(scored), dtype=torch.bool)
+        counted[0] = False  # as an eval shard's padding
+        want_sum, want_count = scored_loss_sum(reference, scored, counted, rolled_split)
+        rows = slice(data_rank * batch, (data_rank + 1) * batch)
+        got_sum, got_count = pipeline.scored_loss_sum(scored[rows], counted[rows])
+        sums = torch.tensor([got_sum.item(), float(got_count)], dtype=torch.float64)
+        dist.all_reduce(sums)  # only the last stage's ranks hold sums, each tensor rank of them the same
+        assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
+                     rtol=1e-6, atol=0)
+    say(f"rank {dist.get_rank()}: pipeline ok")
+
+
+def _config(layout: Layout) -> GPT3Config:
+    return GPT3Config(model=CONFIG, global_batch=layout.global_batch, micro_batch=MICRO_BATCH, base_lr=0,
+                      end_lr_ratio=0, warmup_steps=1, decay_steps=1, lr_batch=1, eval_interval=1, eval_sequences=1,
+                      target=0, init_checkpoint_step=0, pipeline_parallel=layout.pipeline)
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
@@ -122,10 +198,7 @@ def memory(layout: Layout) -> None:
     optimizer = torch.optim.AdamW(optimizer_groups(model, 0.1))
     optimizer.step()
     moments = sum(local_bytes(state[kind]) for state in optimizer.state.values() for kind in ("exp_avg", "exp_avg_sq"))
-    cfg = GPT3Config(model=CONFIG, global_batch=layout.global_batch, micro_batch=MICRO_BATCH, base_lr=0,
-                     end_lr_ratio=0, warmup_steps=1, decay_steps=1, lr_batch=1, eval_interval=1, eval_sequences=1,
-                     target=0, init_checkpoint_step=0)
-    estimate = estimate_memory(cfg, layout, on_gpu=False)
+    estimate = estimate_memory(_config(layout), layout, on_gpu=False)
     say(json.dumps({"rank": dist.get_rank(), "gradients": held, "weights": sum(map(local_bytes, model.parameters())),
                     "optimizer": moments, "estimate": {term: getattr(estimate, term)
                                                        for term in ("gradients", "weights", "optimizer")}}))
@@ -142,8 +215,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     for job in sys.argv[1:]:  # MODE:DATA:TENSOR:ACCUM, one after another in this one process group
         mode, data, tensor, accum = job.split(":")[0], *map(int, job.split(":")[1:])
-        layout = Layout(world=data * tensor, tensor=tensor, pipeline=1, data=data, micro_batch=MICRO_BATCH,
-                        grad_accum=accum)
+        stages = dist.get_world_size() // (data * tensor) if mode == "pipeline" else 1
+        layout = Layout(world=stages * data * tensor, tensor=tensor, pipeline=stages, data=data,
+                        micro_batch=MICRO_BATCH, grad_accum=accum)
         gc.collect()  # the last job's models (FSDP's sit in reference cycles) hold no gradients to count
-        {"parity": parity, "memory": memory}[mode](layout)
+        {"parity": parity, "memory": memory, "pipeline": pipelined}[mode](layout)
     dist.destroy_process_group()

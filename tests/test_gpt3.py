@@ -29,6 +29,7 @@ from workloads.gpt3.config import LR_TABLE, PRESETS, base_lr, estimate_memory, p
 from workloads.gpt3.convert_reference import EMBEDDINGS, FUSED_QKV, LAYER_PREFIX, LAYERS, main, split_qkv
 from workloads.gpt3.data import C4_EVAL, C4_TRAIN, TINY_VOCAB, c4_loaders, tiny_entropy
 from workloads.gpt3.model import GPT
+from workloads.gpt3.pipeline import optimizer_names, stage_model
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -226,7 +227,7 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
     assert result.returncode == 0, result.stderr
     assert harness(*args).stdout == result.stdout  # deterministic
     # The planned pipeline (the workload runs none yet): 12 layers a stage, FSDP over a stage's 56 data ranks.
-    assert "tensor 8 x pipeline 8 (planned: the workload runs no pipeline yet) x data (FSDP) 56" in result.stderr
+    assert "tensor 8 x pipeline 8 x data (FSDP) 56" in result.stderr
     assert "global batch 1568 = 56 x micro batch 1 x 28 pipeline micro batches" in result.stderr
     assert "gpt3 memory per GPU (stage 0): 21.1 GiB of 80 GiB (weights 0.2, gradients 0.2, optimizer 0.4, " \
            "gathered 15.6, activations 0.7, pipeline buffers 0.0, logits 0.0, reserve 4.0 GiB" in result.stderr
@@ -251,19 +252,38 @@ def test_full_preset_on_448_h100_nodes_shows_its_layout_and_memory(tmp_path, bac
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
-    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "1",
-                     "--synthetic", "--dry-run", "--out", str(tmp_path))
+    """8 nodes (tensor 8 x pipeline 8, one data rank) at micro batch 64: 12 layers' activations of 64 sequences for
+    each of the 8 micro batches stage 0 holds in flight."""
+    result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "h100-ib", "--nodes", "8",
+                     "--batch-size", "64", "--synthetic", "--dry-run", "--out", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "needs about 332.4 GiB per GPU" in result.stderr and "more than the 80 GiB" in result.stderr
+    assert "needs about 104.1 GiB (weights 10.4," in result.stderr and "per GPU on stage 0" in result.stderr
+    assert "more than the 80 GiB" in result.stderr
+
+
+def test_each_pipeline_stage_keeps_its_blocks_under_the_whole_models_names_and_the_last_a_copy_of_the_tied_weight():
+    """2 stages of the tiny model: the first the embeddings and block 0, the last block 1, the final LayerNorm and
+    the output layer, whose weight is its own (the copy; the first stage's embedding is the other); the last stage
+    reads and writes the copy's Adam moments under the embedding's name, as the whole model holds them once."""
+    cfg = dataclasses.replace(PRESETS["tiny"], pipeline_parallel=2)
+    layout = plan_layout(cfg, 2, 2)
+    first, last = (stage_model(cfg, layout, rank) for rank in (0, 1))
+    parts = [{".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
+              for name, _ in stage.named_parameters()} for stage in (first, last)]
+    assert parts == [{"wte", "wpe", "blocks.0"}, {"blocks.1", "ln_f", "lm_head"}]
+    assert optimizer_names({"lm_head.weight": 1, "ln_f.weight": 2}, last) == {"wte.weight": 1, "ln_f.weight": 2}
+    assert optimizer_names({"wte.weight": 1}, first) == {"wte.weight": 1}
+    with pytest.raises(ValueError, match="pipeline parallel 2 needs at least 2 micro batches per data rank"):
+        plan_layout(dataclasses.replace(cfg, global_batch=1), 2, 2)
 
 
 def test_memory_estimate_shrinks_with_more_gpus():
     cfg = PRESETS["full"]
-    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8, dry_run=True)).total for world in (64, 3584))
+    small, large = (estimate_memory(cfg, plan_layout(cfg, world, 8)).total for world in (64, 3584))
     assert small > large
     no_checkpointing = estimate_memory(dataclasses.replace(cfg, activation_checkpointing=False),
-                                       plan_layout(cfg, 3584, 8, dry_run=True))
-    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8, dry_run=True)).activations
+                                       plan_layout(cfg, 3584, 8))
+    assert no_checkpointing.activations > estimate_memory(cfg, plan_layout(cfg, 3584, 8)).activations
 
 
 @pytest.mark.slow
@@ -391,18 +411,17 @@ def test_the_closed_base_lr_is_the_rcps_lr_for_the_batch():
     assert base_lr(PRESETS["tiny"], 4) == 3e-5 and LR_TABLE[0][0] == 1536  # the open preset keeps its own
 
 
-@pytest.mark.parametrize("micro_batch, shown", [("80", "global batch 4480 = 56 x micro batch 80 x 1 pipeline micro "
-                                                       "batches; base LR 3e-05"), ("160", None)])
-def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_with_none(tmp_path, micro_batch, shown):
+@pytest.mark.parametrize("micro_batch, shown", [("3", "global batch 1680 = 56 x micro batch 3 x 10 pipeline micro "
+                                                      "batches; base LR 2e-05"), ("80", None)])
+def test_the_dry_run_shows_the_batchs_lr_or_refuses_a_batch_the_pipeline_cannot_fill(tmp_path, micro_batch, shown):
     result = harness("run", "gpt3", "--preset", "full", "--backend", "slurm", "--profile", "coreweave-h100",
                      "--nodes", "448", "--gpus-per-node", "8", "--batch-size", micro_batch, "--synthetic", "--dry-run",
                      "--out", str(tmp_path))
     if shown:
         assert result.returncode == 0 and shown in result.stderr, result.stderr
-    else:  # 56 data ranks (pipeline 8) x 160 = 8,960 sequences: above the table
+    else:  # 56 data ranks (pipeline 8) x 80 covers the 1,536 sequences in 1 micro batch: 1F1B needs 8
         assert result.returncode == 2 and "Traceback" not in result.stderr
-        assert "global batch 8960 has no base LR in MLPerf's GPT-3 table (batch 1536-3072: 2e-05; batch " \
-               "4096-8192: 3e-05; either in between; above 8192 needs a new RCP)" in result.stderr
+        assert "pipeline parallel 8 needs at least 8 micro batches per data rank per step" in result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """GPT-3's parallel layout on CPU (gloo): tensor + sequence parallel with FSDP2 matches the whole model, and
-gradient accumulation holds only each rank's shard of the gradients (tests/gpt3_parallel_worker.py)."""
+gradient accumulation holds only each rank's shard of the gradients; 2 pipeline stages match the whole model too
+(tests/gpt3_parallel_worker.py)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,12 @@ def test_tensor_parallel_matches_the_whole_model_and_holds_only_sharded_gradient
         estimate = report["estimate"]
         assert report["gradients"] == [estimate["gradients"]] * 2, report
         assert report["weights"] == estimate["weights"] and report["optimizer"] == estimate["optimizer"], report
+
+
+def test_two_pipeline_stages_match_the_whole_model_with_the_tied_output_layer_exact():
+    """Pipeline 2 (one process a stage, 4 micro batches of 1F1B): each stage's initial weights, drawn from one seed,
+    are the whole model's (the last stage's copy of the tied output layer too); the loss on both ranks and every
+    gradient equal the whole model's (both copies of the tied weight hold the sum of its two uses); clipping counts
+    the copy once; after one AdamW step the weights match and the two copies are equal to the bit; the eval's
+    scored sums match."""
+    assert torchrun(2, "pipeline:1:1:4").count("pipeline ok") == 2

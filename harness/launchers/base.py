@@ -331,7 +331,7 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             cfg = gpt3.PRESETS[spec.preset]
             if spec.batch_size:
                 cfg = dataclasses.replace(cfg, micro_batch=spec.batch_size)
-            layout = gpt3.plan_layout(cfg, world, nproc_per_node, dry_run=True)  # a planned pipeline too
+            layout = gpt3.plan_layout(cfg, world, nproc_per_node)
             if gpu_memory_gib:
                 gpt3.check_fits(cfg, layout, gpu_memory_gib)
             return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))

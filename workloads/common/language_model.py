@@ -124,18 +124,22 @@ def optimizer_groups(model: nn.Module, weight_decay: float, decay_vectors: bool 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                    pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pipeline_group: dist.ProcessGroup | None = None,
+                    copies: Iterable[torch.nn.Parameter] = ()) -> torch.Tensor:
     """Clip the global gradient norm in place and return it (torchtitan's approach for DTensor gradients).
 
     The gradients of one mesh have one norm, a partial DTensor that full_tensor() reduces over that mesh
     (replicated pieces, the norms, count once); a model with experts has two meshes (workloads.decoder.parallelize),
     whose norms add as squares. With a pipeline, each stage holds other parameters: the squares add over
-    `pipeline_group` too."""
+    `pipeline_group` too; `copies`, parameters another stage holds as well (GPT-3's tied output layer, whose
+    gradient both stages hold whole), are clipped but not counted again."""
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = [_local(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) for group in by_mesh.values()]
+    copied = {id(p) for p in copies}
+    counted = [[p.grad for p in group if id(p) not in copied] for group in by_mesh.values()]
+    norms = [_local(torch.nn.utils.get_total_norm(grads, 2.0)) for grads in counted if grads]
     total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pipeline_group is not None:
         squares = total.square()
@@ -198,7 +202,8 @@ class DecoderSteps:
             loss = self.pipeline.train_step(micro_batches)
         else:
             loss = accumulate_gradients(self.model, micro_batches, self.layout.grad_accum, self.split)
-        clip_grad_norm_(self.model.parameters(), self.clip_norm, self.pipeline.group if self.pipeline else None)
+        clip_grad_norm_(self.model.parameters(), self.clip_norm, self.pipeline.group if self.pipeline else None,
+                        self.pipeline.copies if self.pipeline else ())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -182,9 +182,12 @@ def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Pipeline:
     """This rank's stages and their schedules: train_step (1F1B, or interleaved 1F1B with virtual stages, over the
-    step's micro batches) and scored_loss_sum (forward only), for DecoderSteps."""
+    step's micro batches) and scored_loss_sum (forward only), for DecoderSteps. The chunks are any modules whose
+    forward takes the tokens (or hidden states) and a `positions` keyword (GPT-3's too: workloads.gpt3.pipeline)."""
 
-    def __init__(self, chunks: list[Decoder], mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
+    copies: tuple[nn.Parameter, ...] = ()  # parameters another stage holds too (GPT-3's tied output layer): counted once
+
+    def __init__(self, chunks: list[nn.Module], mesh: DeviceMesh, layout: Layout, device: torch.device, split: Split):
         self.chunks, self.device, self.split = chunks, device, split
         # Vocabulary-sharded logits (tensor parallel) need loss_parallel around the loss and its backward, which
         # the schedule runs inside its step.

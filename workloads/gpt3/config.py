@@ -70,7 +70,7 @@ class GPT3Config:
     init_checkpoint_step: int  # steps the starting checkpoint trained, at `lr_batch`
     weight_decay: float = 0.1
     tensor_parallel: int = 1  # at most the GPUs of a node; 1 on CPU
-    pipeline_parallel: int = 1  # pipeline stages, the outermost dimension; the dry run plans it, a run refuses > 1
+    pipeline_parallel: int = 1  # pipeline stages, the outermost dimension (workloads.gpt3.pipeline)
     activation_checkpointing: bool = False
     max_steps: int = 100_000
     loader_workers: int = 2  # processes per rank that read the samples ahead (0: the training thread)
@@ -85,8 +85,7 @@ PRESETS = {
         eval_interval=EVAL_INTERVAL_SAMPLES, eval_sequences=5_760, target=2.69,
         init_checkpoint_step=REFERENCE_INIT_CHECKPOINT_STEP, tensor_parallel=8, activation_checkpointing=True,
         # Pipeline 8 (12 layers a stage): at 448 x 8 H100 it cuts InfiniBand bytes per GPU per step from 697 GB
-        # (FSDP over 448 ranks, 4 micro batches) to 17 GB, at a 20% bubble (docs/benchmarks/gpt3.md). Planned: the
-        # dry run shows it, a run refuses it until the workload builds a pipeline (plan_layout).
+        # (FSDP over 448 ranks, 4 micro batches) to 17 GB, at a 20% bubble (docs/benchmarks/gpt3.md).
         pipeline_parallel=8),
     # A 2-layer GPT on generated Markov-chain text, same sequence length and optimizer keys, from a
     # warm-start checkpoint the harness trains once (as MLPerf starts from its reference checkpoint).
@@ -109,17 +108,16 @@ class Layout:
     micro_batch: int
     grad_accum: int  # micro batches per data rank per step (with a pipeline: the schedule's micro batches)
     procs_per_node: int | None = None  # where the groups' links change from NVLink to InfiniBand (the dry run's)
+    virtual = 1  # one stage a pipeline rank (the decoders' Pipeline, which GPT-3's reuses, reads it)
 
     @property
     def global_batch(self) -> int:
         return self.data * self.micro_batch * self.grad_accum
 
 
-def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int, dry_run: bool = False) -> Layout:
+def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int) -> Layout:
     """Tensor parallel inside a node, pipeline stages across nodes (dividing the world first), FSDP over the rest;
-    the global batch rounds up to whole micro batches. The workload builds no pipeline yet (parallel.py's mesh is
-    (data, tensor)), so a run with pipeline_parallel above 1 is refused here; `dry_run` plans it anyway, for its
-    arithmetic."""
+    the global batch rounds up to whole micro batches."""
     tensor, pipeline = min(cfg.tensor_parallel, procs_per_node), cfg.pipeline_parallel
     if world % tensor or cfg.model.n_head % tensor or cfg.model.seq_len % tensor:
         raise ValueError(f"tensor parallel {tensor} must divide the world size {world}, the "
@@ -129,12 +127,13 @@ def plan_layout(cfg: GPT3Config, world: int, procs_per_node: int, dry_run: bool 
         raise ValueError(f"pipeline parallel {pipeline} must divide the {world // tensor} processes left by tensor "
                          f"parallel {tensor} and the {cfg.model.n_layer} layers: use a multiple of "
                          f"{tensor * pipeline} processes")
-    if pipeline > 1 and not dry_run:
-        raise ValueError(f"gpt3 plans pipeline parallel {pipeline}, but its workload runs no pipeline yet "
-                         "(workloads/gpt3/parallel.py builds a (data, tensor) mesh): `--dry-run` shows the planned "
-                         "layout; a run needs pipeline_parallel 1 (the tiny preset's) until the pipeline lands")
     data = world // (tensor * pipeline)
     grad_accum = max(1, math.ceil(cfg.global_batch / (data * cfg.micro_batch)))
+    if grad_accum < pipeline:
+        raise ValueError(f"pipeline parallel {pipeline} needs at least {pipeline} micro batches per data rank per step "
+                         f"(1F1B keeps every stage busy only then), but global batch {cfg.global_batch} over {data} "
+                         f"data ranks x micro batch {cfg.micro_batch} gives {grad_accum}: use a larger global batch, "
+                         "a smaller micro batch (--batch-size) or fewer pipeline stages")
     layout = Layout(world=world, tensor=tensor, pipeline=pipeline, data=data, micro_batch=cfg.micro_batch,
                     grad_accum=grad_accum, procs_per_node=procs_per_node)
     base_lr(cfg, layout.global_batch)  # a batch with no LR in the rules' table is refused with the layout
@@ -275,12 +274,11 @@ def describe(cfg: GPT3Config, layout: Layout, gpu_memory_gib: float | None) -> l
     memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
     limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
     stage = f" (stage {memory.stage})" if layout.pipeline > 1 else ""
-    runs = "" if layout.pipeline == 1 else " (planned: the workload runs no pipeline yet)"
     steps = "pipeline micro batches" if layout.pipeline > 1 else "accumulation steps"
     return [
         f"gpt3 model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {cfg.model.n_head} heads, "
         f"sequence {cfg.model.seq_len}, {_count(cfg.model.params)} parameters",
-        f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline}{runs} "
+        f"gpt3 layout: {layout.world} processes = tensor {layout.tensor} x pipeline {layout.pipeline} "
         f"x data (FSDP) {layout.data}; global batch {layout.global_batch} = {layout.data} x micro batch "
         f"{layout.micro_batch} x {layout.grad_accum} {steps}; "
         f"base LR {base_lr(cfg, layout.global_batch):g}",

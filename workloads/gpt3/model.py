@@ -75,26 +75,57 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2/3 initialisation; called again after a model built on the meta device gets real storage."""
+        """GPT-2/3 initialisation; called again after a model built on the meta device gets real storage. A pipeline
+        stage (workloads.gpt3.pipeline: some of the blocks, the embeddings or the output layer missing) makes every
+        draw the whole model makes, in its order, and keeps those of its own parameters, so that its initial weights
+        equal the whole model's whatever the layout."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
-        # Residual projections scaled by 1/sqrt(2 x layers) keep the residual stream O(1).
-        for name, param in self.named_parameters():
-            if name.endswith(("proj.weight", "fc2.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+        whole = self if self.wte is not None and self.lm_head is not None else _meta_whole(self.cfg)
+        own = self._drawn_parameters()
+        device = next(self.parameters()).device
+        for name, shape, std in whole._draws():
+            if name in own:
+                nn.init.normal_(own[name], mean=0.0, std=std)
+            else:  # another stage's: drawn and dropped, so that the generator moves on as the whole model's does
+                torch.empty(shape, device=device).normal_(mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab)."""
-        positions = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.wte(tokens) + self.wpe(positions)
+    def _draws(self) -> list[tuple[str, torch.Size, float]]:
+        """The whole model's random draws, in order: every linear's and embedding's weight (the tied output layer
+        draws the token embedding again: its draw is the one that stays), then the residual projections again,
+        scaled by 1/sqrt(2 x layers) to keep the residual stream O(1)."""
+        draws = [(f"{name}.weight", module.weight.shape, 0.02) for name, module in self.named_modules()
+                 if isinstance(module, (nn.Linear, nn.Embedding))]
+        return draws + [(name, param.shape, 0.02 / math.sqrt(2 * self.cfg.n_layer))
+                        for name, param in self.named_parameters() if name.endswith(("proj.weight", "fc2.weight"))]
+
+    def _drawn_parameters(self) -> dict[str, nn.Parameter]:
+        """This model's parameters by every name they have; on a first pipeline stage, which holds the token
+        embedding but not the output layer, the output layer's draw goes to the embedding, as the tie does whole."""
+        own = dict(self.named_parameters(remove_duplicate=False))
+        if self.wte is not None and self.lm_head is None:
+            own["lm_head.weight"] = self.wte.weight
+        return own
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for each position: (batch, seq) token ids -> (batch, seq, vocab). A pipeline stage without the
+        embeddings reads the previous stage's hidden states, and one without the output layer returns its own;
+        `positions` (default 0..seq-1) are the tokens' (the pipeline passes them to every stage)."""
+        if self.wte is not None:
+            positions = torch.arange(x.size(1), device=x.device) if positions is None else positions
+            x = self.wte(x) + self.wpe(positions)
         for block in self.blocks:
             # Checkpointing keeps only each block's input and recomputes the rest in backward.
             x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
                 else block(x)
-        return self.lm_head(self.ln_f(x))
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
+
+
+def _meta_whole(cfg: GPTConfig) -> GPT:
+    """The whole model without storage: the shapes and order of its draws, for a pipeline stage's."""
+    with torch.device("meta"):
+        return GPT(cfg)

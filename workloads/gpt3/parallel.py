@@ -1,8 +1,10 @@
 """GPT-3 parallelism, the torchtitan way: tensor and sequence parallel (DTensor) inside a node, FSDP2 across.
 
-The device mesh is (data, tensor). Tensor parallelism covers every parameter, so that every
-parameter (and gradient) ends up a DTensor on the same 2-D mesh once FSDP2 shards it over
-the data dimension; gradient clipping then reduces one norm over the whole mesh:
+The device mesh is (pipeline, data, tensor): pipeline stages outermost (workloads.gpt3.pipeline: each stage's
+ranks a (data, tensor) mesh of their own, which everything below applies to, for the stage's parts). Tensor
+parallelism covers every parameter, so that every parameter (and gradient) ends up a DTensor on the same 2-D
+mesh once FSDP2 shards it over the data dimension; gradient clipping then reduces one norm over the whole mesh
+(and sums the stages' squares):
 
 - token embedding: split by vocabulary rows; its output is reduce-scattered over the sequence;
 - position embedding: split by position rows, its output reduce-scattered the same way;
@@ -33,7 +35,8 @@ from workloads.gpt3.model import GPT
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    return init_device_mesh(device.type, (layout.data, layout.tensor), mesh_dim_names=("data", "tensor"))
+    return init_device_mesh(device.type, (layout.pipeline, layout.data, layout.tensor),
+                            mesh_dim_names=("pipeline", "data", "tensor"))
 
 
 def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device, compiled: bool = False) -> GPT:
@@ -57,17 +60,20 @@ def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device, compiled: bo
 
 def _tensor_parallel(model: GPT, tp: DeviceMesh) -> None:
     sequence_sharded = Shard(1)  # activations are (batch, sequence, features)
-    parallelize_module(model, tp, {
+    root = {  # what this model holds of them: a pipeline stage holds the embeddings (first) or the output (last)
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence_sharded),
         "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (sequence, features)
         "ln_f": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=sequence_sharded, output_layouts=Shard(-1),
                                    use_local_output=False),
-    })
+    }
+    parallelize_module(model, tp, {name: plan for name, plan in root.items() if getattr(model, name) is not None})
     # MLPerf's GPT-3 ties the output layer to the token embedding, so the closed model must too. Both are
     # split by vocabulary rows (Shard(0) on the tensor mesh), so the two modules can share one DTensor again
-    # (parallelize_module distributed each module's reference separately).
-    model.lm_head.weight = model.wte.weight
+    # (parallelize_module distributed each module's reference separately). A last pipeline stage holds a copy
+    # (workloads.gpt3.pipeline), split the same way as the first stage's embedding.
+    if model.wte is not None and model.lm_head is not None:
+        model.lm_head.weight = model.wte.weight
     gathered = PrepareModuleInput(input_layouts=(sequence_sharded,), desired_input_layouts=(Replicate(),))
     for block in model.blocks:
         parallelize_module(block, tp, {

@@ -36,8 +36,8 @@ from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, base_lr, plan_layout
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
-from workloads.gpt3.model import GPT
 from workloads.gpt3.parallel import build_mesh, parallelize
+from workloads.gpt3.pipeline import GPT3Pipeline, optimizer_names, stage_model
 from workloads.gpt3.warm_start import ensure_tiny_init_checkpoint, tiny_init_root
 
 # Initial weights are drawn on each shard locally (then replaced by the starting checkpoint), and the tiny
@@ -75,13 +75,15 @@ class GPT3Workload(DecoderSteps, Workload):
         self.target = Target("log perplexity", "log_ppl", cfg.target, higher_is_better=False)
         self.split = rolled_split  # samples of 2,048 tokens, the last target unscored, as the reference
 
-        # Built without storage, split, then given only this rank's shards: a 175B model never exists whole.
-        with torch.device("meta"):
-            model = GPT(cfg.model, activation_checkpointing=cfg.activation_checkpointing)
+        # Built without storage, cut to this rank's pipeline stage, split, then given only this rank's shards: a 175B
+        # model never exists whole.
+        model = stage_model(cfg, layout, self.mesh["pipeline"].get_local_rank())
         parallelize(model, self.mesh, ctx.device, self.compiled)
         model.to_empty(device=ctx.device)
         model.init_weights()
         self.model = model
+        if layout.pipeline > 1:
+            self.pipeline = GPT3Pipeline(model, self.mesh, layout, ctx.device)
         # Every parameter decays: the reference passes --do-layernorm-bias-weight-decay
         # (mlcommons/training retired_benchmarks/gpt3/megatron-lm/run_gpt3.sh).
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay, decay_vectors=True), lr=self.base_lr,
@@ -139,7 +141,8 @@ class GPT3Workload(DecoderSteps, Workload):
                            for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         if with_moments:
             optimizer = get_optimizer_state_dict(self.model, self.optimizer)
-            state["optimizer"] = {"state": optimizer["state"]}  # Adam's moments; the hyperparameters stay ours
+            # Adam's moments (the hyperparameters stay ours), under the whole model's names
+            state["optimizer"] = {"state": optimizer_names(optimizer["state"], self.model)}
         elif self.opts.preset == "full":
             raise ConfigurationError(f"workloads: {path} holds no optimizer state: MLPerf's GPT-3 starts from the "
                                      "reference checkpoint's weights and Adam moments; convert it with python -m "
