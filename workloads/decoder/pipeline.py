@@ -197,7 +197,7 @@ class Pipeline:
         self.ranks, self.stages = layout.pipeline, layout.pipeline * layout.virtual
         self.is_first, self.is_last = self.stage_indices[0] == 0, self.stage_indices[-1] == self.stages - 1
         # With MTP depths every stage gets the targets (the first embeds the tokens ahead, the last scores them).
-        self.predicting = chunks[0].cfg.mtp_layers > 0
+        self.predicting = getattr(chunks[0].cfg, "mtp_layers", 0) > 0  # GPT-3 has none
         self.train_loss = _WithPrediction() if self.predicting else _mean_loss
         self.train = self._schedule(layout.grad_accum, self.train_loss, training=True)
         self._eval: dict[tuple[int, ...], object] = {}  # by batch shape: a stage's buffers have one shape
