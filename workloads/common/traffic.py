@@ -50,7 +50,7 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
                      context: int, shard: int, replicate: int, micro_batch: int, grad_accum: int, procs_per_node: int,
                      recompute: bool, compute_bytes: int = 2, reduced_params: float | None = None,
                      expert_params: float = 0, expert: int = 1, top_k: int = 0, moe_layers: int | None = None,
-                     pipeline: int = 1, virtual: int = 1) -> Traffic:
+                     pipeline: int = 1, virtual: int = 1, carried: int = 1) -> Traffic:
     """FSDP shards over shard x context; `recompute` (activation checkpointing) runs each block's forward twice.
     `reduced_params`: the parameters that have gradients, when fewer than all (LoRA's adapters). With experts
     (`expert_params` of them in all, split over `expert` ranks, tensor parallel 1), a rank gathers and
@@ -63,8 +63,9 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
     until the last micro batch (backward_maybe_with_nosync, as torchtitan runs FSDP under a pipeline), so FSDP
     gathers and reduce-scatters (and HSDP all-reduces) once per step; and each micro batch's activation goes
     forward and its gradient back across every chunk boundary: a rank sends s x b x d (over sequence and tensor
-    ranks) twice per micro batch and chunk. Stages are the outermost dimension, so those sends cross nodes unless
-    the whole pipeline sits inside one."""
+    ranks) twice per micro batch and chunk, times `carried` (1 + DeepSeek's MTP depths, whose embedded tokens travel
+    beside the hidden states: workloads.decoder.mtp). Stages are the outermost dimension, so those sends cross nodes
+    unless the whole pipeline sits inside one."""
     fsdp = shard * context
     syncs = 1 if pipeline > 1 else grad_accum  # FSDP's gathers/reductions per step
     gathers = 1 if pipeline > 1 else 2  # per sync: before forward, again before backward (resharded between)
@@ -85,7 +86,7 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
     copies = grad_accum * (n_layer if moe_layers is None else moe_layers) * passes * 2 * positions * top_k \
         * d_model * compute_bytes
     all_to_all, all_to_all_nvlink = copies * _ring(expert), copies * expert_share_inside(expert, procs_per_node)
-    sends = grad_accum * virtual * 2 * positions * d_model / tensor * compute_bytes if pipeline > 1 else 0.0
+    sends = grad_accum * virtual * 2 * carried * positions * d_model / tensor * compute_bytes if pipeline > 1 else 0.0
     stage_ranks = tensor * fsdp * replicate
     inside = {"tensor": tensor <= procs_per_node, "context": tensor * context <= procs_per_node,
               "fsdp": tensor * fsdp <= procs_per_node, "replicate": replicate == 1,

@@ -1067,7 +1067,8 @@ def estimate_stage(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, sta
     - activations: block_activation_bytes per position, for every block; with activation checkpointing each
       block's input in the compute dtype plus one block's full set, recomputed during its backward; times the
       micro batches in flight (micro_batches_in_flight); the last stage adds the final norm's input and output.
-    - pipeline buffers: a received activation and a received gradient (s x b x d each) per virtual chunk.
+    - pipeline buffers: a received activation and a received gradient (s x b x d each, and the MTP depths' embedded
+      tokens beside them) per virtual chunk.
     - logits: bf16 logits (the loop holds them), fp32 log-probabilities (log_softmax keeps its output), the nll
       loss's fp32 gradient and log_softmax's fp32 gradient, all alive during log_softmax's backward: compute +
       12 bytes per logit, for the loss and each MTP module's."""
@@ -1101,7 +1102,8 @@ def estimate_stage(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, sta
     if stage.output:
         per_micro_batch += s * b * 2 * h * compute / tp
     activations = per_micro_batch * micro_batches_in_flight(layout, stage.index) + recomputed
-    buffers = 2 * layout.virtual * s * b * h / tp * compute if layout.pipeline > 1 else 0
+    # The hidden states and, with MTP, the embedded tokens ahead that travel beside them (workloads.decoder.mtp).
+    buffers = 2 * layout.virtual * (1 + m.mtp_layers) * s * b * h / tp * compute if layout.pipeline > 1 else 0
     losses = (1 + m.mtp_layers) if stage.output else 0
     logits = losses * s * b * m.vocab_size / tp * (compute + 12)
     return MemoryEstimate(weights=weights, gradients=4 * trained if accumulating else 0, optimizer=8 * trained,
@@ -1131,7 +1133,7 @@ def stage_traffic(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, stag
                                     expert_params=params.experts, expert=layout.expert,
                                     top_k=m.moe.top_k if m.moe else 0,
                                     moe_layers=sum(m.is_moe(layer) for layer in layers),
-                                    pipeline=layout.pipeline, virtual=layout.virtual)
+                                    pipeline=layout.pipeline, virtual=layout.virtual, carried=1 + m.mtp_layers)
 
 
 def describe(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout,
