@@ -151,3 +151,33 @@ def test_tiny_deepseek_in_two_stages_survives_a_killed_rank_and_fails_only_the_c
     assert sorted(re.findall(r"CHECK for '(\w+)' failed", said)) == ["eval_samples", "global_batch_size",
                                                                      "max_sequence_length"], said
     assert [line for line in said.splitlines() if "ERROR" in line] == ["ERROR - FAILED"], said
+
+
+@pytest.mark.parametrize("backend,nodes", [("slurm", 64), ("k8s", 64), ("slurm", 128), ("k8s", 128), ("slurm", 256),
+                                           ("k8s", 256)])
+def test_the_full_preset_dry_run_prints_the_layout_memory_and_bytes_on_h100s(tmp_path, backend, nodes):
+    """The H100 layout (docs/benchmarks/deepseekv3_671b.md): 16 stages, the experts over a node, FSDP over 4 nodes of
+    a stage; memory term by term on the stage that needs most, bytes per GPU per step by link, the bubble."""
+    from tests.conftest import training_job
+
+    result = harness("run", "deepseekv3_671b", "--preset", "full", "--synthetic", "--backend", backend, "--profile",
+                     "coreweave-h100", "--nodes", str(nodes), "--gpus-per-node", "8", "--dry-run",
+                     "--out", str(tmp_path / "o"))
+    assert result.returncode == 0, result.stderr
+    said = result.stderr
+    assert f"{nodes * 8} processes = pipeline 16 (virtual 1: 4/4/4/4/4/4/4/4/4/4/4/4/4/4/4/1 layers per stage)" in said
+    assert "x expert 8 (each rank holds 32 experts of each layer" in said
+    assert "memory per GPU (stage 1): 69.5 GiB of 80 GiB (weights" in said and "pipeline buffers" in said
+    assert "GB over NVLink" in said and "GB over InfiniBand" in said and "pipeline sends" in said
+    assert f"pipeline bubble: {dict([(64, '2.8'), (128, '5.5'), (256, '10.5')])[nodes]}% of a step" in said
+    if backend == "k8s":
+        replicas = training_job(result.stdout)["spec"]["pytorchReplicaSpecs"]
+        assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == nodes
+
+
+def test_a_node_count_whose_memory_does_not_fit_is_refused_with_the_arithmetic(tmp_path):
+    result = harness("run", "deepseekv3_671b", "--preset", "full", "--synthetic", "--backend", "slurm", "--profile",
+                     "coreweave-h100", "--nodes", "32", "--gpus-per-node", "8", "--dry-run", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "needs about 90.9 GiB (weights 10.7, gradients 10.7, optimizer 21.4, gathered 36.7" in result.stderr
+    assert "32 nodes x 8 GPUs = pipeline 16" in result.stderr and "(64 nodes with FSDP over 32: 69.5 GiB)" in result.stderr
