@@ -122,7 +122,7 @@ def test_deepseek_expert_parallel_across_nodes_goes_to_infiniband():
     assert sent.infiniband > sent.all_to_all * 56 / 63
 
 
-@pytest.mark.parametrize("nodes, pipeline, expert, shard", [(32, 16, 8, 16), (64, 8, 8, 64), (64, 4, 64, 128)])
+@pytest.mark.parametrize("nodes, pipeline, expert, shard", [(32, 16, 8, 16), (64, 8, 8, 64), (64, 16, 8, 16)])
 def test_deepseek_layouts_that_do_not_fit_are_refused_with_the_arithmetic(nodes, pipeline, expert, shard):
     layout = deepseek_layout(nodes, pipeline, expert, shard)
     with pytest.raises(ValueError) as refused:
@@ -134,7 +134,7 @@ def test_deepseek_layouts_that_do_not_fit_are_refused_with_the_arithmetic(nodes,
         assert term in said
     assert "more nodes" in said and "more pipeline stages" in said
     if (nodes, pipeline) == (64, 8):  # what would fit, worked out: twice the stages; twice the nodes is not enough
-        assert "(128 nodes with FSDP over 128: 96.6 GiB; pipeline 16: 69.5 GiB)" in said
+        assert "(128 nodes with FSDP over 128: 95.3 GiB; pipeline 16: 69.5 GiB)" in said
 
 
 def test_the_dry_run_shows_the_stage_the_links_and_the_bubble():

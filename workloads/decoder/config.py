@@ -932,14 +932,14 @@ class StageParams:
 def stage_params(m: DecoderConfig, stage: Stage) -> StageParams:
     """The stage's layers, plus the embedding on the first; on the last the output layer, the final norm and each
     MTP module (Megatron-Core's multi_token_prediction: an MoE block, eh_proj of 2d x d, enorm, hnorm and its final
-    norm; GPTModel keeps a copy of the embedding on the last stage for it)."""
+    norm; the embedding stays on the first stage, which embeds the tokens MTP reads: workloads.decoder.mtp)."""
     h, v = m.d_model, m.vocab_size
     layers = list(stage.layers) + (m.mtp_blocks() if stage.output else [])
     experts = sum(m.expert_params() for layer in layers if m.is_moe(layer))
     blocks = sum(m.block_params(layer) for layer in layers)
     root = (v * h if stage.embedding else 0) + (v * h + h if stage.output else 0)
     if stage.output and m.mtp_layers:
-        root += m.mtp_layers * (2 * h * h + 3 * h) + (0 if stage.embedding else v * h)
+        root += m.mtp_layers * (2 * h * h + 3 * h)
     largest = max(layers, key=m.block_params) if layers else None
     block_experts = m.expert_params() if largest is not None and m.is_moe(largest) else 0
     return StageParams(dense=blocks - experts + root, norms=2 * h * len(layers) + (h if stage.output else 0),
