@@ -337,6 +337,7 @@ def test_dense_first_layers_and_shared_experts_go_through_parallelize_and_a_trai
 
         work = object.__new__(PretrainWorkload)
         work.layout, work.mesh, work.model, work.split, work.clip_norm = layout, mesh, model, next_token_split, 1.0
+        work.cfg, work.pipeline = type("Cfg", (), {"model": DEEPSEEK_TINY})(), None
         work.ctx = type("Ctx", (), {"device": device})()
         work.balance_group = work._expert_balance(model)
         assert moe.aux_loss_scale == 0.5

@@ -6,11 +6,9 @@ killed rank."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,9 @@ import torch
 from harness.errors import HarnessError
 from harness.spec import JobSpec, validate
 from tests.conftest import REPO, harness
-from tests.test_resilience import _restored_step
 from workloads.common.campaign import RunOptions
-from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, plan_layout
+from workloads.decoder.config import GPT_OSS_PRESETS, PRESETS, layer_chunks, plan_layout
 from workloads.decoder.pipeline import rank_model, stage_models
-from workloads.decoder.config import layer_chunks
 from workloads.decoder.stages import describe_stages
 
 TINY = PRESETS["tiny"]
@@ -131,24 +127,6 @@ def test_stages_with_fsdp_tensor_context_and_expert_parallel_and_middle_stages_m
              "deepseek:2,1,2,1,1,2")
 
 
-@pytest.mark.slow
-def test_a_pipelined_run_survives_a_killed_rank_with_the_losses_of_a_run_never_killed(tmp_path):
-    """`harness run llama31_8b --pipeline-parallel 2` on 2 processes (a stage each, rank 0 on the first), rank 1 (the
-    last stage) killed at step 6: one restart from step 4's checkpoint, in which each stage saved its own
-    parameters and AdamW state under the whole model's names, and the eval loss at step 8 equals a run's never
-    killed (to the last bit); the log discloses pipeline_parallelism 2. (Both stop at --max-steps 8, short of the
-    target: exit 1.)"""
-    killed, unbroken = tmp_path / "killed", tmp_path / "unbroken"
-    common = ("run", "llama31_8b", "--pipeline-parallel", "2", "--seed", "5", "--max-steps", "8")
-    result = harness(*common, "--inject-failure", "1:6", "--checkpoint-every", "4", "--out", str(killed))
-    assert result.returncode == 1 and "did not reach the quality target" in result.stderr, result.stdout + result.stderr
-    assert _restored_step(killed) == 4
-    harness(*common, "--out", str(unbroken))
-    evals = [_eval_values(folder / "result_0.txt") for folder in (killed, unbroken)]
-    assert len(evals[0]) == 1 and evals[0] == evals[1], evals
-    assert '"key": "pipeline_parallelism", "value": 2' in (killed / "result_0.txt").read_text()
-
-
 def test_the_option_is_refused_where_it_does_not_apply_or_divide(tmp_path):
     """--pipeline-parallel applies to the pretraining decoders; a count that does not divide the processes is
     refused before anything starts, naming the counts that do."""
@@ -171,7 +149,3 @@ def test_the_option_travels_from_the_command_line_to_every_rank(tmp_path):
     with pytest.raises(HarnessError, match="--pipeline-parallel must be at least 1"):
         validate(JobSpec("gpt_oss_20b", pipeline_parallel=0))
 
-
-def _eval_values(log: Path) -> list[float]:
-    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines() if ":::MLLOG " in line]
-    return [e["value"] for e in events if e["key"] == "eval_accuracy"]

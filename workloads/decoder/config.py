@@ -884,6 +884,8 @@ def layer_chunks(n_layer: int, chunks: int) -> list[range]:
     Megatron-Bridge splits DeepSeek-V3 (set_deepseek_v3_pipeline_model_parallel_layout): ceil(layers / chunks) each,
     the last chunk the rest (PP4: 16/16/16/13). One rule for what runs (workloads.decoder.pipeline) and what the
     memory arithmetic counts (pipeline_stages)."""
+    if chunks == 1:  # no pipeline: the whole model (a proxy's may have no layer)
+        return [range(n_layer)]
     size = -(-n_layer // chunks)
     if n_layer < chunks or size * (chunks - 1) >= n_layer:
         fits = [n for n in range(1, n_layer + 1) if -(-n_layer // n) * (n - 1) < n_layer]
