@@ -84,7 +84,7 @@ class RunOptions:
     force_batch: bool = False  # llama31_8b, llama2_70b_lora: accept a global batch outside the RCP table
     learning_rate: float | None = None  # llama31_8b, llama2_70b_lora: the peak LR (default: the RCP table's)
     warmup_samples: int | None = None  # llama31_8b: the LR warmup in samples (default: the RCP table's)
-    pipeline_parallel: int | None = None  # llama31_8b, gpt_oss_20b: pipeline stages (default: the preset's)
+    pipeline_parallel: int | None = None  # the pretraining decoders: pipeline stages (default: the preset's)
     allow_unflushed_cache: bool = False  # a closed run goes ahead with cache_clear false (page_cache)
     last_run: int | None = None  # the last run (0-based) this launch does, any unfinished before it too (Slurm)
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)

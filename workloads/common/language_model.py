@@ -159,6 +159,12 @@ class DecoderSteps:
 
     pipeline = None
 
+    @property
+    def ranks_hold_other_parameters(self) -> bool:
+        """A pipeline's stages hold different parameters: checkpoints key the optimizer state by parameter name
+        (Workload.ranks_hold_other_parameters)."""
+        return self.pipeline is not None
+
     rate_shown = ("tok/s", "tokens_per_second")
     logs_trained_samples = True
     extra_token = 1  # a sample's tokens beyond seq_len: the next-token target of the last position (GPT-3's: none)

@@ -448,7 +448,9 @@ DEEPSEEK_PRESETS = {
         model=DEEPSEEK_V3_671B, global_batch=16_384, base_lr=DEEPSEEK_RCP_BATCHES[16_384][0],
         warmup_samples=DEEPSEEK_RCP_BATCHES[16_384][1], end_lr_ratio=DEEPSEEK_END_LR / DEEPSEEK_LR_AT_16384,
         end_lr=DEEPSEEK_END_LR, max_steps=DEEPSEEK_MAX_STEPS, eval_interval=16_384, eval_sequences=EVAL_SEQUENCES,
-        target=3.6, adam_eps=1e-8, activation_checkpointing=True, eval_batch=1, framework="megatron",
+        # eval_batch: sequences a data rank scores at once, at least the stages, so that they overlap (one micro batch
+        # a sequence) rather than run one after another.
+        target=3.6, adam_eps=1e-8, activation_checkpointing=True, eval_batch=16, framework="megatron",
         first_eval=deepseek_first_eval(16_384), decay_iters=DEEPSEEK_MAX_STEPS, validation_batch=EVAL_SEQUENCES,
         # On H100s (docs/benchmarks/deepseekv3_671b.md, "Layouts on H100"): 16 stages, the experts split over a node
         # (the all-to-all on NVLink), FSDP over 4 nodes of a stage; the reference's PP 4 x EP 64 fits a GB300 rack.
@@ -844,6 +846,10 @@ def plan_layout(cfg: PretrainConfig | LoraFinetuneConfig, world: int, procs_per_
                              f"(a power of two up to {world // tensor}): the data ranks, {world} / (tensor x "
                              "context), must divide the global batch; use a process count of a power of two times "
                              "the tensor parallel, or another batch")
+    if m.mtp_layers and (context > 1 or tensor > 1):  # parallelize.py does not split MTP's roll or its blocks
+        raise ValueError(f"multi-token prediction runs at tensor and context parallel 1, as the reference does; this "
+                         f"layout needs tensor {tensor} x context {context} (a data rank holds less than a sequence): "
+                         "use fewer processes a pipeline stage, or a larger global batch")
     per_group = max(1, procs_per_node // (tensor * context)) * cfg.shard_nodes  # data ranks in one FSDP group
     shard = math.gcd(data, per_group)
     # Experts split over the most ranks of an FSDP group that divide their count, up to the preset's cap (a node).

@@ -308,6 +308,12 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, LoRA):
                 module.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The buffers' starting values (the routers' expert bias and load counts zero, the RoPE frequencies): what a
+        model whose weights all come from a checkpoint still needs after it gets real storage."""
         for name, buffer in self.named_buffers():
             if name.endswith(("expert_bias", "tokens_per_expert")):
                 buffer.zero_()

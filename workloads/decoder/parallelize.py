@@ -106,11 +106,16 @@ def parallelize(model: Decoder, mesh: DeviceMesh, device: torch.device, compiled
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     fsdp_mesh = mesh["replicate", "fsdp"]  # 2-D: HSDP (replicate across, shard within)
+    # Under a pipeline a stage's blocks stay gathered from forward to backward across its micro batches (torchtitan's
+    # reshard_after_forward off for pipelines): gathered once a step, as the traffic arithmetic counts, not once a
+    # micro batch; the memory arithmetic holds the stage's share whole.
+    reshard = mesh["pipeline"].size() == 1
     for moe in moe_layers:
-        fully_shard(moe.experts, mesh=expert_mesh["replicate", "expert_shard"], mp_policy=policy)
+        fully_shard(moe.experts, mesh=expert_mesh["replicate", "expert_shard"], mp_policy=policy,
+                    reshard_after_forward=reshard)
     for layer in [*model.layers, *model.mtp]:  # an MTP depth gathers its eh_proj and norms with its block
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 

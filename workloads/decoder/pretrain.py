@@ -78,18 +78,23 @@ class PretrainWorkload(DecoderWorkload):
         # Built without storage (this rank's pipeline stage of it), split, then given only this rank's shards, drawn
         # from the seed every rank shares, so that HSDP's replicas start identical and the stages hold the whole
         # model's values.
+        # From a checkpoint nothing is drawn: its weights replace every one (a late stage of DeepSeek-V3 would
+        # otherwise replay 57 blocks' draws, 45 GB of experts each in fp32, beside its own share).
+        start = self.starting_checkpoint()
         chunks = stage_models(cfg.model, self.layout, self.mesh["pipeline"].get_local_rank(),
                               activation_checkpointing=cfg.activation_checkpointing)
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             for chunk in chunks:
                 parallelize(chunk, self.mesh, ctx.device, self.compiled, self.expert_mesh)
                 chunk.to_empty(device=ctx.device)
-                torch.manual_seed(seed)
-                draw_weights(chunk, ctx.device)
+                if start is None:
+                    torch.manual_seed(seed)
+                    draw_weights(chunk, ctx.device)
+                else:
+                    chunk.init_buffers()
         self.model = model = rank_model(chunks)
         if self.layout.pipeline > 1:
             self.pipeline = Pipeline(chunks, self.mesh, self.layout, ctx.device, self.split)
-        start = self.starting_checkpoint()
         if start is not None:
             load_base(model, start)
         self.balance_group = self._expert_balance(model)

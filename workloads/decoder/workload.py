@@ -44,7 +44,6 @@ class DecoderWorkload(DecoderSteps, Workload):
             raise ConfigurationError(f"workloads: {exc}") from None
         self.cfg = cfg
         self.clip_norm = cfg.clip_norm
-        self.ranks_hold_other_parameters = layout.pipeline > 1
         self.mesh = build_mesh(layout, ctx.device)
         self.expert_mesh = build_expert_mesh(layout, ctx.device) if cfg.model.moe else None
         self.total_steps = min(opts.max_steps or cfg.step_limit or cfg.max_steps, cfg.max_steps)

@@ -52,9 +52,12 @@ def parallelize(model: GPT, mesh: DeviceMesh, device: torch.device, compiled: bo
     # bf16 compute with fp32 master weights and fp32 gradient reduction, on GPUs; fp32 throughout on CPU.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
+    # Under a pipeline a stage's blocks stay gathered across its micro batches (gathered once a step, as
+    # estimate_traffic counts): workloads.decoder.parallelize does the same.
+    reshard = mesh["pipeline"].size() == 1
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["data"], mp_policy=policy)
-    fully_shard(model, mesh=mesh["data"], mp_policy=policy)
+        fully_shard(block, mesh=mesh["data"], mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["data"], mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 
