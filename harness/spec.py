@@ -74,7 +74,7 @@ class JobSpec:
     force_batch: bool = False  # the Llamas: accept a global batch outside the RCP table
     learning_rate: float | None = None  # the Llamas: the peak LR; None: the RCP row's, interpolated, or the preset's
     warmup_samples: int | None = None  # llama31_8b: LR warmup in samples; None: as the peak LR
-    pipeline_parallel: int | None = None  # the pretraining decoders (PIPELINED_BENCHMARKS): pipeline stages; None: the preset's
+    pipeline_parallel: int | None = None  # pretraining decoders: pipeline stages; None: the preset's
     allow_unflushed_cache: bool = False  # a closed run goes ahead when its page cache could not be flushed
     packing_factor: int = 1  # bert: sequences per row of packed data, on average (1: unpacked)
     decode: str | None = None  # resnet: where its JPEGs are decoded, "workers" or "device"; None: the preset's
