@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--pipeline-parallel", type=int, metavar="N",
                      help=f"{', '.join(PIPELINED_BENCHMARKS)}: split the model into N pipeline stages "
                           "(torch.distributed.pipelining, 1F1B), each on world / N consecutive processes; N must divide "
-                          "the process count and leave every stage a block (default: the preset's: 1, deepseekv3_671b's 16 full, 2 tiny)")
+                          "the process count and leave every stage a block (default: the preset's: 1; deepseekv3_671b's "
+                          "16 full, 2 tiny)")
     run.add_argument("--allow-unflushed-cache", action="store_true",
                      help="let a closed run go ahead when its page cache could not be flushed before it (the log "
                           "keeps cache_clear false); without it such a run stops with the reason")

@@ -793,7 +793,7 @@ class Layout:
     micro_batch: int
     grad_accum: int  # micro batches per data rank per step (with a pipeline: the schedule's micro batches)
     expert: int = 1  # the ranks an MoE layer's experts are split over, inside an FSDP group
-    pipeline: int = 1  # pipeline stages: the outermost dimension (world = pipeline x replicate x shard x context x tensor)
+    pipeline: int = 1  # stages, the outermost dimension: world = pipeline x replicate x shard x context x tensor
     virtual: int = 1  # model chunks per pipeline rank (interleaved schedule when above 1)
 
     @property
