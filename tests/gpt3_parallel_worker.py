@@ -15,16 +15,20 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, optimizer_groups, rolled_split, \
     scored_loss_sum
+from workloads.common.resilience import _ModelAndOptimizer
 from workloads.gpt3.config import GPT3Config, GPTConfig, Layout, estimate_memory
 from workloads.gpt3.model import GPT
 from workloads.gpt3.parallel import build_mesh, parallelize
@@ -137,8 +141,9 @@ def pipelined(layout: Layout) -> None:
     norm = clip_grad_norm_(model.parameters(), 0.05, pipeline.group, pipeline.copies)
     assert expected_norm > 0.05  # the clip really scales
     assert_close(norm, expected_norm, rtol=1e-5, atol=0)
-    for m in (reference, model):
-        torch.optim.AdamW(optimizer_groups(m, 0.1, decay_vectors=True), lr=1e-2).step()
+    optimizer = torch.optim.AdamW(optimizer_groups(model, 0.1, decay_vectors=True), lr=1e-2)
+    torch.optim.AdamW(optimizer_groups(reference, 0.1, decay_vectors=True), lr=1e-2).step()
+    optimizer.step()
     for name, param in params.items():
         assert_close(full(param.detach()), wanted[name].detach(), rtol=1e-4, atol=1e-4,
                      msg=lambda t, name=name: f"{name}: {t}")
@@ -159,7 +164,34 @@ def pipelined(layout: Layout) -> None:
         dist.all_reduce(sums)  # only the last stage's ranks hold sums, each tensor rank of them the same
         assert_close(sums / layout.tensor, torch.tensor([want_sum.item(), float(want_count)], dtype=torch.float64),
                      rtol=1e-6, atol=0)
+    checkpoint_round_trip(config, layout, mesh, model, optimizer)
     say(f"rank {dist.get_rank()}: pipeline ok")
+
+
+def checkpoint_round_trip(config: GPT3Config, layout: Layout, mesh, model: GPT, optimizer) -> None:
+    """The stages' parameters (the last stage's copy of the tied weight under its own name) and AdamW state, saved as a
+    pipelined run saves them (keyed by parameter name: GPT3Workload.ranks_hold_other_parameters), come back whole
+    into stages drawn from another seed, hyperparameters included."""
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save({"train": _ModelAndOptimizer(model, optimizer, flat=True)}, checkpoint_id=folder[0])
+    fresh = stage_model(config, layout, mesh["pipeline"].get_local_rank())
+    parallelize(fresh, mesh, CPU)
+    fresh.to_empty(device=CPU)
+    torch.manual_seed(4)
+    fresh.init_weights()
+    fresh_optimizer = torch.optim.AdamW(optimizer_groups(fresh, 0.1, decay_vectors=True), lr=5e-3)
+    dcp.load({"train": _ModelAndOptimizer(fresh, fresh_optimizer, flat=True)}, checkpoint_id=folder[0])
+    restored = dict(fresh.named_parameters())
+    for name, param in model.named_parameters():
+        assert_close(full(restored[name].detach()), full(param.detach()), rtol=0, atol=0,
+                     msg=lambda t, name=name: f"{name}: {t}")
+        for key, value in optimizer.state[param].items():
+            assert_close(full(fresh_optimizer.state[restored[name]][key]), full(value), rtol=0, atol=0)
+    assert [group["lr"] for group in fresh_optimizer.param_groups] == [group["lr"] for group in optimizer.param_groups]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
 
 
 def _config(layout: Layout) -> GPT3Config:

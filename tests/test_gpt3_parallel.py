@@ -46,5 +46,17 @@ def test_two_pipeline_stages_match_the_whole_model_with_the_tied_output_layer_ex
     are the whole model's (the last stage's copy of the tied output layer too); the loss on both ranks and every
     gradient equal the whole model's (both copies of the tied weight hold the sum of its two uses); clipping counts
     the copy once; after one AdamW step the weights match and the two copies are equal to the bit; the eval's
-    scored sums match."""
+    scored sums match; and a DCP checkpoint of the stages, keyed by parameter name as a pipelined run saves it,
+    comes back whole, AdamW's state and hyperparameters included."""
     assert torchrun(2, "pipeline:1:1:4").count("pipeline ok") == 2
+
+
+def test_a_pipelined_gpt3_keys_its_checkpoints_by_parameter_name():
+    """A pipelined run's stages hold different parameters: its checkpoints key the optimizer state by name (the
+    format the worker's round trip restores; the positional one loses the other stages' hyperparameters)."""
+    from workloads.gpt3.train import GPT3Workload
+
+    work = object.__new__(GPT3Workload)
+    assert not work.ranks_hold_other_parameters
+    work.pipeline = object()
+    assert work.ranks_hold_other_parameters
