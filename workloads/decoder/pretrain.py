@@ -119,6 +119,11 @@ class PretrainWorkload(DecoderWorkload):
         # Decided from the config, so that every rank makes the group: a pipeline stage may hold no MoE layer.
         return self.mesh["replicate", "shard", "context"]._flatten("expert_balance").get_group()
 
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """The meshes' groups and the expert balance's, whose all-reduce runs after every step: the warm-up makes
+        each one's communicator before the clock."""
+        return super().process_groups() + ([self.balance_group] if self.balance_group is not None else [])
+
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
         """DecoderSteps' step, then the expert bias update from the step's loads (moe.update_expert_bias), as
         Megatron-LM updates it after each optimizer step."""
