@@ -172,15 +172,22 @@ def checkpoint_round_trip(config: GPT3Config, layout: Layout, mesh, model: GPT, 
     """The stages' parameters (the last stage's copy of the tied weight under its own name) and AdamW state, saved as a
     pipelined run saves them (keyed by parameter name: GPT3Workload.ranks_hold_other_parameters), come back whole
     into stages drawn from another seed, hyperparameters included."""
-    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder)
-    dcp.save({"train": _ModelAndOptimizer(model, optimizer, flat=True)}, checkpoint_id=folder[0])
     fresh = stage_model(config, layout, mesh["pipeline"].get_local_rank())
     parallelize(fresh, mesh, CPU)
     fresh.to_empty(device=CPU)
     torch.manual_seed(4)
     fresh.init_weights()
     fresh_optimizer = torch.optim.AdamW(optimizer_groups(fresh, 0.1, decay_vectors=True), lr=5e-3)
+    restores_whole(model, optimizer, fresh, fresh_optimizer)
+    assert [group["lr"] for group in fresh_optimizer.param_groups] == [group["lr"] for group in optimizer.param_groups]
+
+
+def restores_whole(model: torch.nn.Module, optimizer, fresh: torch.nn.Module, fresh_optimizer) -> None:
+    """`model` and `optimizer` saved with DCP keyed by parameter name (as a pipelined run saves them), loaded into
+    `fresh` and `fresh_optimizer`: every parameter and every AdamW state tensor comes back to the bit."""
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save({"train": _ModelAndOptimizer(model, optimizer, flat=True)}, checkpoint_id=folder[0])
     dcp.load({"train": _ModelAndOptimizer(fresh, fresh_optimizer, flat=True)}, checkpoint_id=folder[0])
     restored = dict(fresh.named_parameters())
     for name, param in model.named_parameters():
@@ -188,7 +195,6 @@ def checkpoint_round_trip(config: GPT3Config, layout: Layout, mesh, model: GPT, 
                      msg=lambda t, name=name: f"{name}: {t}")
         for key, value in optimizer.state[param].items():
             assert_close(full(fresh_optimizer.state[restored[name]][key]), full(value), rtol=0, atol=0)
-    assert [group["lr"] for group in fresh_optimizer.param_groups] == [group["lr"] for group in optimizer.param_groups]
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder[0])

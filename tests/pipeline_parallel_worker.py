@@ -20,19 +20,15 @@ Prints "pipeline ok SPEC" per layout and rank.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.testing import assert_close
 
-from tests.gpt3_parallel_worker import full, say
+from tests.gpt3_parallel_worker import full, restores_whole, say
 from workloads.common.language_model import accumulate_gradients, clip_grad_norm_, next_token_split, scored_loss_sum
-from workloads.common.resilience import _ModelAndOptimizer
 from workloads.decoder.config import DEEPSEEK_TINY, GPT_OSS_PRESETS, PRESETS, Layout
 from workloads.decoder.model import Decoder
 from workloads.decoder.moe import MoE
@@ -124,23 +120,11 @@ def checkpoint_round_trip(config, layout: Layout, mesh, expert_mesh, model: torc
     whole model's names), come back whole into stages drawn from another seed."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
-    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder)
-    dcp.save({"train": _ModelAndOptimizer(model, optimizer, flat=True)}, checkpoint_id=folder[0])
     fresh = rank_model(build_stages(config, layout, mesh, expert_mesh, SEED + 1))
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     assert not all(torch.equal(full(a.detach()), full(b.detach())) for a, b in zip(model.parameters(),
                                                                                  fresh.parameters()))
-    dcp.load({"train": _ModelAndOptimizer(fresh, fresh_optimizer, flat=True)}, checkpoint_id=folder[0])
-    restored = dict(fresh.named_parameters())
-    for name, param in model.named_parameters():
-        assert_close(full(restored[name].detach()), full(param.detach()), rtol=0, atol=0,
-                     msg=lambda text, name=name: f"{name}: {text}")
-        for key, value in optimizer.state[param].items():
-            assert_close(full(fresh_optimizer.state[restored[name]][key]), full(value), rtol=0, atol=0)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(folder[0])
+    restores_whole(model, optimizer, fresh, fresh_optimizer)
 
 
 def shape_of(layout: Layout) -> str:
