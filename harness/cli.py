@@ -149,13 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "measured at or one between two of them ("
                           + "; ".join(f"{name}: {rcp_batches_in_words(name)}" for name in RCP_GLOBAL_BATCHES)
                           + "); the full preset takes a row's peak LR (and warmup, where the rows have one), or "
-                            "between two rows each interpolated linearly in batch, unless given (default: the preset's)")
+                            "between two rows each interpolated linearly in batch, unless given; deepseekv3_671b's "
+                            "is the closed rules' 2.4e-5 x sqrt(GBS / 16384) at any batch of 15,360 or more "
+                            "(default: the preset's)")
     run.add_argument("--force-batch", action="store_true",
                      help=f"{', '.join(RCP_GLOBAL_BATCHES)}: accept a --global-batch outside the RCP table (the "
-                          "preset's LR and warmup unless given; its runs may fail the RCP check)")
+                          "preset's LR and warmup unless given; its runs may fail the RCP check; deepseekv3_671b: "
+                          "above its rows only, with the rules' LR and warmup)")
     run.add_argument("--learning-rate", type=float, metavar="LR",
                      help=f"{', '.join(RCP_GLOBAL_BATCHES)}: the peak learning rate (logged as opt_base_learning_rate) "
-                          "instead of the RCP row's or the interpolated one (default: those)")
+                          "instead of the RCP row's or the interpolated one (default: those; deepseekv3_671b's closed "
+                          "rules fix it, so only their value is taken)")
     run.add_argument("--warmup-samples", type=int, metavar="N",
                      help=f"{', '.join(RCP_WARMUP_BENCHMARKS)}: the learning-rate warmup in samples instead of the RCP "
                           "row's or the interpolated one (llama2_70b_lora runs no warmup)")

@@ -5,9 +5,8 @@ output layer), and a 1F1B schedule runs the step's micro batches through the sta
 
 - Stages: the whole model is built on the meta device and each stage drops what it does not own (StageLayers keeps
   its blocks under their numbers in the whole model, so every parameter's name, "layers.N....", is the unsplit
-  model's: DCP checkpoints and the Hugging Face converter see the same names). The split counts the embedding and
-  the output layer as one block each (Megatron's account_for_embedding_in_pipeline_split and
-  account_for_loss_in_pipeline_split): the first and last stages hold a block fewer where that evens the work.
+  model's: DCP checkpoints and the Hugging Face converter see the same names). The blocks split by config.layer_chunks
+  (Megatron-Bridge's DeepSeek-V3 split), the rule the memory arithmetic counts with too.
 - Within a stage everything else applies as without a pipeline, on the stage's slice of the meshes
   (workloads.decoder.parallelize): FSDP2/HSDP, expert parallel, tensor parallel (the hidden states travel between
   stages as this rank's sequence shard, as between blocks; the loss runs under loss_parallel) and context parallel
