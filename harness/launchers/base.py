@@ -307,9 +307,9 @@ def show_files(files: list[Path]) -> str:
 
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:
     """What the workload will make of this many processes, shown with the request: for resnet the global batch
-    and its optimizer's schedule, for bert the batch plan (an MLPerf reference batch and its split), for gpt3 and
-    the Llama benchmarks the parallel layout and the memory estimate per GPU (and for the Llamas the bytes each
-    GPU sends per step). A world that cannot take the batch (a resnet global batch the LARS table does not cover),
+    and its optimizer's schedule, for bert the batch plan (an MLPerf reference batch and its split), for gpt3,
+    the decoders and flux1 the parallel layout and the memory estimate per GPU (and for the decoders and flux1 the
+    bytes each GPU sends per step). A world that cannot take the batch (a resnet global batch the LARS table does not cover),
     or a config that cannot fit, is refused here, with the numbers: by the same functions the workers call."""
     world = spec.nodes * nproc_per_node
     try:
@@ -335,6 +335,15 @@ def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | No
             if gpu_memory_gib:
                 gpt3.check_fits(cfg, layout, gpu_memory_gib)
             return tuple(gpt3.describe(cfg, layout, gpu_memory_gib))
+        if spec.benchmark == "flux1":
+            from workloads.flux import config as flux  # torch-free
+
+            cfg = flux.run_config(spec.preset, spec.global_batch, spec.force_batch, learning_rate=spec.learning_rate,
+                                  warmup_samples=spec.warmup_samples)
+            layout = flux.plan_layout(cfg, world, nproc_per_node)
+            if gpu_memory_gib:
+                flux.check_fits(cfg, layout, gpu_memory_gib)
+            return tuple(flux.describe(cfg, layout, gpu_memory_gib))
         from workloads.decoder import config as llama  # torch-free, as the others
 
         if spec.benchmark in llama.PRESET_TABLES:

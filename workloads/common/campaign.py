@@ -185,6 +185,7 @@ class Workload(ABC):
     # name (DCP's flatten_optimizer_state_dict), since each stage's param_groups list other names under one key.
     ranks_hold_other_parameters = False
     eval_count_key = C.EPOCH_NUM  # the eval events' metadata key for epoch_num(step) (newer rules: samples_count)
+    eval_also_logged_as: tuple[str, ...] = ()  # keys logged beside eval_accuracy, with its value and metadata
 
     def __init__(self, opts: RunOptions, ctx: DistContext, seed: int):
         self.opts, self.ctx, self.seed = opts, ctx, seed

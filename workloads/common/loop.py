@@ -137,6 +137,8 @@ def _evaluate(workload, mlog: K.ResultLog, step: int, support: Resilience, progr
         mlog.start(C.EVAL_START, metadata=at)
         quality = workload.evaluate()
         mlog.event(C.EVAL_ACCURACY, quality, metadata=at)
+        for key in workload.eval_also_logged_as:
+            mlog.event(key, quality, metadata=at)
         mlog.end(C.EVAL_STOP, metadata=at)
     label, key = workload.rate_shown
     rate = {label: stats[key]} if stats else {}

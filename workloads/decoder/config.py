@@ -17,10 +17,11 @@ import math
 from dataclasses import dataclass, replace
 
 from workloads.common import traffic
+from workloads.common.memory import GIB, MemoryEstimate
 from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
 from workloads.common.traffic import Traffic
+from workloads.flux import config as flux  # torch-free: its RCP rows join the CLI's table below
 
-GIB = 2**30
 MAX_STEPS = 1_200_000  # closed_llama31_8b.yaml: max_steps == 1200000, decay steps == max_steps - warmup
 EVAL_INTERVAL_SAMPLES = 12_288  # pretrain_llama31.py: evaluate every 12,288 sequences
 EVAL_SEQUENCES = 1_024  # closed_llama31_8b.yaml: eval_samples == 1024
@@ -620,15 +621,17 @@ def lora_preset_config(preset: str, global_batch: int | None = None, force: bool
     return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, hyperparameters=chosen)
 
 
-# The batches each Llama benchmark's RCPs were measured at: --global-batch may be one of them or any batch between
-# the smallest and the largest (rcp_hyperparameters) without --force-batch.
+# The batches each benchmark's RCPs were measured at, for those whose batch chooses its LR between RCP rows (the
+# decoders', flux1's): --global-batch may be one of them or any batch between the smallest and the largest
+# (rcp_hyperparameters) without --force-batch.
 RCP_GLOBAL_BATCHES: dict[str, tuple[int, ...]] = {"llama31_8b": tuple(RCP_BATCHES),
                                                   "gpt_oss_20b": tuple(GPT_OSS_RCP_BATCHES),
                                                   "llama2_70b_lora": tuple(LORA_RCP_BATCHES),
-                                                  "deepseekv3_671b": tuple(DEEPSEEK_RCP_BATCHES)}
+                                                  "deepseekv3_671b": tuple(DEEPSEEK_RCP_BATCHES),
+                                                  "flux1": tuple(flux.RCP_BATCHES)}
 # The benchmarks whose RCP rows carry a warmup (--warmup-samples applies to them only), and why it does not apply to
 # the others.
-RCP_WARMUP_BENCHMARKS: tuple[str, ...] = ("llama31_8b", "gpt_oss_20b")
+RCP_WARMUP_BENCHMARKS: tuple[str, ...] = ("llama31_8b", "gpt_oss_20b", "flux1")
 FIXED_WARMUP = {"llama2_70b_lora": "runs none (its RCP rows carry a peak LR only): give --learning-rate alone",
                 "deepseekv3_671b": "warms up 4 steps, which its closed rules fix"}
 
@@ -889,41 +892,6 @@ def bubble_fraction(layout: Layout) -> float:
     (Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2)."""
     p, v, m = layout.pipeline, layout.virtual, layout.grad_accum
     return (p - 1) / (v * m + p - 1)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per process at the peak of a training step, term by term, on the pipeline stage that needs most."""
-
-    weights: float  # this rank's FSDP shard of its stage's tensor-parallel share: fp32 master weights, or for LoRA
-    #                 the frozen base in the compute dtype and the adapters in fp32
-    gradients: float  # fp32 sharded gradients of what trains: alive at the peak only when micro batches accumulate
-    optimizer: float  # AdamW's two fp32 moments of what trains, the same shard
-    gathered: float  # unsharded bf16 parameters (and gradients) FSDP holds at once
-    activations: float  # what backward keeps, for every micro batch in flight on this stage
-    pipeline_buffers: float  # the received activation and gradient of each chunk (pipeline only)
-    logits: float  # this rank's vocabulary shard of its positions' logits, and what the loss keeps (last stage)
-    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only): outside max_memory_allocated
-    stage: int = 0  # the pipeline stage these terms are for (the one whose total is largest)
-
-    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "pipeline_buffers", "logits", "reserve")
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, term) for term in self.TERMS)
-
-    @property
-    def allocated(self) -> float:
-        """What torch.cuda.max_memory_allocated would report: every term but the reserve (the CUDA context and
-        NCCL's buffers are not the caching allocator's), so the figure to hold against a measured peak."""
-        return self.total - self.reserve
-
-    def describe(self, limit: str = "") -> str:
-        """The total (against `limit`, e.g. " of 80 GiB"), each term, and the figure to compare with a measured
-        max_memory_allocated, in GiB."""
-        parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in self.TERMS)
-        return (f"{self.total / GIB:.1f} GiB{limit} ({parts} GiB; {self.allocated / GIB:.1f} GiB without the "
-                "reserve, what max_memory_allocated counts)")
 
 
 def estimate_memory(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, on_gpu: bool = True

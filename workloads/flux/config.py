@@ -11,7 +11,13 @@ util.py; torchtitan has no guidance_in at all).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+
+from workloads.common import traffic
+from workloads.common.memory import GIB, MemoryEstimate
+from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
+from workloads.common.traffic import Traffic
 
 TIME_EMBED_DIM = 256  # the sinusoidal timestep (and guidance) embedding's width (BFL model.py: time_in in_dim=256)
 
@@ -90,3 +96,255 @@ FLUX_SCHNELL = FluxConfig()
 # 4 heads of 16, RoPE axes 4 + 6 + 6; the synthetic data's text and pooled widths are 32.
 FLUX_TINY = FluxConfig(vec_in_dim=32, context_in_dim=32, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=2,
                        axes_dim=(4, 6, 6))
+
+
+# --- the benchmark: presets, the rules' values, the layout and its arithmetic -----------------------------------------
+# Sources: mlcommons/training `text_to_image/README.md`; the torchtitan flux experiment it pins (branch
+# mlperf-training-flux.1: `train.py`, `train_configs/flux_schnell_mlperf_preprocessed.toml`, `dataset/flux_mlperf.py`,
+# `mlperf_logging.py`); mlperf-logging `compliance_checker/training_6.1.0/closed_flux1.yaml` and
+# `rcp_checker/training_6.1.0/rcps_flux1.json`. docs/benchmarks/flux1.md gives each value with its source.
+
+VAE_SHIFT, VAE_SCALE = 0.1159, 0.3611  # toml [encoder] autoencoder_shift/autoencoder_scale: x0 = (z - shift) * scale
+CAPTION_DROPOUT = 0.1  # toml [training] classifer_free_guidance_prob: both encodings replaced by the empty caption's
+EVAL_TIMESTEPS = 8  # the validation samples' fixed timesteps k / 8, k = 0..7 (README, train.py eval_step)
+TRAIN_SAMPLES = 1_099_776  # README; mlperf_logging.py TRAIN_SAMPLES
+EVAL_SAMPLES = 29_696  # README; mlperf_logging.py EVAL_SAMPLES; 3,712 per timestep
+EVAL_INTERVAL_SAMPLES = 262_144  # README "every 262,144 training samples"; closed_flux1.yaml rounds it up to whole steps
+TARGET = 0.586  # closed_flux1.yaml and the toml's target_eval_loss: the mean validation loss
+MAX_STEPS = 30_000  # the toml's [training] steps: a cap, the run stops at the target
+ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, CLIP_NORM = (0.9, 0.95), 1e-8, 0.1, 1.0  # closed_flux1.yaml fixes each
+LATENT_CHANNELS = 16  # the VAE's z_channels (torchtitan flux-schnell AutoEncoderParams)
+
+# rcps_flux1.json: global batch -> (LR, warmup). The rows give warmup in steps (1,600, 800, 0, 100); here in samples
+# (steps x batch), as rcp_hyperparameters interpolates it, so that a row's warmup comes back exact.
+RCP_BATCHES: dict[int, tuple[float, int]] = {512: (2e-4, 1_600 * 512), 1024: (2.5e-4, 800 * 1024),
+                                             2048: (2.5e-4, 0), 4096: (4e-4, 100 * 4096)}
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """One sample's tensors, as the model config expects them: what a dataset is checked against."""
+
+    text: tuple[int, int]  # T5 states: (tokens, context_in_dim)
+    pooled: int  # CLIP's pooled width: vec_in_dim
+    latent: tuple[int, int, int]  # (16 channels, height, width) of the mean and the log-variance
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return {"t5_encodings": self.text, "clip_encodings": (self.pooled,), "mean": self.latent,
+                "logvar": self.latent}
+
+
+
+def eval_interval(global_batch: int) -> int:
+    """Samples between evaluations: 262,144 rounded up to whole steps, as closed_flux1.yaml computes the
+    evaluation_frequency it checks (ceil(262144 / GBS) x GBS)."""
+    return math.ceil(EVAL_INTERVAL_SAMPLES / global_batch) * global_batch
+
+
+@dataclass(frozen=True)
+class FluxTrainConfig:
+    model: FluxConfig
+    global_batch: int
+    base_lr: float
+    warmup_samples: int
+    max_micro_batch: int  # a data rank's most samples per forward; more accumulate (the toml's batch_size 16)
+    eval_batch: int  # validation samples per forward (torchtitan's job_config eval.batch_size 16)
+    text_tokens: int  # T5 states per caption (the toml's max_t5_encoding_len 256)
+    latent_size: int  # the latent's height and width (256 px / the VAE's 8)
+    train_samples: int
+    eval_samples: int
+    target: float
+    activation_checkpointing: bool
+    eval_every_samples: int | None = None  # None: the rules' eval_interval(global_batch)
+    max_steps: int = MAX_STEPS
+    step_limit: int | None = None  # the tiny preset's cap, below max_steps
+    shard_nodes: int = 1  # HSDP: FSDP over this many nodes' GPUs, replicas across groups (the reference: 1)
+    loader_workers: int = 4
+    hyperparameters: BatchHyperparameters | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(self.warmup_samples / self.global_batch)
+
+    @property
+    def eval_every(self) -> int:
+        """Steps between evaluations."""
+        return (self.eval_every_samples or eval_interval(self.global_batch)) // self.global_batch
+
+    @property
+    def sample_shape(self) -> SampleShape:
+        latent = (LATENT_CHANNELS, self.latent_size, self.latent_size)
+        return SampleShape(text=(self.text_tokens, self.model.context_in_dim), pooled=self.model.vec_in_dim,
+                           latent=latent)
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.latent_size // 2) ** 2
+
+    def flops_per_sample(self) -> float:
+        """Training FLOPs per sample (forward and backward: 6 per multiply-add of a weight, as MFU counts them): every
+        token through its own stream's matrices in the double blocks and the shared ones in the single blocks, the
+        embedders and modulations once per sample, attention's two products over all tokens; activation
+        checkpointing's recomputation is not counted (MFU's convention)."""
+        m, h = self.model, self.model.hidden_size
+        tokens = self.image_tokens + self.text_tokens
+        per_token = (m.depth + m.depth_single_blocks) * (4 * h * h + 2 * h * m.mlp_hidden)
+        inputs = self.image_tokens * (m.in_channels + m.out_channels) * h + self.text_tokens * m.context_in_dim * h
+        per_sample = (TIME_EMBED_DIM + m.vec_in_dim + 2 * h) * h + (12 * m.depth + 3 * m.depth_single_blocks + 2) * h * h
+        attention = 12 * (m.depth + m.depth_single_blocks) * tokens * tokens * h
+        return 6 * (tokens * per_token + inputs + per_sample) + attention
+
+
+PRESETS: dict[str, FluxTrainConfig] = {
+    # The reference at its default batch: 1,024 (an RCP row: LR 2.5e-4, 800 warmup steps); --global-batch picks
+    # another row or a batch between two.
+    "full": FluxTrainConfig(model=FLUX_SCHNELL, global_batch=1024, base_lr=2.5e-4, warmup_samples=800 * 1024,
+                            max_micro_batch=16, eval_batch=16, text_tokens=256, latent_size=32,
+                            train_samples=TRAIN_SAMPLES, eval_samples=EVAL_SAMPLES, target=TARGET,
+                            activation_checkpointing=True),
+    # FLUX_TINY on the generated set (workloads.flux.data.write_tiny_set): 2 CPU processes, 64 px images (8 x 8
+    # latents, 16 tokens), 8 text tokens; the rules' target, which the model reaches only by reading the caption,
+    # in about 200 steps; an evaluation every 32 steps.
+    "tiny": FluxTrainConfig(model=FLUX_TINY, global_batch=16, base_lr=1e-3, warmup_samples=0, max_micro_batch=8,
+                            eval_batch=32, text_tokens=8, latent_size=8, train_samples=4_096, eval_samples=256,
+                            target=TARGET, activation_checkpointing=False, eval_every_samples=512, step_limit=640,
+                            loader_workers=0),
+}
+
+
+def run_config(preset: str, global_batch: int | None = None, force: bool = False, learning_rate: float | None = None,
+               warmup_samples: int | None = None) -> FluxTrainConfig:
+    """A preset at `global_batch`: the full preset's LR and warmup from the RCP rows (a row's, interpolated between
+    two, or given), the tiny preset's its own unless given."""
+    cfg = PRESETS[preset]
+    batch = global_batch or cfg.global_batch
+    if preset == "full":
+        chosen = rcp_hyperparameters("flux1", RCP_BATCHES, batch, preset=(cfg.base_lr, cfg.warmup_samples),
+                                     learning_rate=learning_rate, warmup_samples=warmup_samples, force=force)
+    else:
+        chosen = open_hyperparameters("flux1", batch, (cfg.base_lr, cfg.warmup_samples), learning_rate,
+                                      warmup_samples)
+    return replace(cfg, global_batch=batch, base_lr=chosen.base_lr, warmup_samples=chosen.warmup_samples,
+                   hyperparameters=chosen)
+
+
+@dataclass(frozen=True)
+class FluxLayout:
+    """HSDP, as the reference runs it (README: "sharding over gpus in the same node, and using DDP across different
+    nodes"): FSDP over `shard` ranks (a node, or shard_nodes nodes), `replicate` groups; every rank a data rank."""
+
+    world: int
+    procs_per_node: int
+    replicate: int
+    shard: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.micro_batch * self.grad_accum
+
+
+def plan_layout(cfg: FluxTrainConfig, world: int, procs_per_node: int) -> FluxLayout:
+    """FSDP over a node group, replicas across groups; each data rank's share of the batch in micro batches of at
+    most max_micro_batch."""
+    if cfg.global_batch % world:
+        raise ValueError(f"flux1's global batch {cfg.global_batch} does not split evenly over {world} processes: "
+                         f"give --global-batch a multiple of {world}")
+    shard = min(world, procs_per_node * cfg.shard_nodes)
+    if world % shard:
+        raise ValueError(f"{world} processes do not form whole FSDP groups of {shard} (shard_nodes "
+                         f"{cfg.shard_nodes} x {procs_per_node} per node)")
+    per_rank = cfg.global_batch // world
+    micro = next(m for m in range(min(per_rank, cfg.max_micro_batch), 0, -1) if per_rank % m == 0)
+    return FluxLayout(world=world, procs_per_node=procs_per_node, replicate=world // shard, shard=shard,
+                      micro_batch=micro, grad_accum=per_rank // micro)
+
+
+class FluxMemory(MemoryEstimate):
+    """The decoders' terms without the ones a diffusion transformer has none of (no pipeline, no vocabulary)."""
+
+    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "reserve")
+
+
+def block_activation_elements(m: FluxConfig, double: bool) -> float:
+    """Elements autograd keeps per token in one block's forward (what a checkpointed block recomputes in its
+    backward): per stream of a double block the modulated norm's output, qkv, the normed q and k, rotated q and k,
+    the attention's output and its projection's input, the second norm and its modulation, the MLP's input and
+    GELU's input and output; a single block's the same over its fused linear1 (3h + mlp) and linear2 (h + mlp)."""
+    h, mlp = m.hidden_size, m.mlp_hidden
+    if double:
+        return 13 * h + 2 * mlp
+    return 9 * h + 3 * mlp + (h + mlp)
+
+
+def estimate_memory(cfg: FluxTrainConfig, layout: FluxLayout, on_gpu: bool = True) -> FluxMemory:
+    """Bytes per GPU at the step's peak (the backward of the first block, the last to run), as the decoders'
+    estimate counts them (workloads.decoder.config.estimate_stage): fp32 master weights and AdamW moments of the
+    FSDP shard; the sharded fp32 gradients when micro batches accumulate; the root's and two blocks' bf16 weights
+    gathered and one block's unsharded gradient; activations: with checkpointing each block's input (image and text
+    tokens) plus one block recomputed, else every block's; the micro batch's T5 states."""
+    m = cfg.model
+    compute = 2 if on_gpu else 4
+    shard = m.params / layout.shard
+    block = m.double_block_params
+    root = m.params - m.depth * m.double_block_params - m.depth_single_blocks * m.single_block_params
+    tokens = (cfg.image_tokens + cfg.text_tokens) * layout.micro_batch
+    blocks = m.depth + m.depth_single_blocks
+    per_token = [block_activation_elements(m, True)] * m.depth + [block_activation_elements(m, False)] \
+        * m.depth_single_blocks
+    if cfg.activation_checkpointing:
+        activations = tokens * compute * (blocks * m.hidden_size + max(per_token))
+    else:
+        activations = tokens * compute * sum(per_token)
+    inputs = layout.micro_batch * cfg.text_tokens * m.context_in_dim * compute
+    return FluxMemory(weights=4 * shard, gradients=4 * shard if layout.grad_accum > 1 else 0, optimizer=8 * shard,
+                      gathered=compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block,
+                      activations=activations + inputs, pipeline_buffers=0, logits=0,
+                      reserve=4 * GIB if on_gpu else 0)
+
+
+def estimate_traffic(cfg: FluxTrainConfig, layout: FluxLayout) -> Traffic:
+    """Bytes per GPU per step: FSDP's gathers (before forward and backward, per micro batch) and reduce-scatters
+    inside a group, HSDP's all-reduce of each shard across the replicas (workloads.common.traffic)."""
+    m = cfg.model
+    return traffic.estimate_traffic(params=m.params, n_layer=m.depth + m.depth_single_blocks,
+                                    seq_len=cfg.image_tokens + cfg.text_tokens, d_model=m.hidden_size,
+                                    kv_dim=m.hidden_size, tensor=1, context=1, shard=layout.shard,
+                                    replicate=layout.replicate, micro_batch=layout.micro_batch,
+                                    grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
+                                    recompute=cfg.activation_checkpointing)
+
+
+def describe(cfg: FluxTrainConfig, layout: FluxLayout, gpu_memory_gib: float | None) -> list[str]:
+    """The lines `--dry-run` shows: the model, the layout, memory per GPU term by term, bytes per GPU per step by
+    link, and how the batch's LR and warmup were chosen."""
+    m = cfg.model
+    memory = estimate_memory(cfg, layout, on_gpu=bool(gpu_memory_gib))
+    limit = f" of {gpu_memory_gib:g} GiB" if gpu_memory_gib else " (CPU: per process)"
+    return [
+        f"flux1 model: {m.depth} double-stream and {m.depth_single_blocks} single-stream blocks, hidden "
+        f"{m.hidden_size}, {m.num_heads} heads, MLP {m.mlp_hidden}, {cfg.image_tokens} image + {cfg.text_tokens} "
+        f"text tokens, {m.params:,} parameters; {cfg.flops_per_sample() / 1e12:.3g} TFLOP per sample trained",
+        f"flux1 layout: {layout.world} processes = replicate {layout.replicate} x shard {layout.shard} (HSDP: FSDP "
+        f"over {layout.shard}); global batch {layout.global_batch} = {layout.world} data ranks x micro batch "
+        f"{layout.micro_batch} x {layout.grad_accum} accumulation steps; peak LR {cfg.base_lr:g}, warmup "
+        f"{cfg.warmup_steps} steps, then constant; eval every {cfg.eval_every} steps "
+        f"({cfg.eval_every * cfg.global_batch:,} samples)",
+        f"flux1 memory per GPU: {memory.describe(limit)}; activation checkpointing "
+        f"{'on' if cfg.activation_checkpointing else 'off'}",
+        f"flux1 traffic per GPU per step: {estimate_traffic(cfg, layout).describe()}",
+        *([f"flux1 hyperparameters: {cfg.hyperparameters.describe()}"] if cfg.hyperparameters else []),
+    ]
+
+
+def check_fits(cfg: FluxTrainConfig, layout: FluxLayout, gpu_memory_gib: float) -> None:
+    """Refuse a layout whose estimate exceeds the GPU's memory, with each term and what would shrink it."""
+    memory = estimate_memory(cfg, layout)
+    if memory.total / GIB > gpu_memory_gib:
+        wider = replace(layout, replicate=max(1, layout.replicate // 2), shard=layout.shard * 2) \
+            if layout.replicate % 2 == 0 else None
+        offer = f" (FSDP over {wider.shard}: {estimate_memory(cfg, wider).total / GIB:.1f} GiB)" if wider else ""
+        raise ValueError(f"flux1 needs about {memory.describe()} per GPU with replicate {layout.replicate} x FSDP "
+                         f"{layout.shard} and micro batch {layout.micro_batch}, more than the {gpu_memory_gib:g} GiB "
+                         f"each has: shard over more GPUs (the preset's shard_nodes){offer}")

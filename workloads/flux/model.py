@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from workloads.common.whole_draws import draw_
 from workloads.flux.config import TIME_EMBED_DIM, FluxConfig
 
 
@@ -93,9 +94,10 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _xavier(*linears: nn.Linear) -> None:
-    """torchtitan's init for the blocks' and inputs' linears: xavier-uniform weights, zero biases."""
+    """torchtitan's init for the blocks' and inputs' linears: xavier-uniform weights, zero biases. Each weight drawn
+    whole (workloads.common.whole_draws), so that FSDP's shards hold the single-process model's values."""
     for linear in linears:
-        nn.init.xavier_uniform_(linear.weight)
+        draw_(linear.weight, nn.init.xavier_uniform_)
         if linear.bias is not None:
             nn.init.zeros_(linear.bias)
 
@@ -112,7 +114,7 @@ class MLPEmbedder(nn.Module):
     def init_weights(self, init_std: float = 0.02) -> None:
         """Normal(0, 0.02) weights, zero biases (torchtitan layers.py MLPEmbedder.init_weights)."""
         for linear in (self.in_layer, self.out_layer):
-            nn.init.normal_(linear.weight, std=init_std)
+            draw_(linear.weight, lambda whole: nn.init.normal_(whole, std=init_std))
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
