@@ -1,11 +1,12 @@
-"""The four benchmarks' real on-disk input, written small for bench/gpu_throughput.py.
+"""The benchmarks' real on-disk input, written small for bench/gpu_throughput.py.
 
 A throughput run on synthetic batches measures the model; one on files measures the input
 pipeline too, so these are the formats the workloads read from MLPerf's data: ImageNet as a JPEG
-ImageFolder, BERT's HDF5 shards, GPT-3's Megatron `.idx`/`.bin` pairs (uint16) and llama31_8b's
-(int32, under the names MLCommons gives its C4 for Llama 3.1). Each writer makes just enough for
-the steps a run times, so that no epoch restarts inside the measurement. The BERT and Megatron
-writers are the workloads' own (`write_shard`, `write_indexed_dataset`).
+ImageFolder, BERT's HDF5 shards, GPT-3's Megatron `.idx`/`.bin` pairs (uint16), llama31_8b's
+(int32, under the names MLCommons gives its C4 for Llama 3.1) and flux1's preprocessed embeddings
+(Hugging Face save_to_disk folders). Each writer makes just enough for the steps a run times, so
+that no epoch restarts inside the measurement. The BERT, Megatron and flux1 writers are the
+workloads' own (`write_shard`, `write_indexed_dataset`, `write_embedding_set`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ JPEG_QUALITY = 90
 GRAIN = 32
 DISTINCT_IMAGES = 64
 IMAGE_CLASSES = 10
+DISTINCT_EMBEDDINGS = 16  # flux1's rows, likewise
 
 
 def write_image_folder(root: Path, train_images: int, size: tuple[int, int], seed: int) -> Path:
@@ -101,4 +103,26 @@ def _random_corpus(root: Path, files: list[tuple[str, int]], vocab_size: int, se
         documents = [np.append(rng.integers(eod + 1, vocab_size, min(seq_len, tokens - start) - 1), eod)
                      for start in range(0, tokens, seq_len)]
         write_indexed_dataset(root / prefix, [d.astype(dtype) for d in documents if len(d)], dtype)
+    return root
+
+
+def write_flux_embeddings(root: Path, shape, train_samples: int, eval_samples: int, seed: int) -> Path:
+    """MLCommons' preprocessed flux1 set: root/cc12m_preprocessed/ (train_samples rows), root/coco_preprocessed/
+    (eval_samples rows with their timesteps 0..7) and root/empty_encodings/, each tensor of `shape` (the config's
+    SampleShape) as .npy bytes of bf16. Distinct rows are a small pool written many times, as the JPEGs: a row at
+    schnell's shapes is 2 MiB of T5 states, and reading and decoding it cost the same either way."""
+    from workloads.flux.data import (EMPTY_FOLDER, EVAL_FOLDER, TIMESTEP, TRAIN_FOLDER, write_embedding_set,
+                                     write_empty_encodings)
+
+    rng = np.random.default_rng(seed)
+    expected = shape.expected()
+    pool = [{column: rng.standard_normal(dims, dtype=np.float32) for column, dims in expected.items()}
+            for _ in range(DISTINCT_EMBEDDINGS)]
+
+    def rows(count: int) -> dict[str, list]:
+        return {column: [pool[i % len(pool)][column] for i in range(count)] for column in expected}
+
+    write_embedding_set(root / TRAIN_FOLDER, rows(train_samples))
+    write_embedding_set(root / EVAL_FOLDER, {**rows(eval_samples), TIMESTEP: [i % 8 for i in range(eval_samples)]})
+    write_empty_encodings(root / EMPTY_FOLDER, np.zeros(shape.text), np.zeros(shape.pooled))
     return root

@@ -1,18 +1,20 @@
-"""Training throughput of ResNet-50, BERT-large, a GPT-3-shaped and a Llama-3.1-shaped decoder per GPU, against
-issue 14's goals and, for llama31_8b, NVIDIA's MLPerf v5.1 figure per GPU.
+"""Training throughput of ResNet-50, BERT-large, a GPT-3-shaped, a Llama-3.1-shaped and a gpt-oss-shaped decoder
+and a FLUX.1-shaped transformer per GPU, against issue 14's goals and, for llama31_8b and gpt_oss_20b, MLPerf
+figures per GPU (flux1 has none that a ratio could be taken against: see GOALS).
 
-    python bench/gpu_throughput.py [--workloads resnet,bert,gpt3,llama31_8b] [--out-dir results/bench]
+    python bench/gpu_throughput.py [--workloads resnet,bert,gpt3,llama31_8b,gpt_oss_20b,flux1] [--out-dir results/bench]
     bench/gpu_throughput.sh [same options]     # on a GPU machine with only torch, pandas, matplotlib, pytest
 
 On all visible GPUs (one process each, NCCL, rendezvous on localhost), each workload trains on
 synthetic batches and then on files in its real on-disk format written to a temporary folder
 (bench/gpu_formats.py); bench/gpu_timing.py times each. Reported per device: samples/s (and
-tokens/s and MFU for the two decoders) over a window after warm-up, peak memory (beside the harness's estimate of
-it for the decoders, and their ratio: docs/measured.md), the spread of
+tokens/s and MFU for the decoders, MFU for flux1) over a window after warm-up, peak memory (beside the harness's
+estimate of it for the decoders and flux1, and their ratio: docs/measured.md), the spread of
 single steps, and the ratio to the goal (ResNet 4,200 img/s, BERT 580 seq/s, GPT MFU 45% per H100;
 llama31_8b the model FLOP/s of NVIDIA's v5.1 closed result per Blackwell GPU (GB200 per its log): its
 11,980 tokens/s of the whole 8B model times that model's FLOPs per token, against the bench model's
-tokens/s times its own, since one GPU holds only a smaller Llama).
+tokens/s times its own, since one GPU holds only a smaller Llama; gpt_oss_20b likewise against Cisco's v6.0 H100
+result).
 Writes results/bench/gpu-<device>.json (e.g. gpu-nvidia-h100-80gb-hbm3.json) and prints a table;
 with --profile-steps N, torch.profiler's operator table of N more steps per workload and data too.
 
@@ -20,8 +22,13 @@ Sizes: on GPUs the full benchmarks' per-GPU shapes (ResNet-50 at batch 256, BERT
 batch 32 and sequence 512, and for GPT-3, whose 175B model needs many nodes, a GPT-3 XL-shaped
 1.3B decoder at sequence 2048, and for llama31_8b, whose 8B model with AdamW needs more than one
 GPU's memory, Llama 3.2 1B's shape (16 layers, d_model 2048, 32 heads, 8 key/value heads, SwiGLU
-8192, Llama 3's 128,256-token vocabulary) at sequence 8192, micro batch 1); on CPU the tiny presets
-for a few steps, written to gpu-cpu.json and labelled as no GPU figure (no goal applies, so no ratio).
+8192, Llama 3's 128,256-token vocabulary) at sequence 8192, micro batch 1; for gpt_oss_20b a half-width 8-layer
+gpt-oss; for flux1, whose 11.9B FLUX.1-schnell with fp32 master weights and AdamW needs about 190 GB, FLUX.1's
+blocks at schnell's width (hidden 3072, 24 heads) in 4 double-stream and 8 single-stream blocks, 2.55B parameters,
+at the real sequence (256 image + 256 text tokens, T5 context 4096, CLIP vector 768) with the reference's micro
+batch 16 and activation checkpointing: 33.5 GiB allocated at the peak by the harness's estimate_memory on one
+GPU, 37.5 with its reserve); on CPU the tiny presets for a few steps, written to gpu-cpu.json and labelled as no
+GPU figure (no goal applies, so no ratio).
 """
 
 from __future__ import annotations
@@ -39,13 +46,13 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_image_folder, write_llama_corpus, \
-    write_megatron_corpus
+from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_flux_embeddings, write_image_folder, \
+    write_llama_corpus, write_megatron_corpus
 from gpu_timing import Job, Steps, config_module, run_rank, spread
 from summary import machine  # bench/summary.py, beside this script
 from workloads.decoder.config import GPT_OSS_20B, LLAMA31_8B  # torch-free
 
-WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b", "gpt_oss_20b")
+WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b", "gpt_oss_20b", "flux1")
 DECODERS = ("gpt3", "llama31_8b", "gpt_oss_20b")  # rated in tokens/s and MFU too (MFU over active parameters)
 DEFAULT_STEPS = {"cuda": Steps(warmup=20, timed=50, spread=20), "cpu": Steps(warmup=2, timed=4, spread=3)}
 CPU_NOTE = "CPU tiny mode: not a GPU figure"
@@ -55,7 +62,8 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Goal:
     """A goal per GPU: a rate (samples/s or tokens/s) or an MFU. Issue 14's for one H100 SXM; for llama31_8b,
-    NVIDIA's MLPerf figure per GPU (a GB200: no H100 llama31_8b result is in the shared results)."""
+    NVIDIA's MLPerf figure per GPU (a GB200: no H100 llama31_8b result is in the shared results); for gpt_oss_20b,
+    Cisco's (H100)."""
 
     metric: str  # "samples_per_s", "model_tflops_per_s" (tokens/s x the model's training FLOPs per token) or "mfu"
     value: float
@@ -90,8 +98,16 @@ GOALS = {
                         "sequences of 8,192 tokens from run_start to run_stop in 34.03 minutes (evaluations "
                         "included, so a lower bound on its training rate) / 128 GPUs, times gpt-oss 20B's "
                         "training FLOPs per token over its 3.77B active parameters"),
+    # flux1: none. The shared results hold no H100 flux1 figure, and the one log, AMD's v6.0 on 8 MI325X
+    # (training_v6.0/AMD/results/8xMI325X_EPYC_9575F_pytorch/flux1/result_0.txt: global batch 2,048, 9,961,472
+    # samples at run_stop, 4,869 s after run_start, evaluations included), gives 255.7 samples/s per GPU; times
+    # FLUX.1-schnell's 20.4 TFLOP per sample (FluxTrainConfig.flops_per_sample) that is 5,222 model TFLOP/s per GPU,
+    # four times an MI325X's 1,307 TFLOP/s dense bf16 peak (twice its fp8 peak): no run of the model the harness
+    # counts sustains it, so a ratio against it would mislead. flux1's rows carry MFU alone
+    # (tests/test_gpu_throughput_bench.py derives the figure from the log again).
 }
-UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s", "llama31_8b": "seq/s", "gpt_oss_20b": "seq/s"}
+UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s", "llama31_8b": "seq/s", "gpt_oss_20b": "seq/s",
+         "flux1": "samples/s"}
 # An H100 SXM's 80 GB: the bench's llama31_8b model turns activation checkpointing on only when the harness's
 # estimate of its memory per GPU without it exceeds this.
 H100_MEMORY_GIB = 80e9 / GIB
@@ -146,6 +162,23 @@ def gpt_oss_bench_preset(on_gpu: bool, world: int):
                    activation_checkpointing=False, eval_sequences=8)
 
 
+def flux_bench_preset(on_gpu: bool, world: int, steps: Steps):
+    """flux1 as one GPU holds it with AdamW: FLUX.1's blocks at schnell's width (hidden 3072, 24 heads of 128, MLP
+    12,288, RoPE axes 16 + 56 + 56, the T5 context 4096 and CLIP vector 768) in 4 double-stream and 8 single-stream
+    blocks (schnell's 19 and 38 cut to the same 1:2; 2.55B parameters), at the real 256 image + 256
+    text tokens, the reference's micro batch 16 and activation checkpointing, the full preset's optimizer: 33.5 GiB
+    allocated at the peak by the harness's estimate_memory on one GPU. On CPU the tiny preset. Global batch = world
+    x micro batch (no accumulation); the training set is the rows bench/gpu_formats.py writes for the run's steps
+    (the workload checks the set's size) and the validation set one sample per timestep."""
+    from workloads.flux.config import EVAL_TIMESTEPS, PRESETS
+
+    base = PRESETS["full" if on_gpu else "tiny"]
+    model = replace(base.model, depth=4, depth_single_blocks=8) if on_gpu else base.model
+    batch = world * base.max_micro_batch
+    return replace(base, model=model, global_batch=batch, train_samples=batch * (steps.total + 2),
+                   eval_samples=EVAL_TIMESTEPS)
+
+
 BENCH_PRESETS = {"gpt3": lambda on_gpu, world: gpt3_bench_preset(on_gpu), "llama31_8b": llama_bench_preset,
                  "gpt_oss_20b": gpt_oss_bench_preset}
 
@@ -158,8 +191,8 @@ class Plan:
     preset: str
     measured: str
     extra_preset: object | None = None
-    estimate_gib: float | None = None  # the decoders: the harness's peak estimate less its reserve, in GiB: what
-    #                                    torch.cuda.max_memory_allocated measures (GPUs only)
+    estimate_gib: float | None = None  # the decoders, flux1: the harness's peak estimate less its reserve, in GiB:
+    #                                    what torch.cuda.max_memory_allocated measures (GPUs only)
 
 
 def jpeg_size(on_gpu: bool) -> tuple[int, int]:
@@ -167,7 +200,8 @@ def jpeg_size(on_gpu: bool) -> tuple[int, int]:
     return IMAGENET_LIKE_SIZE if on_gpu else (40, 40)
 
 
-def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
+def plan_for(workload: str, on_gpu: bool, world: int, steps: Steps | None = None) -> Plan:
+    """`steps`: the run's (default: the device's defaults), which size flux1's training set."""
     if workload == "resnet":
         from workloads.resnet.config import PRESETS
 
@@ -184,6 +218,20 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
         return Plan(preset, f"BERT ({m.n_layer} layers, hidden {m.d_model}, {m.params / 1e6:,.1f}M parameters), "
                             f"sequence {m.max_seq_len}, micro batch {batch.micro_batch} x {batch.grad_accum} "
                             f"accumulation per process, global batch {batch.global_batch} ({batch.source})")
+    if workload == "flux1":
+        from workloads.flux.config import estimate_memory, plan_layout
+
+        cfg = flux_bench_preset(on_gpu, world, steps or DEFAULT_STEPS["cuda" if on_gpu else "cpu"])
+        m = cfg.model
+        memory = estimate_memory(cfg, plan_layout(cfg, world, world), on_gpu)
+        return Plan("bench-gpu" if on_gpu else "bench-cpu",
+                    f"FLUX.1-shaped transformer ({m.depth} double-stream and {m.depth_single_blocks} single-stream "
+                    f"blocks, hidden {m.hidden_size}, {m.num_heads} heads, {m.params / 1e6:,.1f}M parameters), "
+                    f"{cfg.image_tokens} image + {cfg.text_tokens} text tokens, micro batch {cfg.max_micro_batch} per "
+                    f"process, no accumulation, activation checkpointing "
+                    f"{'on' if cfg.activation_checkpointing else 'off'}, FSDP over {world}"
+                    + (estimate_words(memory) if on_gpu else ""),
+                    extra_preset=cfg, estimate_gib=memory.allocated / GIB if on_gpu else None)
     config = config_module(workload)  # the decoders: their own memory estimate and layout
     cfg = BENCH_PRESETS[workload](on_gpu, world)
     m = cfg.model
@@ -201,10 +249,13 @@ def plan_for(workload: str, on_gpu: bool, world: int) -> Plan:
                 f"{shape}, {m.params / 1e6:,.1f}M parameters), sequence {m.seq_len}, micro batch {cfg.micro_batch} "
                 f"per process, no accumulation, activation checkpointing "
                 f"{'on' if cfg.activation_checkpointing else 'off'}, FSDP over {world}"
-                + (f"; the harness's estimate of its GPU memory: {memory.allocated / GIB:.1f} GiB allocated at the "
-                   f"peak, {memory.total / GIB:.1f} GiB with the {memory.reserve / GIB:.0f} GiB reserve" if on_gpu
-                   else ""),
+                + (estimate_words(memory) if on_gpu else ""),
                 extra_preset=cfg, estimate_gib=memory.allocated / GIB if on_gpu else None)
+
+
+def estimate_words(memory) -> str:
+    return (f"; the harness's estimate of its GPU memory: {memory.allocated / GIB:.1f} GiB allocated at the peak, "
+            f"{memory.total / GIB:.1f} GiB with the {memory.reserve / GIB:.0f} GiB reserve")
 
 
 def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int, steps: Steps) -> Path:
@@ -222,6 +273,8 @@ def write_files(workload: str, plan_: Plan, root: Path, on_gpu: bool, world: int
         rows = plan_batch(cfg, world).global_batch * steps_needed
         return write_bert_shards(root, cfg, rows, cfg.eval_samples or 64, shards=world, seed=1)
     cfg = plan_.extra_preset
+    if workload == "flux1":  # the preset's training set holds steps_needed global batches
+        return write_flux_embeddings(root, cfg.sample_shape, cfg.train_samples, cfg.eval_samples, seed=1)
     if workload in ("llama31_8b", "gpt_oss_20b"):  # global batch = world: the global batch's windows per step
         return write_llama_corpus(root, cfg.model.vocab_size, cfg.model.seq_len, cfg.global_batch * steps_needed,
                                   cfg.eval_sequences, seed=1)
@@ -252,7 +305,7 @@ def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path,
             profiles: Path | None) -> tuple[Plan, dict, float]:
     """Write the workload's files, spawn its ranks, and return rank 0's figures for both data kinds (and,
     when steps are profiled, leave the tables at `profiles`-<data>.txt)."""
-    plan_ = plan_for(workload, on_gpu, world)
+    plan_ = plan_for(workload, on_gpu, world, steps)
     started = time.perf_counter()
     files = write_files(workload, plan_, tmp / workload / "files", on_gpu, world, steps)
     written_s = time.perf_counter() - started
@@ -263,19 +316,22 @@ def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path,
 
 
 def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str | None, world: int) -> dict:
-    """One table row: per-device rate, tokens/s and MFU (the decoders; MFU on a GPU the peak table knows),
-    memory, spread, and the ratio to the goal (GPUs only: no goal applies to a CPU)."""
+    """One table row: per-device rate, tokens/s and MFU (the decoders; flux1 MFU alone; MFU on a GPU the peak table
+    knows), memory, spread, and the ratio to the goal (GPUs only: no goal applies to a CPU; flux1 has none)."""
     from workloads.common.gpu_peaks import mfu
 
-    goal = GOALS[workload]
+    goal = GOALS.get(workload)
     per_device = figures["samples"] / figures["window_s"] / world
     tokens, utilisation = None, None
     if workload in DECODERS:
         model = plan_.extra_preset.model
         tokens = per_device * model.seq_len
         utilisation = mfu(model.flops_per_token(), tokens * world, world, device_name) if device_name else None
+    elif workload == "flux1" and device_name:
+        utilisation = mfu(plan_.extra_preset.flops_per_sample(), per_device * world, world, device_name)
     model_tflops = tokens * plan_.extra_preset.model.flops_per_token() / 1e12 if tokens is not None else None
-    achieved = {"samples_per_s": per_device, "model_tflops_per_s": model_tflops, "mfu": utilisation}[goal.metric]
+    achieved = {"samples_per_s": per_device, "model_tflops_per_s": model_tflops, "mfu": utilisation}.get(
+        goal.metric if goal else None)
     step_times = spread(figures["step_times_s"])
     peak = figures["peak_memory_bytes"]
     estimate = plan_.estimate_gib
@@ -283,7 +339,7 @@ def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str |
             "samples_per_s_per_device": round(per_device, 2), "unit": UNITS[workload],
             "tokens_per_s_per_device": round(tokens, 1) if tokens is not None else None,
             "mfu": round(utilisation, 4) if utilisation is not None else None,
-            "goal": goal.value if device_name else None, "goal_metric": goal.metric,
+            "goal": goal.value if device_name and goal else None, "goal_metric": goal.metric if goal else None,
             "ratio": round(achieved / goal.value, 3) if device_name and achieved is not None else None,
             "peak_memory_gib": round(peak / GIB, 2) if peak is not None else None,
             "estimated_memory_gib": round(estimate, 2) if estimate is not None else None,

@@ -3,7 +3,7 @@
 # network: installs what else it needs from .wheelhouse/ (filled beforehand with
 # `python bench/wheelhouse.py fill` where PyPI is reachable) into a scratch folder, then runs the bench
 # with that folder and this checkout on PYTHONPATH. Arguments go to gpu_throughput.py.
-#   bench/gpu_throughput.sh [--workloads resnet,bert,gpt3,llama31_8b] [--out-dir results/bench]
+#   bench/gpu_throughput.sh [--workloads resnet,bert,gpt3,llama31_8b,gpt_oss_20b,flux1] [--out-dir results/bench]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

@@ -12,8 +12,8 @@ graphs, fused optimizers, loader workers) is what gets measured. Per data kind:
 The workloads are the harness's own (workloads/registry.py). A benchmark whose full preset starts
 from MLPerf's reference checkpoint (the registry's `init_checkpoint`: BERT, a state dict; GPT-3, a
 DCP folder) refuses to train a non-tiny preset from nothing, so its run on files starts from the
-synthetic run's weights, saved in that form; ResNet-50 and llama31_8b train from scratch, so theirs
-needs none.
+synthetic run's weights, saved in that form; ResNet-50, llama31_8b, gpt_oss_20b and flux1 train from
+scratch, so theirs needs none.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ WHEELHOUSE = Path(__file__).resolve().parent.parent / ".wheelhouse"
 # What the workloads import beyond torch, pandas, matplotlib and pytest (and what those pull in):
 # distribution name -> the module it provides.
 NEEDED = {"mlperf-logging": "mlperf_logging", "h5py": "h5py", "orjson": "orjson", "nvidia-ml-py": "pynvml",
-          "tqdm": "tqdm", "torchvision": "torchvision"}
+          "tqdm": "tqdm", "pyarrow": "pyarrow", "torchvision": "torchvision"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 

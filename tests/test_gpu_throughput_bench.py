@@ -2,10 +2,11 @@
 gets, the skip when torchvision cannot run, and the offline install's choices.
 
 Kept fast: the bench runs BERT and GPT-3 (the two that start the run on files from saved weights, one as a
-state dict, one as a DCP folder) and llama31_8b (from scratch, on int32 files) for 1 + 2 + 2 steps; ResNet's
-files are checked through its loader alone. results/bench/gpu-cpu.json comes from a CPU run with more steps
-(made before llama31_8b joined the bench). llama31_8b's goal is derived again from NVIDIA's v5.1 log when
-../shared holds it."""
+state dict, one as a DCP folder), llama31_8b and gpt_oss_20b (from scratch, on int32 files) and flux1 (from
+scratch, on save_to_disk folders) for 1 + 2 + 2 steps; ResNet's files are checked through its loader alone.
+results/bench/gpu-cpu.json comes from a CPU run with more steps (made before llama31_8b joined the bench).
+llama31_8b's and gpt_oss_20b's goals are derived again from their logs when ../shared holds them, and so is the
+AMD flux1 figure that flux1 has no goal from."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -32,7 +34,7 @@ from workloads.decoder.config import LLAMA31_8B  # noqa: E402
 @pytest.mark.slow
 def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads",
-                           "gpt3,bert,llama31_8b,gpt_oss_20b",
+                           "gpt3,bert,llama31_8b,gpt_oss_20b,flux1",
                            "--out-dir", str(tmp_path), "--warmup-steps", "1", "--timed-steps", "2",
                            "--spread-steps", "2", "--profile-steps", "1"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -46,13 +48,18 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     assert [(r["workload"], r["data"]) for r in rows] == [("bert", "synthetic"), ("bert", "files"),
                                                          ("gpt3", "synthetic"), ("gpt3", "files"),
                                                          ("llama31_8b", "synthetic"), ("llama31_8b", "files"),
-                                                         ("gpt_oss_20b", "synthetic"), ("gpt_oss_20b", "files")]
-    # a step trains 32 sequences (tiny BERT's global batch) or 1 (the bench's tiny decoders: global batch = world)
-    per_step = {"bert": 32, "gpt3": 1, "llama31_8b": 1, "gpt_oss_20b": 1}
+                                                         ("gpt_oss_20b", "synthetic"), ("gpt_oss_20b", "files"),
+                                                         ("flux1", "synthetic"), ("flux1", "files")]
+    # a step trains 32 sequences (tiny BERT's global batch), 1 (the bench's tiny decoders: global batch = world) or
+    # 8 samples (tiny flux1's micro batch x world)
+    per_step = {"bert": 32, "gpt3": 1, "llama31_8b": 1, "gpt_oss_20b": 1, "flux1": 8}
     # gpt_oss_20b: the tiny preset, expert parallel over the bench's one process, in tokens/s
     for r in [r for r in rows if r["workload"] == "gpt_oss_20b"]:
         assert r["tokens_per_s_per_device"] == pytest.approx(r["samples_per_s_per_device"] * 8192, rel=0.01)
         assert r["measured"].startswith("gpt-oss-shaped decoder (2 layers")
+    for r in [r for r in rows if r["workload"] == "flux1"]:  # samples/s alone: no tokens, MFU only on a GPU
+        assert r["unit"] == "samples/s" and r["tokens_per_s_per_device"] is None and r["preset"] == "bench-cpu"
+        assert r["measured"].startswith("FLUX.1-shaped transformer (2 double-stream and 2 single-stream blocks")
     for r in rows:
         assert r["samples_in_window"] == 2 * per_step[r["workload"]]
         # window_s is rounded to the millisecond: tiny llama's windows last about 20 ms
@@ -69,7 +76,7 @@ def test_cpu_tiny_mode_writes_a_labelled_json(tmp_path):
     assert rows[4]["measured"].startswith("Llama-3.1-shaped decoder (2 layers") and rows[4]["preset"] == "bench-cpu"
     assert rows[5]["tokens_per_s_per_device"] == pytest.approx(rows[5]["samples_per_s_per_device"] * 256, rel=0.01)
     assert "rate per device" in proc.stdout
-    for workload in ("gpt3", "llama31_8b", "gpt_oss_20b"):
+    for workload in ("gpt3", "llama31_8b", "gpt_oss_20b", "flux1"):
         assert re.search(rf"^{workload} +files ", proc.stdout, re.M), workload
 
 
@@ -111,6 +118,32 @@ def test_llama_files_are_what_llama31_8bs_loaders_read(tmp_path):
     assert loaders.eval_sequences == 3 and sum(int(counted.sum()) for _, counted in loaders.eval) == 3
     with pytest.raises(ValueError, match="holds 3 sequences"):
         c4_loaders(root, 16, 2, 6, eval_sequences=4, seed=0, data_rank=0, data_world=1)
+
+
+def test_flux_files_are_what_flux1s_loaders_read(tmp_path):
+    """MLCommons' three folders: save_to_disk sets of exactly the rows the bench preset counts (the workload checks
+    the size), at its shapes, with the validation timesteps and the empty caption's encodings, read through the
+    workload's own loader."""
+    from gpu_formats import write_flux_embeddings
+    from workloads.flux.data import (EMPTY_FOLDER, EVAL_FOLDER, TENSORS, TIMESTEP, TRAIN_FOLDER, EmbeddingSet,
+                                     RankShare, load_empty_encodings, loader)
+
+    cfg = gpu_throughput.plan_for("flux1", on_gpu=False, world=1,
+                                  steps=gpu_throughput.Steps(warmup=1, timed=2, spread=1)).extra_preset
+    assert (cfg.global_batch, cfg.train_samples, cfg.eval_samples) == (8, 8 * 6, 8)
+    shape = cfg.sample_shape
+    root = write_flux_embeddings(tmp_path / "flux", shape, cfg.train_samples, cfg.eval_samples, seed=1)
+    train, evaluation = EmbeddingSet(root / TRAIN_FOLDER, TENSORS), EmbeddingSet(root / EVAL_FOLDER,
+                                                                                 (*TENSORS, TIMESTEP))
+    train.check(shape, cfg.train_samples)
+    evaluation.check(shape, cfg.eval_samples)
+    assert evaluation.rows(list(range(8)))[TIMESTEP].tolist() == list(range(8))
+    empty = load_empty_encodings(root / EMPTY_FOLDER)
+    assert empty["t5_encodings"].shape == shape.text and empty["clip_encodings"].shape == (shape.pooled,)
+    batches = loader(train, RankShare(len(train), 0, 1, cfg.max_micro_batch), workers=0, pin_memory=False)
+    batch = next(iter(batches))
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (8, *dims) for k, dims in shape.expected().items()}
+    assert all(v.dtype == torch.bfloat16 for v in batch.values()) and batch["mean"].std() > 0.5
 
 
 NVIDIA_V51 = REPO.parent / "shared" / "mlperf-results" / "training_v5.1" / "NVIDIA"
@@ -178,6 +211,33 @@ def test_gpt_oss_goal_is_ciscos_v60_tokens_per_gpu():
     assert goal.value == pytest.approx(per_gpu * GPT_OSS_20B.flops_per_token() / 1e12, rel=0.001)
 
 
+AMD_FLUX = REPO.parent / "shared" / "mlperf-results" / "training_v6.0" / "AMD" / "results" / \
+    "8xMI325X_EPYC_9575F_pytorch" / "flux1" / "result_0.txt"
+MI325X_PEAK_BF16 = 1307.4e12  # AMD's data sheet: dense bf16 (2,614.9 TFLOP/s fp8)
+
+
+@pytest.mark.skipif(not AMD_FLUX.is_file(), reason=f"AMD's v6.0 flux1 log is absent ({AMD_FLUX}): why flux1 has no "
+                                                   "goal cannot be re-derived here")
+def test_flux_has_no_goal_because_amds_figure_exceeds_the_mi325xs_peak():
+    """The only flux1 log, AMD's on 8 MI325X: samples at run_stop / run_start to run_stop (evaluations included) / 8
+    GPUs, times FLUX.1-schnell's training FLOPs per sample, is more model FLOP/s per GPU than an MI325X's bf16 (and
+    fp8) peak: a ratio against it would mislead, so GOALS has no flux1 entry and its rows carry MFU alone."""
+    from workloads.flux.config import PRESETS
+
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in AMD_FLUX.read_text().splitlines()
+              if ":::MLLOG " in line]
+    first = {e["key"]: e for e in reversed(events)}
+    seconds = (first["run_stop"]["time_ms"] - first["run_start"]["time_ms"]) / 1000
+    samples = first["run_stop"]["metadata"]["samples_count"]
+    assert first["submission_platform"]["value"] == "8xMI325X" and first["global_batch_size"]["value"] == 2048
+    assert samples == 9_961_472 and seconds == pytest.approx(4869, abs=1)
+    per_gpu = samples / seconds / 8
+    assert per_gpu == pytest.approx(255.7, abs=0.1)  # GOALS' comment gives these figures
+    model_flops = per_gpu * PRESETS["full"].flops_per_sample()
+    assert model_flops / 1e12 == pytest.approx(5222, abs=1) and model_flops > 2 * MI325X_PEAK_BF16
+    assert "flux1" not in gpu_throughput.GOALS
+
+
 def test_unknown_workload_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--workloads", "bert,vit",
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
@@ -224,6 +284,21 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     assert "694 model TFLOP/s" in gpu_throughput.table([row], {})
     # A GPU the peak table does not know: no MFU, so no GPT ratio, rather than a guess.
     assert gpu_throughput.row("gpt3", "files", gpt, figures(80, 10.0), "Some GPU", 2)["ratio"] is None
+    # flux1: FLUX.1's blocks at schnell's width and the real sequence, fewer of them, that one H100 holds with AdamW
+    # by the harness's estimate; MFU from the training FLOPs per sample, no goal and so no ratio.
+    flux = gpu_throughput.plan_for("flux1", on_gpu=True, world=1)
+    cfg = flux.extra_preset
+    m = cfg.model
+    assert (m.depth, m.depth_single_blocks, m.hidden_size, m.num_heads, m.context_in_dim, m.vec_in_dim) == \
+        (4, 8, 3072, 24, 4096, 768)
+    assert (cfg.image_tokens, cfg.text_tokens, cfg.global_batch, cfg.max_micro_batch) == (256, 256, 16, 16)
+    assert cfg.activation_checkpointing and 2.5e9 < m.params < 2.6e9 and 30 < flux.estimate_gib < 40
+    assert cfg.train_samples == 16 * (gpu_throughput.DEFAULT_STEPS["cuda"].total + 2)
+    row = gpu_throughput.row("flux1", "files", flux, figures(samples=160, window=10.0), h100, world=1)
+    assert row["unit"] == "samples/s" and row["samples_per_s_per_device"] == 16.0
+    assert row["mfu"] == pytest.approx(cfg.flops_per_sample() * 16.0 / 989.4e12, abs=1e-4)
+    assert row["goal"] is None and row["ratio"] is None and row["tokens_per_s_per_device"] is None
+    assert re.search(r"^flux1 +files +16\.0 samples/s +- +- +\d", gpu_throughput.table([row], {}), re.M)
     # On CPU no goal applies.
     cpu = gpu_throughput.plan_for("bert", on_gpu=False, world=1)
     assert gpu_throughput.row("bert", "files", cpu, figures(64, 1.0), None, 1)["ratio"] is None
@@ -303,7 +378,8 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     third-party module the bench and the workloads import must come from one or the other."""
     probe = ("import sys; before = set(sys.modules); sys.path.insert(0, 'bench'); "
              "import gpu_throughput, gpu_timing, gpu_formats, torch.distributed.checkpoint; "
-             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train, workloads.decoder.pretrain; "
+             "import workloads.resnet.train, workloads.bert.train, workloads.gpt3.train, workloads.decoder.pretrain, "
+             "workloads.flux.train; "
              "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before}))")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
@@ -311,8 +387,9 @@ def test_the_wheelhouse_covers_what_the_bench_imports_beyond_the_gpu_machines_pa
     baseline = _requirement_closure(["torch", "pandas", "matplotlib", "pytest"])
     available = baseline | {normalised(d) for d in wheelhouse.NEEDED} | {"mlperf-harness"}
     # torchvision.datasets imports defusedxml when it is installed (the in-process restart's nvidia-resiliency-ext
-    # brings it here) and parses XML without it otherwise: nothing the GPU machine lacks.
-    optional = {"defusedxml"}
+    # brings it here) and parses XML without it otherwise: nothing the GPU machine lacks. Likewise torch's datapipes
+    # import dill, and pyarrow cloudpickle, when installed (Hugging Face datasets brings both here), and do without.
+    optional = {"defusedxml", "dill", "cloudpickle"}
     uncovered = {module: providers[module] for module in imported if module in providers and module not in optional
                  and not {normalised(d) for d in providers[module]} & available}
     assert not uncovered, f"add these to bench/wheelhouse.py's NEEDED: {uncovered}"
