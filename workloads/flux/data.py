@@ -201,8 +201,11 @@ class SyntheticSet:
 
 
 def loader(source, sampler, workers: int, pin_memory: bool) -> DataLoader:
+    """Batches of `sampler`'s index lists. The loader's own generator: a DataLoader draws its workers' base seed from
+    it at each new iterator, and the default (the global generator, the training noise's) would make a resumed run,
+    whose iterator starts at its checkpoint, draw other noise than a run never stopped."""
     return DataLoader(Rows(source), sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=workers > 0)
+                      persistent_workers=workers > 0, generator=torch.Generator())
 
 
 # --- the on-disk format, written (the tiny preset's generated set; the tests') -------------------------------------
