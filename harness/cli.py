@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bert on packed data: the sequences a row holds on average (NVIDIA's packed data: 2); the "
                           "global batch, its RCP and the eval interval count rows x N sequences (default: 1, unpacked)")
     run.add_argument("--global-batch", type=int,
-                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: sequences per optimizer step, a batch MLPerf's RCPs were "
+                     help=f"{', '.join(RCP_GLOBAL_BATCHES)}: samples (sequences, images) per optimizer step, a batch "
+                          "MLPerf's RCPs were "
                           "measured at or one between two of them ("
                           + "; ".join(f"{name}: {rcp_batches_in_words(name)}" for name in RCP_GLOBAL_BATCHES)
                           + "); the full preset takes a row's peak LR (and warmup, where the rows have one), or "
