@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 
 from workloads.common import traffic
+from workloads.common.memory import GIB, MemoryEstimate
 from workloads.common.traffic import Traffic
 
-GIB = 2**30
 REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
 REFERENCE_WARMUP_STEPS = 265
 REFERENCE_DECAY_STEPS = 108_600
@@ -155,38 +155,6 @@ def base_lr(cfg: GPT3Config, global_batch: int) -> float:
     raise ValueError(f"gpt3: global batch {global_batch} has no base LR in MLPerf's GPT-3 table ({table}; "
                      f"either in between; above {LR_TABLE[-1][1]} needs a new RCP): choose nodes and a micro batch "
                      "(--batch-size) whose global batch it covers")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per process at the peak of a training step, on the pipeline stage that needs most: what parallel.py's
-    layout really holds (estimate_memory gives each term's reason)."""
-
-    weights: float  # fp32 master weights: this rank's FSDP shard of its stage's tensor-parallel share
-    gradients: float  # fp32 sharded gradients: alive at the peak only when micro batches accumulate
-    optimizer: float  # Adam's two fp32 moments, the same shard
-    gathered: float  # unsharded bf16 parameters (and gradients) FSDP holds at once
-    activations: float  # what backward keeps (sequence parallel: 1/tensor of the positions), per micro batch in flight
-    pipeline_buffers: float  # the received activation and gradient (pipeline only)
-    logits: float  # this rank's vocabulary shard of the logits, and what the loss keeps (last stage)
-    reserve: float  # CUDA context, NCCL buffers, allocator fragmentation (GPUs only): outside max_memory_allocated
-    stage: int = 0
-
-    TERMS = ("weights", "gradients", "optimizer", "gathered", "activations", "pipeline_buffers", "logits", "reserve")
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, term) for term in self.TERMS)
-
-    @property
-    def allocated(self) -> float:
-        """What torch.cuda.max_memory_allocated would report: every term but the reserve."""
-        return self.total - self.reserve
-
-    def describe(self, limit: str = "") -> str:
-        parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in self.TERMS)
-        return (f"{self.total / GIB:.1f} GiB{limit} ({parts} GiB; {self.allocated / GIB:.1f} GiB without the "
-                "reserve, what max_memory_allocated counts)")
 
 
 def tensor_replicated_params(model: GPTConfig, layers: int | None = None, final_norm: bool = True) -> int:
