@@ -1,6 +1,6 @@
 """Training throughput of ResNet-50, BERT-large, a GPT-3-shaped, a Llama-3.1-shaped and a gpt-oss-shaped decoder
-and a FLUX.1-shaped transformer per GPU, against issue 14's goals and, for llama31_8b and gpt_oss_20b, MLPerf
-figures per GPU (flux1 has none that a ratio could be taken against: see GOALS).
+and a FLUX.1-shaped transformer per GPU, against issue 14's goals and, for llama31_8b, gpt_oss_20b and flux1, MLPerf
+figures per GPU (flux1's an MI325X's: see GOALS).
 
     python bench/gpu_throughput.py [--workloads resnet,bert,gpt3,llama31_8b,gpt_oss_20b,flux1] [--out-dir results/bench]
     bench/gpu_throughput.sh [same options]     # on a GPU machine with only torch, pandas, matplotlib, pytest
@@ -51,6 +51,7 @@ from gpu_formats import IMAGENET_LIKE_SIZE, write_bert_shards, write_flux_embedd
 from gpu_timing import Job, Steps, config_module, run_rank, spread
 from summary import machine  # bench/summary.py, beside this script
 from workloads.decoder.config import GPT_OSS_20B, LLAMA31_8B  # torch-free
+from workloads.flux.config import PRESETS as FLUX_PRESETS  # torch-free
 
 WORKLOADS = ("resnet", "bert", "gpt3", "llama31_8b", "gpt_oss_20b", "flux1")
 DECODERS = ("gpt3", "llama31_8b", "gpt_oss_20b")  # rated in tokens/s and MFU too (MFU over active parameters)
@@ -76,6 +77,8 @@ NVIDIA_V51_LLAMA_TOKENS_PER_GPU = 11_980.0
 # Cisco's v6.0 gpt_oss_20b on 16 x 8 H100: 294,912 sequences of 8,192 tokens to the target in 34.03 minutes (its
 # run_start to run_stop, evaluations included), per GPU.
 CISCO_V60_GPT_OSS_TOKENS_PER_GPU = 294_912 * 8192 / (34.03 * 60) / 128
+# AMD's v6.0 flux1 on 8 x 8 MI325X: 9,961,472 samples to the target in 4,869 s (run_start to run_stop), per GPU.
+AMD_V60_FLUX_SAMPLES_PER_GPU = 9_961_472 / 4_869 / 64
 GOALS = {
     "resnet": Goal("samples_per_s", 4200.0, "img/s", "60% of NVIDIA's MLPerf v3.0 7,010 img/s per H100 (MXNet + DALI)"),
     "bert": Goal("samples_per_s", 580.0, "seq/s", "60% of NVIDIA's MLPerf v3.0 970 seq/s per H100 (PyTorch)"),
@@ -98,13 +101,15 @@ GOALS = {
                         "sequences of 8,192 tokens from run_start to run_stop in 34.03 minutes (evaluations "
                         "included, so a lower bound on its training rate) / 128 GPUs, times gpt-oss 20B's "
                         "training FLOPs per token over its 3.77B active parameters"),
-    # flux1: none. The shared results hold no H100 flux1 figure, and the one log, AMD's v6.0 on 8 MI325X
-    # (training_v6.0/AMD/results/8xMI325X_EPYC_9575F_pytorch/flux1/result_0.txt: global batch 2,048, 9,961,472
-    # samples at run_stop, 4,869 s after run_start, evaluations included), gives 255.7 samples/s per GPU; times
-    # FLUX.1-schnell's 20.4 TFLOP per sample (FluxTrainConfig.flops_per_sample) that is 5,222 model TFLOP/s per GPU,
-    # four times an MI325X's 1,307 TFLOP/s dense bf16 peak (twice its fp8 peak): no run of the model the harness
-    # counts sustains it, so a ratio against it would mislead. flux1's rows carry MFU alone
-    # (tests/test_gpu_throughput_bench.py derives the figure from the log again).
+    # tests/test_gpu_throughput_bench.py derives it again from the result and system files when ../shared holds them.
+    "flux1": Goal("model_tflops_per_s", AMD_V60_FLUX_SAMPLES_PER_GPU * FLUX_PRESETS["full"].flops_per_sample() / 1e12,
+                  "model TFLOP/s",
+                  "AMD's MLPerf Training v6.0 closed flux1: training_v6.0/AMD/results/8xMI325X_EPYC_9575F_pytorch/"
+                  "flux1/result_0.txt, 9,961,472 samples from run_start to run_stop in 4,869 s (evaluations "
+                  "included) / 64 GPUs (systems/8xMI325X_EPYC_9575F_pytorch.json: 8 nodes x 8; the platform name "
+                  "8xMI325X names a node) = 32.0 samples/s per GPU, times FLUX.1-schnell's training FLOPs per "
+                  "sample: an MI325X figure with fp8 linear layers (its lowest_numerical_precision_in_linear), not "
+                  "an H100 one: no H100 flux1 result is in the shared results"),
 }
 UNITS = {"resnet": "img/s", "bert": "seq/s", "gpt3": "seq/s", "llama31_8b": "seq/s", "gpt_oss_20b": "seq/s",
          "flux1": "samples/s"}
@@ -317,7 +322,7 @@ def measure(workload: str, on_gpu: bool, world: int, steps: Steps, tmp: Path,
 
 def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str | None, world: int) -> dict:
     """One table row: per-device rate, tokens/s and MFU (the decoders; flux1 MFU alone; MFU on a GPU the peak table
-    knows), memory, spread, and the ratio to the goal (GPUs only: no goal applies to a CPU; flux1 has none)."""
+    knows), memory, spread, and the ratio to the goal (GPUs only: no goal applies to a CPU)."""
     from workloads.common.gpu_peaks import mfu
 
     goal = GOALS.get(workload)
@@ -329,7 +334,8 @@ def row(workload: str, data: str, plan_: Plan, figures: dict, device_name: str |
         utilisation = mfu(model.flops_per_token(), tokens * world, world, device_name) if device_name else None
     elif workload == "flux1" and device_name:
         utilisation = mfu(plan_.extra_preset.flops_per_sample(), per_device * world, world, device_name)
-    model_tflops = tokens * plan_.extra_preset.model.flops_per_token() / 1e12 if tokens is not None else None
+    model_tflops = tokens * plan_.extra_preset.model.flops_per_token() / 1e12 if tokens is not None else \
+        per_device * plan_.extra_preset.flops_per_sample() / 1e12 if workload == "flux1" else None
     achieved = {"samples_per_s": per_device, "model_tflops_per_s": model_tflops, "mfu": utilisation}.get(
         goal.metric if goal else None)
     step_times = spread(figures["step_times_s"])

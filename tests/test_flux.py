@@ -501,7 +501,7 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_arithmetic(tmp_
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/mlperf-results/training_v6.0 is absent")
 def test_the_report_gives_the_real_v6_0_flux1_run_its_time_to_train(tmp_path):
-    """AMD's v6.0 closed flux1 (8 MI325X, batch 2,048): 81.15 minutes from run_start to run_stop, by the 6.0.0
+    """AMD's v6.0 closed flux1 (8 nodes x 8 MI325X, batch 2,048): 81.15 minutes from run_start to run_stop, by the 6.0.0
     rules; its log passes their checker."""
     from tests.conftest import compliance, harness
 

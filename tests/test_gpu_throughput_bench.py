@@ -5,8 +5,7 @@ Kept fast: the bench runs BERT and GPT-3 (the two that start the run on files fr
 state dict, one as a DCP folder), llama31_8b and gpt_oss_20b (from scratch, on int32 files) and flux1 (from
 scratch, on save_to_disk folders) for 1 + 2 + 2 steps; ResNet's files are checked through its loader alone.
 results/bench/gpu-cpu.json comes from a CPU run with more steps (made before llama31_8b joined the bench).
-llama31_8b's and gpt_oss_20b's goals are derived again from their logs when ../shared holds them, and so is the
-AMD flux1 figure that flux1 has no goal from."""
+llama31_8b's, gpt_oss_20b's and flux1's goals are derived again from their logs when ../shared holds them."""
 
 from __future__ import annotations
 
@@ -213,15 +212,17 @@ def test_gpt_oss_goal_is_ciscos_v60_tokens_per_gpu():
 
 AMD_FLUX = REPO.parent / "shared" / "mlperf-results" / "training_v6.0" / "AMD" / "results" / \
     "8xMI325X_EPYC_9575F_pytorch" / "flux1" / "result_0.txt"
-MI325X_PEAK_BF16 = 1307.4e12  # AMD's data sheet: dense bf16 (2,614.9 TFLOP/s fp8)
+AMD_SYSTEM = REPO.parent / "shared" / "mlperf-results" / "training_v6.0" / "AMD" / "systems" / \
+    "8xMI325X_EPYC_9575F_pytorch.json"
 
 
-@pytest.mark.skipif(not AMD_FLUX.is_file(), reason=f"AMD's v6.0 flux1 log is absent ({AMD_FLUX}): why flux1 has no "
-                                                   "goal cannot be re-derived here")
-def test_flux_has_no_goal_because_amds_figure_exceeds_the_mi325xs_peak():
-    """The only flux1 log, AMD's on 8 MI325X: samples at run_stop / run_start to run_stop (evaluations included) / 8
-    GPUs, times FLUX.1-schnell's training FLOPs per sample, is more model FLOP/s per GPU than an MI325X's bf16 (and
-    fp8) peak: a ratio against it would mislead, so GOALS has no flux1 entry and its rows carry MFU alone."""
+@pytest.mark.skipif(not (AMD_FLUX.is_file() and AMD_SYSTEM.is_file()),
+                    reason=f"AMD's v6.0 flux1 log or system file is absent ({AMD_FLUX}, {AMD_SYSTEM}): the hard-coded "
+                           "flux1 goal cannot be re-derived here")
+def test_flux_goal_is_amds_v60_model_flops_per_gpu():
+    """GOALS' flux1 figure: the samples at run_stop / run_start to run_stop (evaluations included) / the GPUs the
+    system file lists (8 nodes x 8 MI325X; the platform name 8xMI325X names a node), times FLUX.1-schnell's training
+    FLOPs per sample: about 653 model TFLOP/s per GPU, half an MI325X's dense bf16 peak, with fp8 linear layers."""
     from workloads.flux.config import PRESETS
 
     events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in AMD_FLUX.read_text().splitlines()
@@ -229,13 +230,16 @@ def test_flux_has_no_goal_because_amds_figure_exceeds_the_mi325xs_peak():
     first = {e["key"]: e for e in reversed(events)}
     seconds = (first["run_stop"]["time_ms"] - first["run_start"]["time_ms"]) / 1000
     samples = first["run_stop"]["metadata"]["samples_count"]
-    assert first["submission_platform"]["value"] == "8xMI325X" and first["global_batch_size"]["value"] == 2048
-    assert samples == 9_961_472 and seconds == pytest.approx(4869, abs=1)
-    per_gpu = samples / seconds / 8
-    assert per_gpu == pytest.approx(255.7, abs=0.1)  # GOALS' comment gives these figures
-    model_flops = per_gpu * PRESETS["full"].flops_per_sample()
-    assert model_flops / 1e12 == pytest.approx(5222, abs=1) and model_flops > 2 * MI325X_PEAK_BF16
-    assert "flux1" not in gpu_throughput.GOALS
+    system = json.loads(AMD_SYSTEM.read_text())
+    gpus = int(system["number_of_nodes"]) * int(system["accelerators_per_node"])
+    assert first["global_batch_size"]["value"] == 2048 and samples == 9_961_472 and gpus == 64
+    assert first["lowest_numerical_precision_in_linear"]["value"] == "fp8"
+    per_gpu = samples / seconds / gpus
+    assert gpu_throughput.AMD_V60_FLUX_SAMPLES_PER_GPU == pytest.approx(per_gpu, rel=0.001)
+    goal = gpu_throughput.GOALS["flux1"]
+    assert goal.metric == "model_tflops_per_s"
+    assert goal.value == pytest.approx(per_gpu * PRESETS["full"].flops_per_sample() / 1e12, rel=0.001)
+    assert "MI325X" in goal.yardstick and "64 GPUs" in goal.yardstick
 
 
 def test_unknown_workload_is_one_clear_line(tmp_path):
@@ -285,7 +289,7 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     # A GPU the peak table does not know: no MFU, so no GPT ratio, rather than a guess.
     assert gpu_throughput.row("gpt3", "files", gpt, figures(80, 10.0), "Some GPU", 2)["ratio"] is None
     # flux1: FLUX.1's blocks at schnell's width and the real sequence, fewer of them, that one H100 holds with AdamW
-    # by the harness's estimate; MFU from the training FLOPs per sample, no goal and so no ratio.
+    # by the harness's estimate; MFU and model FLOP/s from the training FLOPs per sample, the ratio against AMD's.
     flux = gpu_throughput.plan_for("flux1", on_gpu=True, world=1)
     cfg = flux.extra_preset
     m = cfg.model
@@ -297,8 +301,10 @@ def test_gpu_rows_get_mfu_and_ratios_against_the_goals():
     row = gpu_throughput.row("flux1", "files", flux, figures(samples=160, window=10.0), h100, world=1)
     assert row["unit"] == "samples/s" and row["samples_per_s_per_device"] == 16.0
     assert row["mfu"] == pytest.approx(cfg.flops_per_sample() * 16.0 / 989.4e12, abs=1e-4)
-    assert row["goal"] is None and row["ratio"] is None and row["tokens_per_s_per_device"] is None
-    assert re.search(r"^flux1 +files +16\.0 samples/s +- +- +\d", gpu_throughput.table([row], {}), re.M)
+    assert row["tokens_per_s_per_device"] is None and row["goal"] == gpu_throughput.GOALS["flux1"].value
+    assert row["ratio"] == pytest.approx(16.0 * cfg.flops_per_sample() / 1e12 / row["goal"], abs=1e-3)
+    assert re.search(r"^flux1 +files +16\.0 samples/s +653 model TFLOP/s +0\.\d+ +\d", gpu_throughput.table([row], {}),
+                     re.M)
     # On CPU no goal applies.
     cpu = gpu_throughput.plan_for("bert", on_gpu=False, world=1)
     assert gpu_throughput.row("bert", "files", cpu, figures(64, 1.0), None, 1)["ratio"] is None

@@ -52,8 +52,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     # 5.2 min: no H100 result is in the shared set); gpt_oss_20b v6.0 Cisco (128 H100, 34.0 min, docs/measured.md);
     # llama2_70b_lora v5.0 ASUSTeK twcc_n2 (16 H100, 13.3 min); deepseekv3_671b v6.0 NVIDIA theia_ngpu256 (256 GB300,
     # 34.1 min: the single log in the shared v6.0 set, run_stop - run_start; no official score is in the shared set);
-    # flux1 v6.0 AMD 8xMI325X (8 MI325X, 81.2 min: the single flux1 log in the shared set, run_stop - run_start; no
-    # H100 result nor official score is in it).
+    # flux1 v6.0 AMD 8xMI325X (8 nodes x 8 MI325X per its system file, 81.2 min: the single flux1 log in the shared
+    # set, run_stop - run_start; no H100 result nor official score is in it).
     Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
               init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS", gpu_minutes=41),
@@ -72,7 +72,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               presets_table="workloads.decoder.config:DEEPSEEK_PRESETS", gpu_minutes=8_727,
               scale_keys=("global_batch_size", "max_sequence_length", "eval_samples")),
     Benchmark("flux1", "workloads.flux.train:FluxWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.flux.config:PRESETS", gpu_minutes=649),
+              presets_table="workloads.flux.config:PRESETS", gpu_minutes=5_194),
 )}
 
 # Presets that read a real dataset unless --synthetic is given (the tiny ones generate theirs).
