@@ -11,12 +11,14 @@ import io
 import json
 import math
 import pathlib
+import pickle
 from dataclasses import replace
 from types import SimpleNamespace
 
 import datasets
 import mlperf_logging
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,9 +26,9 @@ import yaml
 from datasets.distributed import split_dataset_by_node
 
 from workloads.flux.config import FLUX_SCHNELL, FLUX_TINY, SampleShape, eval_interval, plan_layout, run_config
-from workloads.flux.data import (EMPTY_FILES, EMPTY_FOLDER, EVAL_FOLDER, TENSORS, TIMESTEP, TRAIN_FOLDER,
-                                 EmbeddingSet, RankShare, eval_share, load_empty_encodings, npy_bytes,
-                                 write_embedding_set, write_empty_encodings, write_tiny_set)
+from workloads.flux.data import (EMPTY_FILES, EMPTY_FOLDER, EVAL_DRAWS_STREAM, EVAL_FOLDER, TENSORS, TIMESTEP,
+                                 TRAIN_FOLDER, EmbeddingSet, RankShare, eval_share, load_empty_encodings, loader, npy_bytes,
+                                 sample_seed, write_embedding_set, write_empty_encodings, write_tiny_set)
 from workloads.flux.model import Flux
 from workloads.flux.train import FluxWorkload, warmup_factor
 
@@ -184,7 +186,7 @@ def test_the_tiny_set_loads_with_load_from_disk(tmp_path):
     assert (t5.shape, t5.dtype) == ((1, *SHAPE.text), np.float16)
     assert (clip.shape, clip.dtype) == ((1, SHAPE.pooled), np.float16)
     EmbeddingSet(tmp_path / EVAL_FOLDER, (*TENSORS, TIMESTEP)).check(SHAPE, rows=256)
-    empty = load_empty_encodings(tmp_path / EMPTY_FOLDER)
+    empty = load_empty_encodings(tmp_path / EMPTY_FOLDER, SHAPE)
     assert torch.equal(empty["t5_encodings"], torch.from_numpy(t5[0].astype(np.float32)).to(torch.bfloat16))
 
 
@@ -230,7 +232,58 @@ def test_empty_encodings_without_clip_empty_are_refused(tmp_path):
     """An empty-encodings folder lacking clip_empty.npy is refused, naming the file."""
     write_empty_encodings(tmp_path, np.zeros(SHAPE.text), np.zeros(SHAPE.pooled))
     (tmp_path / "clip_empty.npy").unlink()
-    one_line_error(lambda: load_empty_encodings(tmp_path), "clip_empty.npy")
+    one_line_error(lambda: load_empty_encodings(tmp_path, SHAPE), "clip_empty.npy")
+
+
+def test_empty_encodings_of_another_shape_are_refused(tmp_path):
+    """Empty encodings that do not match the model (77 CLIP tokens' states in place of T5's 8 here) are refused when
+    opened, before the clock, not by the first step's torch.where."""
+    write_empty_encodings(tmp_path, np.zeros((77, 32)), np.zeros(SHAPE.pooled))
+    one_line_error(lambda: load_empty_encodings(tmp_path, SHAPE), "t5_empty.npy", "(1, 77, 32)", "(1, 8, 32)")
+
+
+def test_a_later_row_of_another_shape_or_timestep_is_refused_by_check(tmp_path):
+    """check() reads every row's cell lengths from the Arrow offsets (not only the first row's shapes), and every
+    timestep: a bad row is found when the set opens, not by a loader worker mid-run or a device assert."""
+    rows = random_rows(3)
+    rows["mean"][2] = np.zeros((16, 8, 4), np.float32)
+    hf_dataset(rows).save_to_disk(str(tmp_path / "shapes"))
+    one_line_error(lambda: EmbeddingSet(tmp_path / "shapes", TENSORS).check(SHAPE), "'mean'", "bytes")
+    hf_dataset(random_rows(3), timesteps=[0, 7, 8]).save_to_disk(str(tmp_path / "steps"))
+    one_line_error(lambda: EmbeddingSet(tmp_path / "steps", (*TENSORS, TIMESTEP)).check(SHAPE), "'timestep'", "8",
+                   "0 to 7")
+
+
+def test_reading_a_row_does_not_join_the_columns_chunks(tmp_path, monkeypatch):
+    """A row is read from its own chunk: joining a column's chunks first (what Table.take does) would copy the
+    whole column, terabytes of T5 states on the real set, and fails past 2 GiB of offsets. Here two 4 MB shards:
+    reading one row from each allocates under one row's worth of Arrow memory."""
+    rows = random_rows(2)
+    rows["t5_encodings"] = [np.ones((4096, 256), np.float32) * i for i in range(8)]  # 2 MB a cell
+    rows = {name: (values * 4)[:8] for name, values in rows.items()}
+    hf_dataset(rows).save_to_disk(str(tmp_path), num_shards=2)
+    read = EmbeddingSet(tmp_path, TENSORS)
+    assert read.table.column("t5_encodings").num_chunks == 2
+    pool = pa.proxy_memory_pool(pa.system_memory_pool())
+    monkeypatch.setattr(pa, "default_memory_pool", lambda: pool)
+    pa.set_memory_pool(pool)
+    try:
+        got = read.rows([1, 6])
+    finally:
+        pa.set_memory_pool(pa.system_memory_pool())
+    assert torch.equal(got["t5_encodings"][1], torch.full((4096, 256), 6.0, dtype=torch.bfloat16))
+    assert pool.max_memory() < 2**20, pool.max_memory()
+
+
+def test_a_set_pickles_as_its_folder(tmp_path):
+    """A DataLoader worker started by spawn or forkserver (Python 3.14's default) gets the set by pickle: its folder,
+    memory-mapped again, not the table's data."""
+    hf_dataset(random_rows(4)).save_to_disk(str(tmp_path))
+    read = EmbeddingSet(tmp_path, TENSORS)
+    pickled = pickle.dumps(read)
+    assert len(pickled) < 1000
+    again = pickle.loads(pickled)
+    assert all(torch.equal(again.rows([3])[c], read.rows([3])[c]) for c in TENSORS)
 
 
 # ---- 5. each rank's share -----------------------------------------------------------------------------------------
@@ -284,10 +337,10 @@ def pack(latent: torch.Tensor) -> torch.Tensor:
 
 def expected_metric(model, rows, timesteps, empty) -> tuple[float, float]:
     """The mean over timesteps of each timestep's mean loss, and the plain mean over samples, from the definition:
-    per sample its own generator (seed x 1,000,003 + index) draws the latent's eps, the noise, then the dropout."""
+    per sample its own generator (data.sample_seed of the run's seed and its index) draws the latent's eps, the noise, then the dropout."""
     losses, dropped_flags = {}, []
     for index, k in enumerate(timesteps):
-        generator = torch.Generator().manual_seed(SEED * 1_000_003 + index)
+        generator = torch.Generator().manual_seed(sample_seed(SEED, EVAL_DRAWS_STREAM, index))
         eps = torch.randn(SHAPE.latent, generator=generator)
         noise = torch.randn(SHAPE.latent, generator=generator)
         dropped = torch.rand(1, generator=generator).item() < 0.1
@@ -337,9 +390,10 @@ def test_evaluate_is_the_mean_of_the_timesteps_mean_losses(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     for rank in range(ranks):
+        shares = eval_share(len(timesteps), rank, ranks, batch=4)
         stand_in = SimpleNamespace(model=model, seed=SEED, ctx=SimpleNamespace(device=torch.device("cpu")),
-                                   empty=empty, eval_set=eval_set,
-                                   eval_batches=eval_share(len(timesteps), rank, ranks, batch=4))
+                                   empty=empty, eval_batches=shares,
+                                   eval_reader=loader(eval_set, [indices for indices, _ in shares], 0, False))
         stand_in._on_device = lambda batch: batch
         got = FluxWorkload.evaluate(stand_in)
     per_timestep, plain = expected_metric(model, rows, timesteps, empty)
@@ -480,8 +534,8 @@ def test_the_full_preset_dry_run_prints_the_layout_memory_and_bytes_on_h100s(tmp
     assert (f"flux1 layout: {nodes * 8} processes = replicate {nodes} x shard 8 (HSDP: FSDP over 8); global batch "
             f"1024 = {nodes * 8} data ranks x micro batch {micro} x 1 accumulation steps") in said
     assert "11,891,178,560 parameters" in said and "eval every 256 steps (262,144 samples)" in said
-    memory = {8: "27.8", 64: "24.4"}[nodes]
-    assert f"flux1 memory per GPU: {memory} GiB of 80 GiB (weights 5.5, gradients 0.0, optimizer 11.1" in said
+    memory = {8: "30.7", 64: "29.6"}[nodes]
+    assert f"flux1 memory per GPU: {memory} GiB of 80 GiB (weights 5.5, gradients 5.5, optimizer 11.1" in said
     assert "GB over NVLink" in said and "GB over InfiniBand (FSDP gathers 41.6" in said
     if backend == "k8s":
         replicas = training_job(result.stdout)["spec"]["pytorchReplicaSpecs"]

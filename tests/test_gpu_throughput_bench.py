@@ -137,7 +137,7 @@ def test_flux_files_are_what_flux1s_loaders_read(tmp_path):
     train.check(shape, cfg.train_samples)
     evaluation.check(shape, cfg.eval_samples)
     assert evaluation.rows(list(range(8)))[TIMESTEP].tolist() == list(range(8))
-    empty = load_empty_encodings(root / EMPTY_FOLDER)
+    empty = load_empty_encodings(root / EMPTY_FOLDER, shape)
     assert empty["t5_encodings"].shape == shape.text and empty["clip_encodings"].shape == (shape.pooled,)
     batches = loader(train, RankShare(len(train), 0, 1, cfg.max_micro_batch), workers=0, pin_memory=False)
     batch = next(iter(batches))

@@ -50,7 +50,8 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
                      context: int, shard: int, replicate: int, micro_batch: int, grad_accum: int, procs_per_node: int,
                      recompute: bool, compute_bytes: int = 2, reduced_params: float | None = None,
                      expert_params: float = 0, expert: int = 1, top_k: int = 0, moe_layers: int | None = None,
-                     pipeline: int = 1, virtual: int = 1, carried: int = 1) -> Traffic:
+                     pipeline: int = 1, virtual: int = 1, carried: int = 1,
+                     replicas_reduce_once: bool = False) -> Traffic:
     """FSDP shards over shard x context; `recompute` (activation checkpointing) runs each block's forward twice.
     `reduced_params`: the parameters that have gradients, when fewer than all (LoRA's adapters). With experts
     (`expert_params` of them in all, split over `expert` ranks, tensor parallel 1), a rank gathers and
@@ -65,7 +66,8 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
     forward and its gradient back across every chunk boundary: a rank sends s x b x d (over sequence and tensor
     ranks) twice per micro batch and chunk, times `carried` (1 + DeepSeek's MTP depths, whose embedded tokens travel
     beside the hidden states: workloads.decoder.mtp). Stages are the outermost dimension, so those sends cross nodes
-    unless the whole pipeline sits inside one."""
+    unless the whole pipeline sits inside one. `replicas_reduce_once`: HSDP all-reduces across the replicas after the
+    last micro batch only (FSDP2's set_requires_all_reduce, as flux1 accumulates), not after each."""
     fsdp = shard * context
     syncs = 1 if pipeline > 1 else grad_accum  # FSDP's gathers/reductions per step
     gathers = 1 if pipeline > 1 else 2  # per sync: before forward, again before backward (resharded between)
@@ -76,7 +78,8 @@ def estimate_traffic(*, params: float, n_layer: int, seq_len: int, d_model: int,
     fsdp_reduce = syncs * 4 * (reduced * _ring(fsdp) + experts_here * _ring(fsdp // expert))
     # A rank's shard: its part of the dense gradients (over fsdp) and of the experts (over expert x expert_shard,
     # which is fsdp too).
-    replicate_reduce = syncs * 2 * 4 * (reduced + expert_params) / fsdp * _ring(replicate)
+    replicate_reduce = (1 if replicas_reduce_once else syncs) * 2 * 4 * (reduced + expert_params) / fsdp \
+        * _ring(replicate)
     passes = 3 if recompute else 2
     positions = micro_batch * seq_len / context
     tensor_bytes = grad_accum * n_layer * passes * 4 * positions * d_model * compute_bytes * _ring(tensor)

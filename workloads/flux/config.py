@@ -279,11 +279,13 @@ def block_activation_elements(m: FluxConfig, double: bool) -> float:
 
 
 def estimate_memory(cfg: FluxTrainConfig, layout: FluxLayout, on_gpu: bool = True) -> FluxMemory:
-    """Bytes per GPU at the step's peak (the backward of the first block, the last to run), as the decoders'
-    estimate counts them (workloads.decoder.config.estimate_stage): fp32 master weights and AdamW moments of the
-    FSDP shard; the sharded fp32 gradients when micro batches accumulate; the root's and two blocks' bf16 weights
-    gathered and one block's unsharded gradient; activations: with checkpointing each block's input (image and text
-    tokens) plus one block recomputed, else every block's; the micro batch's T5 states."""
+    """Bytes per GPU at the step's peak, as the decoders' estimate counts each term (workloads.decoder.config.
+    estimate_stage): fp32 master weights and AdamW moments of the FSDP shard; the root's and two blocks' bf16 weights
+    gathered and one block's unsharded gradient; the micro batch's T5 states. The peak is the larger of two moments:
+    backward's start, where every block's saved activations are alive (with checkpointing each block's input, image
+    and text tokens, plus the last block recomputed) and the sharded fp32 gradients only if earlier micro batches
+    left them; and backward's end, where every block's sharded gradient exists (FSDP2 keeps them until zero_grad)
+    and one block is recomputed. The decoders' start-of-backward peak, at its two measured shapes, is the first."""
     m = cfg.model
     compute = 2 if on_gpu else 4
     shard = m.params / layout.shard
@@ -293,27 +295,27 @@ def estimate_memory(cfg: FluxTrainConfig, layout: FluxLayout, on_gpu: bool = Tru
     blocks = m.depth + m.depth_single_blocks
     per_token = [block_activation_elements(m, True)] * m.depth + [block_activation_elements(m, False)] \
         * m.depth_single_blocks
-    if cfg.activation_checkpointing:
-        activations = tokens * compute * (blocks * m.hidden_size + max(per_token))
-    else:
-        activations = tokens * compute * sum(per_token)
+    recomputed = tokens * compute * max(per_token) if cfg.activation_checkpointing else 0
+    saved = tokens * compute * (blocks * m.hidden_size if cfg.activation_checkpointing else sum(per_token))
     inputs = layout.micro_batch * cfg.text_tokens * m.context_in_dim * compute
-    return FluxMemory(weights=4 * shard, gradients=4 * shard if layout.grad_accum > 1 else 0, optimizer=8 * shard,
+    accumulated = 4 * shard if layout.grad_accum > 1 else 0
+    start, end = accumulated + saved + recomputed, 4 * shard + recomputed
+    return FluxMemory(weights=4 * shard, gradients=accumulated if start >= end else 4 * shard, optimizer=8 * shard,
                       gathered=compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block,
-                      activations=activations + inputs, pipeline_buffers=0, logits=0,
-                      reserve=4 * GIB if on_gpu else 0)
+                      activations=(saved + recomputed if start >= end else recomputed) + inputs, pipeline_buffers=0,
+                      logits=0, reserve=4 * GIB if on_gpu else 0)
 
 
 def estimate_traffic(cfg: FluxTrainConfig, layout: FluxLayout) -> Traffic:
     """Bytes per GPU per step: FSDP's gathers (before forward and backward, per micro batch) and reduce-scatters
-    inside a group, HSDP's all-reduce of each shard across the replicas (workloads.common.traffic)."""
+    inside a group, HSDP's all-reduce of each shard across the replicas once a step (workloads.common.traffic)."""
     m = cfg.model
     return traffic.estimate_traffic(params=m.params, n_layer=m.depth + m.depth_single_blocks,
                                     seq_len=cfg.image_tokens + cfg.text_tokens, d_model=m.hidden_size,
                                     kv_dim=m.hidden_size, tensor=1, context=1, shard=layout.shard,
                                     replicate=layout.replicate, micro_batch=layout.micro_batch,
                                     grad_accum=layout.grad_accum, procs_per_node=layout.procs_per_node,
-                                    recompute=cfg.activation_checkpointing)
+                                    recompute=cfg.activation_checkpointing, replicas_reduce_once=True)
 
 
 def describe(cfg: FluxTrainConfig, layout: FluxLayout, gpu_memory_gib: float | None) -> list[str]:
@@ -342,9 +344,8 @@ def check_fits(cfg: FluxTrainConfig, layout: FluxLayout, gpu_memory_gib: float) 
     """Refuse a layout whose estimate exceeds the GPU's memory, with each term and what would shrink it."""
     memory = estimate_memory(cfg, layout)
     if memory.total / GIB > gpu_memory_gib:
-        wider = replace(layout, replicate=max(1, layout.replicate // 2), shard=layout.shard * 2) \
-            if layout.replicate % 2 == 0 else None
-        offer = f" (FSDP over {wider.shard}: {estimate_memory(cfg, wider).total / GIB:.1f} GiB)" if wider else ""
         raise ValueError(f"flux1 needs about {memory.describe()} per GPU with replicate {layout.replicate} x FSDP "
                          f"{layout.shard} and micro batch {layout.micro_batch}, more than the {gpu_memory_gib:g} GiB "
-                         f"each has: shard over more GPUs (the preset's shard_nodes){offer}")
+                         f"each has: the weights, gradients and AdamW moments (16 bytes a parameter) shrink as the "
+                         f"FSDP group grows: more GPUs per node, or FSDP over several nodes (the preset's shard_nodes, "
+                         f"workloads/flux/config.py)")

@@ -26,15 +26,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from workloads.common.cache import build_once, cache_root
-from workloads.flux.config import SampleShape
+from workloads.flux.config import EVAL_TIMESTEPS, SampleShape
 
 TRAIN_FOLDER, EVAL_FOLDER, EMPTY_FOLDER = "cc12m_preprocessed", "coco_preprocessed", "empty_encodings"
 TENSORS = ("t5_encodings", "clip_encodings", "mean", "logvar")  # each a .npy of bf16 viewed as uint16
 TIMESTEP = "timestep"  # the validation samples' fixed timestep, k of k / 8
+SYNTHETIC_STREAM, EVAL_DRAWS_STREAM = 1, 2  # sample_seed's streams: --synthetic's rows, the evaluation's draws
 EMPTY_FILES = {"t5_encodings": "t5_empty.npy", "clip_encodings": "clip_empty.npy"}
 
 
@@ -93,11 +95,18 @@ class EmbeddingSet:
                                  f"{'an integer' if column == TIMESTEP else 'binary (.npy bytes)'}")
         self.columns = columns
 
+    def __reduce__(self):
+        """Pickled as its folder (a DataLoader worker under spawn or forkserver): it memory-maps the files again,
+        rather than copying the table's data into the worker."""
+        return EmbeddingSet, (self.folder, self.columns)
+
     def __len__(self) -> int:
         return self.table.num_rows
 
     def check(self, shape: SampleShape, rows: int | None = None) -> None:
-        """The first row's tensors have the model's shapes, and the set its expected size (`rows`)."""
+        """The set's size is `rows` (the rules' count), the first row's tensors have the model's shapes, every row's
+        cells of a column have the same length (read from the Arrow offsets, without decoding a row), and every
+        timestep is one of the 8: a bad row found here, before the clock, not by a loader worker mid-run."""
         if rows is not None and len(self) != rows:
             raise ValueError(f"{self.folder} holds {len(self):,} samples, not the {rows:,} flux1's rules count")
         first = self.rows([0])
@@ -105,24 +114,35 @@ class EmbeddingSet:
             got = tuple(first[column].shape[1:])
             if got != expected:
                 raise ValueError(f"{self.folder}: column {column!r} holds {got} arrays; this model reads {expected}")
+            lengths = pc.min_max(pc.binary_length(self.table.column(column)))
+            if lengths["min"] != lengths["max"]:
+                raise ValueError(f"{self.folder}: column {column!r} holds cells of {lengths['min']} to "
+                                 f"{lengths['max']} bytes; every sample's {column} is one {expected} array")
+        if TIMESTEP in self.columns:
+            steps = pc.min_max(self.table.column(TIMESTEP))
+            if steps["min"].as_py() < 0 or steps["max"].as_py() >= EVAL_TIMESTEPS:
+                raise ValueError(f"{self.folder}: column {TIMESTEP!r} holds {steps['min']} to {steps['max']}; the "
+                                 f"validation timesteps are k of k / {EVAL_TIMESTEPS}, 0 to {EVAL_TIMESTEPS - 1}")
 
     def rows(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """The rows `indices`, each tensor column stacked (bf16), the timestep as int64."""
-        taken = self.table.select(list(self.columns)).take(pa.array(indices, type=pa.int64()))
+        """The rows `indices`, each tensor column stacked (bf16), the timestep as int64. Each cell is read from its
+        own chunk (ChunkedArray indexing): a take() would first join a column's chunks, the whole column (terabytes
+        of T5 states), and fails past 2 GiB of binary offsets."""
         out = {}
         for column in self.columns:
-            values = taken.column(column).to_pylist()
+            cells = self.table.column(column)
+            values = [cells[index].as_py() for index in indices]
             if column == TIMESTEP:
                 out[column] = torch.tensor(values, dtype=torch.int64)
-                continue
-            where = f"{self.folder} row {indices[0]}"
-            out[column] = to_bf16(np.stack([decode(cell, column, where) for cell in values]))
+            else:
+                out[column] = to_bf16(np.stack([decode(cell, column, f"{self.folder} row {index}")
+                                                for index, cell in zip(indices, values)]))
         return out
 
 
-def load_empty_encodings(folder: Path) -> dict[str, torch.Tensor]:
+def load_empty_encodings(folder: Path, shape: SampleShape) -> dict[str, torch.Tensor]:
     """T5's and CLIP's encodings of the empty caption (float16 .npy files of (1, ...)), as the reference's train.py
-    loads them: `np.load(empty_encodings_path + "/t5_empty.npy")[0]`."""
+    loads them: `np.load(empty_encodings_path + "/t5_empty.npy")[0]`; each checked against the model's shapes."""
     out = {}
     for column, name in EMPTY_FILES.items():
         path = Path(folder) / name
@@ -134,8 +154,17 @@ def load_empty_encodings(folder: Path) -> dict[str, torch.Tensor]:
             array = np.load(path, allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
             raise ValueError(f"{path}: not a .npy file ({exc})") from None
+        expected = (1, *shape.expected()[column])
+        if array.shape != expected:
+            raise ValueError(f"{path} holds a {array.shape} array; this model reads {expected}")
         out[column] = torch.from_numpy(array[0].astype(np.float32)).to(torch.bfloat16)
     return out
+
+
+def sample_seed(seed: int, stream: int, index: int) -> int:
+    """A 63-bit seed for one sample's own draws, mixed from the run's seed, a stream (what the draws are for) and the
+    sample's index (numpy's SeedSequence: distinct inputs give unrelated seeds, any seed the user gives fits)."""
+    return int(np.random.SeedSequence([seed, stream, index]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 class RankShare(Sampler):
@@ -191,7 +220,7 @@ class SyntheticSet:
     def rows(self, indices: list[int]) -> dict[str, torch.Tensor]:
         out: dict[str, list[torch.Tensor]] = {}
         for index in indices:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            generator = torch.Generator().manual_seed(sample_seed(self.seed, SYNTHETIC_STREAM, index))
             for column, dims in self.shape.expected().items():
                 out.setdefault(column, []).append(torch.randn(dims, generator=generator).to(torch.bfloat16))
         batch = {column: torch.stack(values) for column, values in out.items()}

@@ -37,8 +37,9 @@ from workloads.common.resilience import Block
 from workloads.common.warm_up import WarmUpInputs, eval_batch_sizes
 from workloads.flux.config import (ADAM_BETAS, ADAM_EPS, CAPTION_DROPOUT, CLIP_NORM, EVAL_TIMESTEPS, VAE_SCALE,
                                    VAE_SHIFT, WEIGHT_DECAY, plan_layout, run_config)
-from workloads.flux.data import (EMPTY_FOLDER, EVAL_FOLDER, TENSORS, TIMESTEP, TRAIN_FOLDER, EmbeddingSet, RankShare,
-                                 SyntheticSet, ensure_tiny_set, eval_share, load_empty_encodings, loader)
+from workloads.flux.data import (EMPTY_FOLDER, EVAL_DRAWS_STREAM, EVAL_FOLDER, TENSORS, TIMESTEP, TRAIN_FOLDER,
+                                 EmbeddingSet, RankShare, SyntheticSet, ensure_tiny_set, eval_share,
+                                 load_empty_encodings, loader, sample_seed)
 from workloads.flux.latents import image_position_ids, pack_latents, text_position_ids
 from workloads.flux.model import Flux
 
@@ -72,11 +73,11 @@ class Draws(NamedTuple):
 
     @classmethod
     def per_sample(cls, indices: list[int], latent_shape: torch.Size, seed: int, device: torch.device) -> Draws:
-        """Each sample's from a generator seeded by the run's seed and its index (evaluation: the same draws at
-        every evaluation and in any layout)."""
+        """Each sample's from its own generator, seeded from the run's seed and its index (evaluation: the same
+        draws at every evaluation and in any layout)."""
         parts = []
         for index in indices:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            generator = torch.Generator().manual_seed(sample_seed(seed, EVAL_DRAWS_STREAM, index))
             parts.append((torch.randn(latent_shape[1:], generator=generator),
                           torch.randn(latent_shape[1:], generator=generator),
                           torch.rand(1, generator=generator) < CAPTION_DROPOUT))
@@ -130,6 +131,7 @@ class FluxWorkload(Workload):
                 block.compile(fullgraph=True)
         # bf16 compute, fp32 master weights and gradient reduction on GPUs (torchtitan's mixed_precision_param and
         # _reduce); fp32 throughout on CPU. One FSDP unit per block and the root, as parallelize_flux shards it.
+        self.compute_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if ctx.device.type == "cuda" else MixedPrecisionPolicy()
         for block in (*model.double_blocks, *model.single_blocks):
@@ -139,10 +141,10 @@ class FluxWorkload(Workload):
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             torch.manual_seed(seed)
             model.init_weights()
+        # The training noise comes from each rank's own generator, which the campaign seeded with seed + rank (the
+        # README: "each data parallel rank has its own seed, derived from the main seed") and fork_rng left as it
+        # was; the checkpoint keeps it, so a resumed run draws on.
         self.model = model
-        # Each data rank its own noise (the README: "each data parallel rank has its own seed, derived from the
-        # main seed"); the checkpoint keeps every rank's generator, so a resumed run draws on.
-        torch.manual_seed(seed + ctx.rank)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                            weight_decay=WEIGHT_DECAY, fused=ctx.device.type == "cuda")
         warmup = cfg.warmup_steps
@@ -163,18 +165,20 @@ class FluxWorkload(Workload):
             train = SyntheticSet(shape, cfg.train_samples, self.seed, with_timestep=False)
             evaluation = SyntheticSet(shape, cfg.eval_samples, self.seed + 1, with_timestep=True)
         else:
-            root = self.opts.data or self._tiny_set()
             with data_errors():
+                root = self.opts.data or self._tiny_set()
                 train = EmbeddingSet(root / TRAIN_FOLDER, TENSORS)
                 evaluation = EmbeddingSet(root / EVAL_FOLDER, (*TENSORS, TIMESTEP))
                 train.check(shape, cfg.train_samples)
                 evaluation.check(shape, cfg.eval_samples)
-                self.empty = {k: v.to(self.ctx.device) for k, v in load_empty_encodings(root / EMPTY_FOLDER).items()}
+                self.empty = {k: v.to(self.ctx.device) for k, v in load_empty_encodings(root / EMPTY_FOLDER, shape).items()}
         self.train_set, self.eval_set = train, evaluation
         layout = self.layout
         with data_errors():
             self.sampler = RankShare(len(train), self.ctx.rank, layout.world, layout.micro_batch)
         self.eval_batches = eval_share(len(evaluation), self.ctx.rank, layout.world, cfg.eval_batch)
+        self.eval_reader = loader(evaluation, [indices for indices, _ in self.eval_batches], cfg.loader_workers,
+                                  self.ctx.device.type == "cuda")
         return {}
 
     def _tiny_set(self):
@@ -228,9 +232,14 @@ class FluxWorkload(Workload):
         self.model.train()
         accum = self.layout.grad_accum
         total = torch.zeros((), device=self.ctx.device)
-        for _ in range(accum):
+        for micro in range(accum):
             batch = self._on_device(next(batches))
-            timesteps = torch.rand(batch["mean"].shape[0], device=self.ctx.device)
+            # HSDP: every micro batch's gradients are reduce-scattered inside the FSDP group, but all-reduced across
+            # the replicas only once, after the last (FSDP2's set_requires_all_reduce, made for accumulation).
+            self.model.set_requires_all_reduce(micro == accum - 1)
+            # t in the model's compute dtype (bf16 on GPUs), as the reference draws it (`.to(labels)`): the noising
+            # and the model, whose FSDP policy casts its inputs, see the same t.
+            timesteps = torch.rand(batch["mean"].shape[0], device=self.ctx.device).to(self.compute_dtype).float()
             draws = Draws.running(batch["mean"].shape, self.ctx.device)
             loss = rectified_flow_loss(self.model, batch, self.empty, timesteps, draws) / accum
             loss.backward()
@@ -247,8 +256,9 @@ class FluxWorkload(Workload):
         (rows, indices, counted) triples in place of the set's (the warm-up's)."""
         self.model.eval()
         sums = torch.zeros(2, EVAL_TIMESTEPS, dtype=torch.float64, device=self.ctx.device)  # loss sums, counts
-        if batches is None:
-            batches = ((self.eval_set.rows(indices), indices, counted) for indices, counted in self.eval_batches)
+        if batches is None:  # read ahead by the eval loader's workers while the model runs
+            batches = ((rows, indices, counted)
+                       for rows, (indices, counted) in zip(self.eval_reader, self.eval_batches))
         for rows, indices, counted in batches:
             batch = self._on_device(rows)
             draws = Draws.per_sample(indices, batch["mean"].shape, self.seed, self.ctx.device)
