@@ -204,10 +204,11 @@ PRESETS: dict[str, FluxTrainConfig] = {
                             activation_checkpointing=True),
     # FLUX_TINY on the generated set (workloads.flux.data.write_tiny_set): 2 CPU processes, 64 px images (8 x 8
     # latents, 16 tokens), 8 text tokens; the rules' target, which the model reaches only by reading the caption,
-    # in about 200 steps; an evaluation every 32 steps.
+    # in about 200 steps; an evaluation every 32 steps; activation checkpointing on, as the full preset runs (each
+    # block recomputed under FSDP2).
     "tiny": FluxTrainConfig(model=FLUX_TINY, global_batch=16, base_lr=1e-3, warmup_samples=0, max_micro_batch=8,
                             eval_batch=32, text_tokens=8, latent_size=8, train_samples=4_096, eval_samples=256,
-                            target=TARGET, activation_checkpointing=False, eval_every_samples=512, step_limit=640,
+                            target=TARGET, activation_checkpointing=True, eval_every_samples=512, step_limit=640,
                             loader_workers=0),
 }
 
