@@ -62,6 +62,7 @@ class Counting:
     logs_trained_samples = True
     rate_shown = ("samples/s", "throughput")
     eval_count_key = C.EPOCH_NUM
+    eval_also_logged_as = ()
 
     def __init__(self, total_steps=10, target=2.0, losses=None, synthetic=False):
         self.ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False)

@@ -62,8 +62,9 @@ def _evals(out: Path) -> list[float]:
 @pytest.mark.parametrize("bench", sorted(STEPS))
 def test_the_warm_up_compiles_off_the_clock_and_changes_no_loss(bench, tmp_path, monkeypatch, one_process_world):
     """With the warm-up, every step's loss and every eval equal the run without it, bit for bit; nothing compiles
-    after run_start (no train or eval record spends compile time, where the run without it does); and the first
-    timed step costs at most twice a steady one, as the run record's per-step times say."""
+    after run_start (no train or eval record spends compile time, where the run without it does). How long the
+    first timed step takes against a steady one is the machine's business, not asserted: under load it failed
+    (0.14 s against 0.07 s) with nothing compiled."""
     cold = _campaign(bench, tmp_path / "cold", "off", monkeypatch)
     # The compiled code went to the campaign's cache folder, where the next run and a restarted attempt read it;
     # the warm run reads it too (a folder named by the environment wins), so it compiles faster, the same kernels.
@@ -85,9 +86,6 @@ def test_the_warm_up_compiles_off_the_clock_and_changes_no_loss(bench, tmp_path,
 
     train = [r for r in timed["warm"] if r["kind"] == "train"]
     assert train[0]["steps"] == [1, 1]  # an attempt's first step has a record of its own
-    first = train[0]["end"] - train[0]["start"]
-    steady = [(r["end"] - r["start"]) / (r["steps"][1] - r["steps"][0] + 1) for r in train[1:]]
-    assert steady and first <= 2 * sorted(steady)[len(steady) // 2], (first, steady)
 
 
 def test_eval_batch_sizes_are_the_full_batch_then_the_rest():
