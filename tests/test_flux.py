@@ -27,8 +27,8 @@ from datasets.distributed import split_dataset_by_node
 
 from workloads.flux.config import FLUX_SCHNELL, FLUX_TINY, SampleShape, eval_interval, plan_layout, run_config
 from workloads.flux.data import (EMPTY_FILES, EMPTY_FOLDER, EVAL_DRAWS_STREAM, EVAL_FOLDER, TENSORS, TIMESTEP,
-                                 TRAIN_FOLDER, EmbeddingSet, RankShare, eval_share, load_empty_encodings, loader, npy_bytes,
-                                 sample_seed, write_embedding_set, write_empty_encodings, write_tiny_set)
+                                 TRAIN_FOLDER, EmbeddingSet, RankShare, eval_share, load_empty_encodings, loader,
+                                 npy_bytes, sample_seed, write_embedding_set, write_empty_encodings, write_tiny_set)
 from workloads.flux.model import Flux
 from workloads.flux.train import FluxWorkload, warmup_factor
 
@@ -217,6 +217,25 @@ def test_float32_arrays_are_refused_as_not_bf16_bits(tmp_path):
     one_line_error(lambda: read.rows([0]), "'t5_encodings'", "float32", "uint16")
 
 
+def test_a_cell_of_another_dtype_of_the_same_length_is_refused_in_a_batch(tmp_path):
+    """A batch is read in one copy after the first cell's header: a later cell whose header differs (float16 .npy,
+    the same byte length as bf16's uint16) is refused, not read as bf16 bits."""
+    def float16_npy(array):
+        buffer = io.BytesIO()
+        np.save(buffer, array.astype(np.float16))
+        return buffer.getvalue()
+    rows = random_rows(3)
+    hf_dataset(rows).save_to_disk(str(tmp_path / "good"))
+    cells = {name: [npy_bytes(a) for a in arrays] for name, arrays in rows.items()}
+    cells["mean"][2] = float16_npy(rows["mean"][2])
+    assert len(cells["mean"][2]) == len(cells["mean"][0])
+    hf_dataset(rows, encode=lambda a: cells["mean"][2] if a is rows["mean"][2] else npy_bytes(a)).save_to_disk(
+        str(tmp_path / "bad"))
+    read = EmbeddingSet(tmp_path / "bad", TENSORS)
+    assert torch.equal(read.rows([0, 1])["mean"], EmbeddingSet(tmp_path / "good", TENSORS).rows([0, 1])["mean"])
+    one_line_error(lambda: read.rows([0, 1, 2]), "'mean'", "float16", "uint16")
+
+
 def test_a_wrong_shape_or_row_count_is_refused_by_check(tmp_path):
     """check() accepts the set's own shape and size, and refuses another text length (naming both shapes) or
     another row count than the rules' (naming both)."""
@@ -337,7 +356,8 @@ def pack(latent: torch.Tensor) -> torch.Tensor:
 
 def expected_metric(model, rows, timesteps, empty) -> tuple[float, float]:
     """The mean over timesteps of each timestep's mean loss, and the plain mean over samples, from the definition:
-    per sample its own generator (data.sample_seed of the run's seed and its index) draws the latent's eps, the noise, then the dropout."""
+    per sample its own generator (data.sample_seed of the run's seed and its index) draws the latent's eps, the
+    noise, then the dropout."""
     losses, dropped_flags = {}, []
     for index, k in enumerate(timesteps):
         generator = torch.Generator().manual_seed(sample_seed(SEED, EVAL_DRAWS_STREAM, index))

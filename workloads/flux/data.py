@@ -52,6 +52,22 @@ def decode(cell: bytes, column: str, where: str) -> np.ndarray:
     return array
 
 
+def decode_cells(cells: list[bytes], column: str, where: str) -> np.ndarray:
+    """A batch of one column's cells, stacked: the first decoded by np.load, each other one checked to carry the
+    same .npy header (dtype, order, shape) and read straight after it, all in one copy. One np.load per cell cost
+    more than the model on small samples."""
+    first = decode(cells[0], column, where)
+    start = len(cells[0]) - first.nbytes  # where the data begins: the header's length
+    header = cells[0][:start]
+    for number, cell in enumerate(cells[1:], 1):
+        if len(cell) != len(cells[0]) or cell[:start] != header:
+            decode(cell, column, f"{where} (+{number})")  # names what is wrong with it
+            raise ValueError(f"{where} (+{number}): column {column!r} holds an array of another shape than the "
+                             f"first's {first.shape}")
+    body = bytearray().join(memoryview(cell)[start:] for cell in cells)  # writable: torch.from_numpy wants it
+    return np.frombuffer(body, dtype=np.uint16).reshape(len(cells), *first.shape)
+
+
 def to_bf16(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).view(torch.bfloat16)
 
@@ -135,8 +151,7 @@ class EmbeddingSet:
             if column == TIMESTEP:
                 out[column] = torch.tensor(values, dtype=torch.int64)
             else:
-                out[column] = to_bf16(np.stack([decode(cell, column, f"{self.folder} row {index}")
-                                                for index, cell in zip(indices, values)]))
+                out[column] = to_bf16(decode_cells(values, column, f"{self.folder} row {indices[0]}"))
         return out
 
 
@@ -313,5 +328,6 @@ def write_tiny_set(folder: Path, shape: SampleShape, shift: float, scale: float)
 
 
 def ensure_tiny_set(shape: SampleShape, shift: float, scale: float) -> Path:
-    name = f"tiny-flux-v{TINY_VERSION}-{shape.text[0]}x{shape.text[1]}-{shape.pooled}-{'x'.join(map(str, shape.latent))}"
+    sizes = f"{shape.text[0]}x{shape.text[1]}-{shape.pooled}-{'x'.join(map(str, shape.latent))}"
+    name = f"tiny-flux-v{TINY_VERSION}-{sizes}"
     return build_once(cache_root() / name, lambda folder: write_tiny_set(folder, shape, shift, scale))

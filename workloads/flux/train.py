@@ -171,7 +171,8 @@ class FluxWorkload(Workload):
                 evaluation = EmbeddingSet(root / EVAL_FOLDER, (*TENSORS, TIMESTEP))
                 train.check(shape, cfg.train_samples)
                 evaluation.check(shape, cfg.eval_samples)
-                self.empty = {k: v.to(self.ctx.device) for k, v in load_empty_encodings(root / EMPTY_FOLDER, shape).items()}
+                empty = load_empty_encodings(root / EMPTY_FOLDER, shape)
+                self.empty = {k: v.to(self.ctx.device) for k, v in empty.items()}
         self.train_set, self.eval_set = train, evaluation
         layout = self.layout
         with data_errors():
