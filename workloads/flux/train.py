@@ -149,11 +149,13 @@ class FluxWorkload(Workload):
                                            weight_decay=WEIGHT_DECAY, fused=ctx.device.type == "cuda")
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: warmup_factor(step, warmup))
-        self.empty = {k: v.to(ctx.device) for k, v in self._synthetic_empty().items()}
+        self.empty = {k: v.to(ctx.device) for k, v in self._stand_in_empty().items()}
 
     # --- the data (opened after run_start) -----------------------------------------------------------------------
 
-    def _synthetic_empty(self) -> dict[str, torch.Tensor]:
+    def _stand_in_empty(self) -> dict[str, torch.Tensor]:
+        """Zeros in place of the empty caption's encodings until open_data reads MLCommons' (the warm-up may not
+        read the dataset; --synthetic runs never do)."""
         shape = self.cfg.sample_shape
         return {"t5_encodings": torch.zeros(shape.text, dtype=torch.bfloat16),
                 "clip_encodings": torch.zeros(shape.pooled, dtype=torch.bfloat16)}
