@@ -26,8 +26,8 @@ GPU's memory, Llama 3.2 1B's shape (16 layers, d_model 2048, 32 heads, 8 key/val
 gpt-oss; for flux1, whose 11.9B FLUX.1-schnell with fp32 master weights and AdamW needs about 190 GB, FLUX.1's
 blocks at schnell's width (hidden 3072, 24 heads) in 4 double-stream and 8 single-stream blocks, 2.55B parameters,
 at the real sequence (256 image + 256 text tokens, T5 context 4096, CLIP vector 768) with the reference's micro
-batch 16 and activation checkpointing: 33.5 GiB allocated at the peak by the harness's estimate_memory on one
-GPU, 37.5 with its reserve); on CPU the tiny presets for a few steps, written to gpu-cpu.json and labelled as no
+batch 16 and activation checkpointing: 42.5 GiB allocated at the peak by the harness's estimate_memory on one
+GPU, 46.5 with its reserve); on CPU the tiny presets for a few steps, written to gpu-cpu.json and labelled as no
 GPU figure (no goal applies, so no ratio).
 """
 
@@ -171,7 +171,7 @@ def flux_bench_preset(on_gpu: bool, world: int, steps: Steps):
     """flux1 as one GPU holds it with AdamW: FLUX.1's blocks at schnell's width (hidden 3072, 24 heads of 128, MLP
     12,288, RoPE axes 16 + 56 + 56, the T5 context 4096 and CLIP vector 768) in 4 double-stream and 8 single-stream
     blocks (schnell's 19 and 38 cut to the same 1:2; 2.55B parameters), at the real 256 image + 256
-    text tokens, the reference's micro batch 16 and activation checkpointing, the full preset's optimizer: 33.5 GiB
+    text tokens, the reference's micro batch 16 and activation checkpointing, the full preset's optimizer: 42.5 GiB
     allocated at the peak by the harness's estimate_memory on one GPU. On CPU the tiny preset. Global batch = world
     x micro batch (no accumulation); the training set is the rows bench/gpu_formats.py writes for the run's steps
     (the workload checks the set's size) and the validation set one sample per timestep."""
