@@ -498,6 +498,22 @@ def test_tiny_flux_survives_a_killed_rank_and_its_log_passes_the_6_1_checker(tmp
     assert checked.returncode == 0 and "open_flux1.yaml" in said and "SUCCESS" in said, said
 
 
+@pytest.mark.slow
+def test_hsdp_with_accumulation_trains_as_the_whole_model_does():
+    """4 processes as 2 replicas x 2 shards, 2 micro batches a step, every block checkpointed: the workload's own
+    model build and accumulate (the replicas all-reduced with the last micro batch only), clipping and AdamW give the
+    whole model's loss and parameters after each of two steps (tests/flux_hsdp_worker.py). An all-reduce skipped, or
+    made with another micro batch than the last, fails it."""
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(repo / "tests" / "flux_hsdp_worker.py")], cwd=repo, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.count("hsdp ok") == 4, proc.stdout + proc.stderr[-6000:]
+
+
 def proxy_set(root: pathlib.Path) -> pathlib.Path:
     """Random embeddings at the closed proxy's shapes and set sizes (tests/closed_proxy.py), in MLCommons' layout."""
     from tests.closed_proxy import FLUX_MODEL, FLUX_SETS

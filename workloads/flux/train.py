@@ -18,12 +18,13 @@ the same).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as C
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from workloads.common.campaign import RunOptions, Workload
@@ -36,7 +37,7 @@ from workloads.common.refusals import ConfigurationError
 from workloads.common.resilience import Block
 from workloads.common.warm_up import WarmUpInputs, eval_batch_sizes
 from workloads.flux.config import (ADAM_BETAS, ADAM_EPS, CAPTION_DROPOUT, CLIP_NORM, EVAL_TIMESTEPS, VAE_SCALE,
-                                   VAE_SHIFT, WEIGHT_DECAY, plan_layout, run_config)
+                                   VAE_SHIFT, WEIGHT_DECAY, FluxConfig, plan_layout, run_config)
 from workloads.flux.data import (EMPTY_FOLDER, EVAL_DRAWS_STREAM, EVAL_FOLDER, TENSORS, TIMESTEP, TRAIN_FOLDER,
                                  EmbeddingSet, RankShare, SyntheticSet, ensure_tiny_set, eval_share,
                                  load_empty_encodings, loader, sample_seed)
@@ -104,6 +105,46 @@ def rectified_flow_loss(model, batch: dict[str, torch.Tensor], empty: dict[str, 
     return error.mean(dim=(1, 2)) if per_sample else error.mean()
 
 
+def build_model(cfg: FluxConfig, mesh: DeviceMesh, device: torch.device, seed: int, checkpoint_blocks: bool,
+                compiled: bool = False) -> Flux:
+    """FLUX under FSDP2 on `mesh` (replicate x shard: HSDP), one unit per block and the root, as torchtitan's
+    parallelize_flux shards it; bf16 compute with fp32 master weights and gradient reduction on GPUs
+    (mixed_precision_param and _reduce), fp32 throughout on CPU. Built without storage, sharded, then drawn whole
+    parameter by parameter from `seed` (Flux.init_weights), the caller's generator left as it was: every replica
+    starts from a single process's model."""
+    with torch.device("meta"):
+        model = Flux(cfg, checkpoint_blocks=checkpoint_blocks)
+    if compiled:
+        for block in (*model.double_blocks, *model.single_blocks):
+            block.compile(fullgraph=True)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for block in (*model.double_blocks, *model.single_blocks):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model
+
+
+def accumulate(model, micro_batches: Iterator[dict[str, torch.Tensor]], count: int, empty: dict[str, torch.Tensor],
+               draw: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, Draws]]) -> torch.Tensor:
+    """Forward and backward over `count` micro batches, each's timesteps and draws from `draw`; the mean loss. Every
+    micro batch's gradients are reduce-scattered inside the FSDP group, but all-reduced across the HSDP replicas
+    only with the last (FSDP2's set_requires_all_reduce, made for accumulation): the same sum, once."""
+    losses = []
+    for micro in range(count):
+        batch = next(micro_batches)
+        model.set_requires_all_reduce(micro == count - 1)
+        timesteps, draws = draw(batch)
+        loss = rectified_flow_loss(model, batch, empty, timesteps, draws) / count
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
+
+
 class FluxWorkload(Workload):
     eval_count_key = C.SAMPLES_COUNT  # closed_flux1.yaml: samples_count in eval_accuracy's metadata
     eval_also_logged_as = (AVERAGED_VALIDATION_LOSS,)
@@ -122,29 +163,12 @@ class FluxWorkload(Workload):
         self.mesh = init_device_mesh(ctx.device.type, (layout.replicate, layout.shard),
                                      mesh_dim_names=("replicate", "shard"))
 
-        # Built without storage, sharded, then drawn whole parameter by parameter from the seed every rank shares
-        # (Flux.init_weights): the replicas start identical and equal to a single process's model.
-        with torch.device("meta"):
-            model = Flux(cfg.model, checkpoint_blocks=cfg.activation_checkpointing)
-        if self.compiled:
-            for block in (*model.double_blocks, *model.single_blocks):
-                block.compile(fullgraph=True)
-        # bf16 compute, fp32 master weights and gradient reduction on GPUs (torchtitan's mixed_precision_param and
-        # _reduce); fp32 throughout on CPU. One FSDP unit per block and the root, as parallelize_flux shards it.
         self.compute_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if ctx.device.type == "cuda" else MixedPrecisionPolicy()
-        for block in (*model.double_blocks, *model.single_blocks):
-            fully_shard(block, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
-        model.to_empty(device=ctx.device)
-        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            model.init_weights()
         # The training noise comes from each rank's own generator, which the campaign seeded with seed + rank (the
-        # README: "each data parallel rank has its own seed, derived from the main seed") and fork_rng left as it
-        # was; the checkpoint keeps it, so a resumed run draws on.
-        self.model = model
+        # README: "each data parallel rank has its own seed, derived from the main seed") and build_model leaves as
+        # it was; the checkpoint keeps it, so a resumed run draws on.
+        self.model = model = build_model(cfg.model, self.mesh, ctx.device, seed, cfg.activation_checkpointing,
+                                         self.compiled)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                            weight_decay=WEIGHT_DECAY, fused=ctx.device.type == "cuda")
         warmup = cfg.warmup_steps
@@ -234,24 +258,20 @@ class FluxWorkload(Workload):
         """One optimizer step over grad_accum micro batches (FSDP2 reduce-scatters each one's gradients)."""
         self.model.train()
         accum = self.layout.grad_accum
-        total = torch.zeros((), device=self.ctx.device)
-        for micro in range(accum):
-            batch = self._on_device(next(batches))
-            # HSDP: every micro batch's gradients are reduce-scattered inside the FSDP group, but all-reduced across
-            # the replicas only once, after the last (FSDP2's set_requires_all_reduce, made for accumulation).
-            self.model.set_requires_all_reduce(micro == accum - 1)
-            # t in the model's compute dtype (bf16 on GPUs), as the reference draws it (`.to(labels)`): the noising
-            # and the model, whose FSDP policy casts its inputs, see the same t.
-            timesteps = torch.rand(batch["mean"].shape[0], device=self.ctx.device).to(self.compute_dtype).float()
-            draws = Draws.running(batch["mean"].shape, self.ctx.device)
-            loss = rectified_flow_loss(self.model, batch, self.empty, timesteps, draws) / accum
-            loss.backward()
-            total += loss.detach()
+        micro_batches = (self._on_device(next(batches)) for _ in range(accum))
+        total = accumulate(self.model, micro_batches, accum, self.empty, self._running_draws)
         clip_grad_norm_(self.model.parameters(), CLIP_NORM)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, self.cfg.global_batch
+
+    def _running_draws(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Draws]:
+        """Training's t and draws from this rank's generator; t in the model's compute dtype (bf16 on GPUs), as the
+        reference draws it (`.to(labels)`): the noising and the model, whose FSDP policy casts its inputs, see the
+        same t."""
+        timesteps = torch.rand(batch["mean"].shape[0], device=self.ctx.device).to(self.compute_dtype).float()
+        return timesteps, Draws.running(batch["mean"].shape, self.ctx.device)
 
     @torch.no_grad()
     def evaluate(self, batches=None) -> float:
