@@ -19,7 +19,7 @@ from workloads.common.memory import GIB, MemoryEstimate
 from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
 from workloads.common.traffic import Traffic
 
-TIME_EMBED_DIM = 256  # the sinusoidal timestep (and guidance) embedding's width (BFL model.py: time_in in_dim=256)
+TIME_EMBED_DIM = 256  # the sinusoidal timestep embedding's width (and a guidance-distilled model's guidance's) (BFL model.py: time_in in_dim=256)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,6 @@ class SampleShape:
     def expected(self) -> dict[str, tuple[int, ...]]:
         return {"t5_encodings": self.text, "clip_encodings": (self.pooled,), "mean": self.latent,
                 "logvar": self.latent}
-
 
 
 def eval_interval(global_batch: int) -> int:
