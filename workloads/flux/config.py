@@ -19,7 +19,7 @@ from workloads.common.memory import GIB, MemoryEstimate
 from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
 from workloads.common.traffic import Traffic
 
-TIME_EMBED_DIM = 256  # the sinusoidal timestep embedding's width (and a guidance-distilled model's guidance's) (BFL model.py: time_in in_dim=256)
+TIME_EMBED_DIM = 256  # the sinusoidal timestep embedding's width, and guidance's (BFL model.py: time_in in_dim=256)
 
 
 @dataclass(frozen=True)
