@@ -1046,8 +1046,9 @@ def check_fits(benchmark: str, cfg: PretrainConfig | LoraFinetuneConfig, layout:
             f"{benchmark} needs about {memory.describe()} per GPU on pipeline stage {memory.stage} with "
             f"{nodes} nodes x {layout.procs_per_node} GPUs = pipeline {layout.pipeline} x replicate "
             f"{layout.replicate} x FSDP {layout.fsdp} (expert {layout.expert}) x tensor {layout.tensor}, more than "
-            f"the {gpu_memory_gib:g} GiB each has: use more nodes (more GPUs per FSDP group: the preset's shard_nodes), more "
-            f"pipeline stages, a larger expert parallel, or activation checkpointing ({options or 'none planned'})")
+            f"the {gpu_memory_gib:g} GiB each has: use more nodes (more GPUs per FSDP group: the preset's "
+            f"shard_nodes), more pipeline stages, a larger expert parallel, or activation checkpointing "
+            f"({options or 'none planned'})")
 
 
 def _larger_layouts(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout) -> list[tuple[str, Layout]]:
