@@ -29,6 +29,15 @@ def data_errors() -> Iterator[None]:
         raise SystemExit(f"workloads: {exc}") from None
 
 
+def eval_row(size: int, rank: int, world: int, i: int) -> tuple[int, bool]:
+    """The i-th validation row of `rank`'s share of `size`, and whether it counts. MLPerf scores every validation
+    sample once, but every rank runs the same number of forward passes (FSDP gathers weights across them): rank r
+    takes rows r, r + world, r + 2 world, ..., ceil(size / world) of them, a short share ending in uncounted repeats
+    of row 0 (where DistributedSampler would count its repeats: 5,760 sequences padded to 5,824 at 448 ranks)."""
+    index = rank + i * world
+    return (index, True) if index < size else (0, False)
+
+
 class ResumableSampler(Sampler):
     """A DistributedSampler that can start partway into an epoch: a resumed run's data position.
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from workloads.common import tiny_text
 from workloads.common.cache import build_once, cache_root
-from workloads.common.data import ResumableSampler
+from workloads.common.data import ResumableSampler, eval_row
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -402,10 +402,8 @@ class TokenLoaders:
 class EvalShard(Dataset):
     """One data rank's share of the validation sequences, each scored by exactly one rank: (tokens, counted).
 
-    Rank r takes sequences r, r + world, r + 2 world, ... MLPerf scores every validation sequence once,
-    but ranks must run the same number of forward passes (FSDP gathers weights across them), so ranks
-    with one sequence fewer run a repeat of sequence 0 that is not counted (counted = False), where
-    DistributedSampler would count the repeat (5,760 sequences padded to 5,824 at 448 data ranks).
+    Its rows and their `counted` flags are workloads.common.data.eval_row's: every rank the same number, a short
+    share padded with uncounted repeats of sequence 0.
     """
 
     def __init__(self, data: Dataset, rank: int, world: int):
@@ -418,8 +416,8 @@ class EvalShard(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, bool]:
         if not 0 <= i < self.per_rank:
             raise IndexError(f"eval shard item {i} of {self.per_rank}")
-        index = self.rank + i * self.world
-        return (self.data[index], True) if index < len(self.data) else (self.data[0], False)
+        index, counted = eval_row(len(self.data), self.rank, self.world, i)
+        return self.data[index], counted
 
 
 # Micro batches each loader worker keeps ready: one is 2,048 or 2,049 tokens a sequence, so holding a few costs nothing

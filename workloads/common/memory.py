@@ -41,3 +41,11 @@ class MemoryEstimate:
         parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in self.TERMS)
         return (f"{self.total / GIB:.1f} GiB{limit} ({parts} GiB; {self.allocated / GIB:.1f} GiB without the "
                 "reserve, what max_memory_allocated counts)")
+
+
+def fsdp_gathered(compute: int, block: float, root: float) -> float:
+    """What FSDP2 holds unsharded at a step's peak without a pipeline, in bytes: the root's weights in the compute
+    dtype (it is not resharded after forward), the block in backward's and the prefetched next one's, and the block's
+    unsharded gradient (in the compute dtype, then fp32 for the reduce-scatter; once where compute is fp32). `block`
+    and `root` count parameters: one block's and the root's, as this rank holds them before FSDP shards them."""
+    return compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block

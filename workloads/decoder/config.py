@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from workloads.common import traffic
-from workloads.common.memory import GIB, MemoryEstimate
+from workloads.common.memory import GIB, MemoryEstimate, fsdp_gathered
 from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
 from workloads.common.traffic import Traffic
 from workloads.flux import config as flux  # torch-free: its RCP rows join the CLI's table below
@@ -946,7 +946,7 @@ def estimate_stage(cfg: PretrainConfig | LoraFinetuneConfig, layout: Layout, sta
         if layout.pipeline > 1:
             gathered = (compute + 4) * local
         else:
-            gathered = compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block
+            gathered = fsdp_gathered(compute, block, root)
     blocks = list(stage.layers) + (m.mtp_blocks() if stage.output else [])  # MTP's block runs on the last stage
     per_block = [block_activation_bytes(m, layer, compute, tp) for layer in blocks]
     if cfg.activation_checkpointing:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from workloads.common import traffic
-from workloads.common.memory import GIB, MemoryEstimate
+from workloads.common.memory import GIB, MemoryEstimate, fsdp_gathered
 from workloads.common.rcp_rows import BatchHyperparameters, open_hyperparameters, rcp_hyperparameters
 from workloads.common.traffic import Traffic
 
@@ -302,7 +302,7 @@ def estimate_memory(cfg: FluxTrainConfig, layout: FluxLayout, on_gpu: bool = Tru
     accumulated = 4 * shard if layout.grad_accum > 1 else 0
     start, end = accumulated + saved + recomputed, 4 * shard + recomputed
     return FluxMemory(weights=4 * shard, gradients=accumulated if start >= end else 4 * shard, optimizer=8 * shard,
-                      gathered=compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block,
+                      gathered=fsdp_gathered(compute, block, root),
                       activations=(saved + recomputed if start >= end else recomputed) + inputs, pipeline_buffers=0,
                       logits=0, reserve=4 * GIB if on_gpu else 0)
 

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from workloads.common.cache import build_once, cache_root
+from workloads.common.data import eval_row
 from workloads.flux.config import EVAL_TIMESTEPS, SampleShape
 
 TRAIN_FOLDER, EVAL_FOLDER, EMPTY_FOLDER = "cc12m_preprocessed", "coco_preprocessed", "empty_encodings"
@@ -213,13 +214,11 @@ class Rows(Dataset):
 
 
 def eval_share(size: int, rank: int, ranks: int, batch: int) -> list[tuple[list[int], torch.Tensor]]:
-    """This data rank's validation rows in batches, with each row's `counted` flag: every rank the same number of
-    batches (FSDP's gathers are collective), a short share padded with uncounted copies of its first row."""
-    share = -(-size // ranks)
-    own = list(range(rank * share, min(size, (rank + 1) * share)))
-    padded = own + [own[0] if own else 0] * (share - len(own))
-    counted = torch.tensor([i < len(own) for i in range(share)])
-    return [(padded[i:i + batch], counted[i:i + batch]) for i in range(0, share, batch)]
+    """This data rank's validation rows (workloads.common.data.eval_row's: every rank the same number, the padding
+    uncounted) in batches of `batch`, each with its rows' `counted` flags."""
+    rows = [eval_row(size, rank, ranks, i) for i in range(-(-size // ranks))]
+    return [([index for index, _ in rows[i:i + batch]], torch.tensor([counted for _, counted in rows[i:i + batch]]))
+            for i in range(0, len(rows), batch)]
 
 
 class SyntheticSet:
@@ -240,7 +239,7 @@ class SyntheticSet:
                 out.setdefault(column, []).append(torch.randn(dims, generator=generator).to(torch.bfloat16))
         batch = {column: torch.stack(values) for column, values in out.items()}
         if self.with_timestep:
-            batch[TIMESTEP] = torch.tensor([index % 8 for index in indices])
+            batch[TIMESTEP] = torch.tensor([index % EVAL_TIMESTEPS for index in indices])
         return batch
 
 

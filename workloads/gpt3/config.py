@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from workloads.common import traffic
-from workloads.common.memory import GIB, MemoryEstimate
+from workloads.common.memory import GIB, MemoryEstimate, fsdp_gathered
 from workloads.common.traffic import Traffic
 
 REFERENCE_BATCH = 1536  # the global batch MLPerf's schedule is written for
@@ -222,7 +222,7 @@ def estimate_stage(cfg: GPT3Config, layout: Layout, stage: int, on_gpu: bool = T
     if layout.pipeline > 1:
         gathered = (compute + 4) * ((params - replicated) / tp + replicated)
     else:
-        gathered = compute * (2 * block + root) + (compute + (4 if compute != 4 else 0)) * block
+        gathered = fsdp_gathered(compute, block, root)
     per_block = s * b * (16 * h * compute / tp + 4 * m.n_head / tp)
     if cfg.activation_checkpointing:
         per_micro_batch, recomputed = layers * compute * s * b * h / tp, per_block
