@@ -295,7 +295,7 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.warmup_samples is not None and spec.warmup_samples < 0:
         raise HarnessError(f"--warmup-samples must be 0 or more, got {spec.warmup_samples}")
     if spec.benchmark in RCP_GLOBAL_BATCHES and spec.batch_size is not None:
-        raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (sequences per step: an RCP row or a "
+        raise HarnessError(f"{spec.benchmark} takes its batch as --global-batch (samples per step: an RCP row or a "
                            f"batch between two, {rcp_batches_in_words(spec.benchmark)}), not --batch-size; "
                            "the layout decides each process's share")
     if spec.packing_factor != 1 and spec.benchmark != "bert":
