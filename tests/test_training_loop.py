@@ -271,3 +271,17 @@ def test_the_inits_objects_are_frozen_while_the_run_trains_and_given_back_after(
     assert len(frozen_in_steps) == 2 and frozen_at_open[0] > 10_000
     assert min(frozen_in_steps) >= frozen_at_open[0] + 900  # (a few frozen objects die by refcount meanwhile)
     assert gc.get_freeze_count() == 0 and workloads[0]() is None
+
+
+@pytest.mark.parametrize("every, first, total", [(4, None, 18), (4, 4, 16), (1, 43, 60), (8, 40, 43), (5, 2, 2)])
+def test_an_evaluation_block_runs_from_the_evaluation_at_or_before_a_step_to_the_next(every, first, total):
+    """evaluation_block, the one rule the decoders, GPT-3 and flux1 share: each block begins at an evaluation's step
+    (or 0) and ends at the next (the first at `first`, then every `every`) or at the last step, in the log's unit."""
+    from workloads.common.resilience import evaluation_block
+
+    evaluations = sorted({s for s in range(1, total + 1)
+                          if s >= (first or every) and (s - (first or every)) % every == 0} | {total})
+    for step in range(total):
+        start = max([0] + [e for e in evaluations if e <= step])
+        end = min(e for e in evaluations if e > step)
+        assert evaluation_block(step, every, total, 3, first) == Block(3 * start, 3 * (end - start)), step

@@ -69,6 +69,16 @@ class Block:
     count: int
 
 
+def evaluation_block(step: int, every: int, total: int, per_step: int, first: int | None = None) -> Block:
+    """The block of training that begins after `step` when the evaluations follow step `first` (default: `every`)
+    and then every `every` steps, none past `total`: from the evaluation at or before `step` (or the start) to the
+    next, `per_step` of the log's unit a step (sequences, samples, tokens)."""
+    first = every if first is None else first
+    start = 0 if step < first else step - (step - first) % every
+    end = min(total, first if step < first else start + every)
+    return Block(start * per_step, (end - start) * per_step)
+
+
 class InjectedFault(RuntimeError):
     """Raised by --inject-failure RANK:STEP:exception."""
 

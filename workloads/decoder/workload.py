@@ -20,7 +20,7 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, Split, next_token_split
 from workloads.common.megatron_data import TokenLoaders
 from workloads.common.refusals import ConfigurationError
-from workloads.common.resilience import Block
+from workloads.common.resilience import Block, evaluation_block
 from workloads.decoder.config import PRESET_TABLES, plan_layout, run_config
 from workloads.decoder.parallelize import ContextSplit, build_expert_mesh, build_mesh
 from workloads.decoder.stages import with_pipeline
@@ -123,10 +123,7 @@ class DecoderWorkload(DecoderSteps, Workload):
     def next_block(self, step: int) -> Block:
         """From the evaluation at or before `step` (or the start) to the next one; the first block runs to the first
         evaluation (llama2_70b_lora's skipped ones, deepseekv3_671b's step 43)."""
-        start = 0 if step < self.first_eval else step - (step - self.first_eval) % self.eval_every
-        end = min(self.total_steps, self.first_eval if step < self.first_eval else start + self.eval_every)
-        batch = self.layout.global_batch
-        return Block(start * batch, (end - start) * batch)
+        return evaluation_block(step, self.eval_every, self.total_steps, self.layout.global_batch, self.first_eval)
 
     def epoch_num(self, step: int) -> int:
         return step * self.layout.global_batch  # sequences trained: the log's samples_count

@@ -34,7 +34,7 @@ from workloads.common.gpu_peaks import mfu
 from workloads.common.language_model import clip_grad_norm_
 from workloads.common.loop import Target
 from workloads.common.refusals import ConfigurationError
-from workloads.common.resilience import Block
+from workloads.common.resilience import Block, evaluation_block
 from workloads.common.warm_up import WarmUpInputs, eval_batch_sizes
 from workloads.flux.config import (ADAM_BETAS, ADAM_EPS, CAPTION_DROPOUT, CLIP_NORM, EVAL_TIMESTEPS, VAE_SCALE,
                                    VAE_SHIFT, WEIGHT_DECAY, FluxConfig, plan_layout, run_config)
@@ -316,9 +316,7 @@ class FluxWorkload(Workload):
         return step % self.eval_every == 0
 
     def next_block(self, step: int) -> Block:
-        start = step - step % self.eval_every
-        end = min(self.total_steps, start + self.eval_every)
-        return Block(start * self.cfg.global_batch, (end - start) * self.cfg.global_batch)
+        return evaluation_block(step, self.eval_every, self.total_steps, self.cfg.global_batch)
 
     def tracked_stats(self, samples_per_second: float) -> dict[str, float]:
         stats = {"throughput": samples_per_second}

@@ -33,7 +33,7 @@ from workloads.common.distributed import DistContext
 from workloads.common.language_model import DecoderSteps, optimizer_groups, rolled_split
 from workloads.common.loop import Target
 from workloads.common.refusals import ConfigurationError
-from workloads.common.resilience import Block
+from workloads.common.resilience import Block, evaluation_block
 from workloads.gpt3.config import INIT_INFO, PRESETS, GPT3Config, base_lr, plan_layout
 from workloads.gpt3.data import c4_loaders, ensure_tiny_corpus, synthetic_loaders
 from workloads.gpt3.parallel import build_mesh, parallelize
@@ -197,6 +197,4 @@ class GPT3Workload(DecoderSteps, Workload):
         return step * self.tokens_per_step  # tokens trained, as NVIDIA's logs count them
 
     def next_block(self, step: int) -> Block:
-        first = step - step % self.eval_every
-        return Block(first * self.tokens_per_step,
-                     min(self.eval_every, self.total_steps - first) * self.tokens_per_step)
+        return evaluation_block(step, self.eval_every, self.total_steps, self.tokens_per_step)
