@@ -320,10 +320,10 @@ def validate(spec: JobSpec, dry_run: bool = False, paths_here: bool = True) -> l
     if spec.optimizer is not None and (spec.benchmark != "resnet" or spec.optimizer not in RESNET_OPTIMIZERS):
         raise HarnessError(f"--optimizer {spec.optimizer!r}: resnet takes one of {', '.join(RESNET_OPTIMIZERS)} "
                            "(default: LARS from a global batch of 4,096 up); bert and gpt3 use their reference's")
-    from workloads.resnet.config import DECODE_CHOICES  # here: it imports mllog (numpy), which reports do without
-
-    if spec.decode is not None and (spec.benchmark != "resnet" or spec.decode not in DECODE_CHOICES):
-        raise HarnessError(f"--decode {spec.decode!r}: resnet takes one of {', '.join(DECODE_CHOICES)} (workers: "
+    # resnet's own option, from its registry entry: read here, since resnet's config imports mllog (numpy)
+    decode_choices = BENCHMARKS["resnet"].own_options()["--decode"]["choices"]
+    if spec.decode is not None and (spec.benchmark != "resnet" or spec.decode not in decode_choices):
+        raise HarnessError(f"--decode {spec.decode!r}: resnet takes one of {', '.join(decode_choices)} (workers: "
                            "in the loader workers, the default; device: in one batched call on the run's device, "
                            "nvjpeg on GPUs); the other benchmarks read no images")
     if spec.compile not in COMPILE_CHOICES:

@@ -637,3 +637,47 @@ def test_the_launchers_import_one_another_without_a_cycle():
     assert {"kubernetes_api", "kubernetes_render", "kubernetes_collect"} <= set(graph)
     assert "kubernetes_blame" in graph["kubernetes"] and "kubernetes_api" in graph["kubernetes_blame"]
     assert find_cycle(graph) is None
+
+
+def test_no_shared_workload_module_imports_a_benchmark():
+    """workloads/common is the floor every benchmark stands on: a benchmark's own options reach it through the
+    registry (Benchmark.options), never by importing the benchmark, lazily inside a function or not."""
+    from tests.conftest import REPO
+
+    packages = {path.parent.name for path in (REPO / "workloads").glob("*/__init__.py")} - {"common"}
+    assert {"resnet", "bert", "decoder", "flux", "gpt3"} <= packages
+    found = []
+    for path in sorted((REPO / "workloads" / "common").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}:{node.lineno} imports {name}" for name in names
+                      if name.split(".")[:2] in (["workloads", package] for package in packages)]
+    assert found == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["bert", "--decode", "device"], "--decode applies to resnet only, not bert"),
+    (["resnet", "--decode", "gpu"], "argument --decode: invalid choice: 'gpu' (choose from 'workers', 'device')"),
+    (["resnet", "--learning-rate", "0.1"],
+     "--learning-rate applies to llama31_8b, gpt_oss_20b, llama2_70b_lora, deepseekv3_671b, flux1 only, not resnet"),
+    (["llama2_70b_lora", "--warmup-samples", "8"], "--warmup-samples applies to llama31_8b, gpt_oss_20b, flux1 only"),
+    (["llama2_70b_lora", "--pipeline-parallel", "2"],
+     "--pipeline-parallel applies to llama31_8b, gpt_oss_20b, deepseekv3_671b only, not llama2_70b_lora"),
+])
+def test_a_benchmarks_own_worker_options_are_refused_to_the_others(argv, said, tmp_path):
+    """Each benchmark's own options come from its registry entry; the worker refuses them to the rest in one line."""
+    from workloads.common.campaign import RunOptions
+
+    with pytest.raises(SystemExit) as refused:
+        RunOptions.parse([*argv, "--out", str(tmp_path)])
+    assert said in refused.value.code
+
+
+def test_a_benchmarks_own_worker_options_reach_the_worker(tmp_path):
+    from workloads.common.campaign import RunOptions
+
+    assert RunOptions.parse(["resnet", "--decode", "device", "--out", str(tmp_path)]).decode == "device"
+    opts = RunOptions.parse(["llama31_8b", "--learning-rate", "0.001", "--warmup-samples", "16",
+                             "--pipeline-parallel", "2", "--out", str(tmp_path)])
+    assert (opts.learning_rate, opts.warmup_samples, opts.pipeline_parallel) == (0.001, 16, 2)

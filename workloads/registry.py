@@ -1,5 +1,6 @@
 """Every benchmark the harness trains, in one table: `harness run`'s choices, the spec's validation, the
-workers' dispatch and the docs read it from here. No torch: the CLI imports this to answer instantly.
+workers' dispatch and parser (each benchmark's own options, declared with it) and the docs read it from here.
+No torch: the CLI imports this to answer instantly.
 
 Runs per result are MLPerf's own (mlperf-logging's get_result_file_counts, see harness.results.score).
 """
@@ -28,6 +29,10 @@ class Benchmark:
     # Keys whose values the rules fix in every division at a scale no CPU trains (deepseekv3_671b's open rules too
     # ask for 15,360 sequences of 4,096 tokens a step): a tiny run's log can fail those checks and no other.
     scale_keys: tuple[str, ...] = ()
+    # "module:FUNCTION", torch-free: FUNCTION(name) gives the worker options this benchmark takes that not every
+    # benchmark does, {flag: argparse keywords}; the shared parser adds each once and refuses it to the others
+    # (worker_options). Declared with the benchmark, so that no shared module imports one.
+    options: str | None = None
 
     def checkpoint_bytes(self, preset: str) -> int | None:
         """One checkpoint of `preset`: fp32 weights and the optimizer's two fp32 moments, 12 bytes a parameter (the
@@ -41,10 +46,21 @@ class Benchmark:
         module, table = self.presets_table.split(":")
         return getattr(importlib.import_module(module), table)
 
+    def own_options(self) -> dict[str, dict]:
+        """This benchmark's own worker options, {flag: argparse keywords} (see `options`)."""
+        if self.options is None:
+            return {}
+        module, function = self.options.split(":")
+        return getattr(importlib.import_module(module), function)(self.name)
+
     def workload_class(self):
         module, name = self.workload.split(":")
         return getattr(importlib.import_module(module), name)
 
+
+# The decoders' options (--learning-rate and --warmup-samples by their RCP tables, which flux1's rows join;
+# --pipeline-parallel): one function for the benchmarks those tables name.
+DECODER_OPTIONS = "workloads.decoder.stages:worker_options"
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     # gpu_minutes: resnet v4.0 GigaComputing G593-SD1 (8 H100, 13.2 min); bert v5.0 ASUSTeK ESC_N8_E11 (8 H100,
@@ -54,26 +70,38 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     # 34.1 min: the single log in the shared v6.0 set, run_stop - run_start; no official score is in the shared set);
     # flux1 v6.0 AMD 8xMI325X (8 nodes x 8 MI325X per its system file, 81.2 min: the single flux1 log in the shared
     # set, run_stop - run_start; no H100 result nor official score is in it).
-    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106),
+    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106,
+              options="workloads.resnet.config:worker_options"),
     Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
               init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS", gpu_minutes=41),
     Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
               init_checkpoint="DIR (a torch.distributed.checkpoint folder)", presets_table="workloads.gpt3.config:PRESETS",
               gpu_minutes=35_025),
     Benchmark("llama31_8b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.decoder.config:PRESETS", gpu_minutes=2_672),
+              presets_table="workloads.decoder.config:PRESETS", gpu_minutes=2_672, options=DECODER_OPTIONS),
     Benchmark("gpt_oss_20b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.decoder.config:GPT_OSS_PRESETS", gpu_minutes=4_356),
+              presets_table="workloads.decoder.config:GPT_OSS_PRESETS", gpu_minutes=4_356,
+              options=DECODER_OPTIONS),
     Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
-              fine_tunes=True, gpu_minutes=213),
+              fine_tunes=True, gpu_minutes=213, options=DECODER_OPTIONS),
     Benchmark("deepseekv3_671b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               presets_table="workloads.decoder.config:DEEPSEEK_PRESETS", gpu_minutes=8_727,
-              scale_keys=("global_batch_size", "max_sequence_length", "eval_samples")),
+              scale_keys=("global_batch_size", "max_sequence_length", "eval_samples"), options=DECODER_OPTIONS),
     Benchmark("flux1", "workloads.flux.train:FluxWorkload", ("tiny", "full"), ruleset="6.1.0",
-              presets_table="workloads.flux.config:PRESETS", gpu_minutes=5_194),
+              presets_table="workloads.flux.config:PRESETS", gpu_minutes=5_194, options=DECODER_OPTIONS),
 )}
+
+def worker_options() -> dict[str, tuple[dict, tuple[str, ...]]]:
+    """Every benchmark's own worker options: flag -> (argparse keywords, the benchmarks that take it, in this
+    table's order). Imports the benchmarks' torch-free configs: for the workers' parser and the spec's checks."""
+    options: dict[str, tuple[dict, tuple[str, ...]]] = {}
+    for benchmark in BENCHMARKS.values():
+        for flag, settings in benchmark.own_options().items():
+            options[flag] = (settings, (*options.get(flag, (settings, ()))[1], benchmark.name))
+    return options
+
 
 # Presets that read a real dataset unless --synthetic is given (the tiny ones generate theirs).
 DATASET_PRESETS = ("full",)

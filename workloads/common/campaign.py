@@ -39,8 +39,7 @@ from workloads.common.resilience import Block, Resilience
 from workloads.common.run_record import RunRecord, current_attempt, run_record_path
 from workloads.common.system_facts import write_facts
 from workloads.common.warm_up import WarmUpInputs, use_campaign_cache, warm_up
-from workloads.registry import BENCHMARKS, missing_inputs
-from workloads.resnet.config import DECODE_CHOICES  # torch-free
+from workloads.registry import BENCHMARKS, missing_inputs, worker_options
 
 log = logging.getLogger("workloads")
 
@@ -119,32 +118,23 @@ class RunOptions:
         p.add_argument("--warm-up", choices=WARM_UP_CHOICES, default="auto")
         p.add_argument("--global-batch", type=int)
         p.add_argument("--force-batch", action="store_true")
-        p.add_argument("--learning-rate", type=float)
-        p.add_argument("--warmup-samples", type=int)
-        p.add_argument("--pipeline-parallel", type=int)
         p.add_argument(ALLOW_FLAG, action="store_true")
         # Not a prefix of any torchrun option (argparse would call `--run` ambiguous with torchrun's --run-path).
         p.add_argument("--last-run", type=int, help="do the runs up to this one (0-based; the finished ones are "
                        "skipped) and none after: Slurm's batch script gives each run its own step, after its own "
                        "cache flush")
         p.add_argument("--packing-factor", type=int, default=1)
-        p.add_argument("--decode", choices=DECODE_CHOICES,
-                       help="resnet only: decode the JPEGs in the loader workers or on the run's device")
+        # The benchmarks' own options, each from its registry entry: dest -> (flag, the benchmarks taking it).
+        owned = {p.add_argument(flag, **settings).dest: (flag, takers)
+                 for flag, (settings, takers) in worker_options().items()}
         args = p.parse_args(argv)
         if args.optimizer and args.benchmark != "resnet":
             p.error(f"--optimizer applies to resnet only, not {args.benchmark}")
-        if args.decode and args.benchmark != "resnet":
-            p.error(f"--decode applies to resnet only, not {args.benchmark}")
-        from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS  # torch-free: the decoders' tables
-        if args.learning_rate is not None and args.benchmark not in RCP_GLOBAL_BATCHES:
-            p.error(f"--learning-rate applies to {', '.join(RCP_GLOBAL_BATCHES)} only, not {args.benchmark}")
-        if args.warmup_samples is not None and args.benchmark not in RCP_WARMUP_BENCHMARKS:
-            p.error(f"--warmup-samples applies to {', '.join(RCP_WARMUP_BENCHMARKS)} only, not {args.benchmark}")
+        for dest, (flag, takers) in owned.items():
+            if getattr(args, dest) is not None and args.benchmark not in takers:
+                p.error(f"{flag} applies to {', '.join(takers)} only, not {args.benchmark}")
         if args.packing_factor != 1 and args.benchmark != "bert":
             p.error(f"--packing-factor applies to bert only, not {args.benchmark}")
-        from workloads.decoder.stages import PIPELINED_BENCHMARKS  # torch-free
-        if args.pipeline_parallel is not None and args.benchmark not in PIPELINED_BENCHMARKS:
-            p.error(f"--pipeline-parallel applies to {', '.join(PIPELINED_BENCHMARKS)} only, not {args.benchmark}")
         if args.pipeline_parallel is not None and args.pipeline_parallel < 1:
             p.error(f"--pipeline-parallel counts pipeline stages: 1 or more, got {args.pipeline_parallel}")
         if args.last_run is not None and not 0 <= args.last_run < args.runs:

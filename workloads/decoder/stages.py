@@ -7,11 +7,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from workloads.decoder.config import PRETRAINING, Layout, LoraFinetuneConfig, PretrainConfig, layer_chunks
+from workloads.decoder.config import (PRETRAINING, RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, Layout,
+                                      LoraFinetuneConfig, PretrainConfig, layer_chunks)
 
 # The benchmarks --pipeline-parallel applies to: the pretraining ones (LoRA's adapters draw after every base weight,
 # which a stage cannot replay; plan_layout keeps llama2_70b_lora unpipelined).
 PIPELINED_BENCHMARKS: tuple[str, ...] = tuple(PRETRAINING)
+
+
+def worker_options(benchmark: str) -> dict[str, dict]:
+    """The worker options `benchmark` takes by the decoders' tables (workloads.registry.Benchmark.options): the
+    peak LR and its warmup where its RCP rows give them, the pipeline's stages where it pretrains."""
+    options = {"--learning-rate": {"type": float}} if benchmark in RCP_GLOBAL_BATCHES else {}
+    if benchmark in RCP_WARMUP_BENCHMARKS:
+        options["--warmup-samples"] = {"type": int}
+    if benchmark in PIPELINED_BENCHMARKS:
+        options["--pipeline-parallel"] = {"type": int}
+    return options
 
 
 def with_pipeline(cfg: PretrainConfig | LoraFinetuneConfig, stages: int | None

@@ -73,6 +73,12 @@ FREE_MOMENTUM_FROM = 32768
 DECODE_CHOICES = ("workers", "device")
 
 
+def worker_options(benchmark: str) -> dict[str, dict]:
+    """The worker options resnet takes and the other benchmarks refuse (workloads.registry.Benchmark.options)."""
+    return {"--decode": {"choices": DECODE_CHOICES,
+                         "help": "resnet only: decode the JPEGs in the loader workers or on the run's device"}}
+
+
 @dataclass(frozen=True)
 class ResNetConfig:
     arch: str  # "resnet50" (torchvision's v1.5) or "tiny"
