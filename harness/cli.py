@@ -293,8 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--ruleset", default=DEFAULT_RULESET, help="MLPerf Training ruleset to check against")
     export.set_defaults(func=cmd_export)
 
+    logs = sub.add_parser("logs", help="print the worker logs of a run", formatter_class=_Help,
+                          description="print the worker logs of a run, each under a `==> name <==` header: each "
+                                      "rank's (after the job's\noutput file on Slurm), or on Kubernetes each pod's "
+                                      "(a node's; --rank reads the rank's own log once collected)")
+    logs.add_argument("run_dir", type=Path, metavar="RUN", help="the run's output folder")
+    logs.add_argument("--rank", type=_count, metavar="R", help="rank R's logs alone (a job of 512 ranks has 0 to 511)")
+    logs.add_argument("--tail", type=_count, metavar="N", help="the last N lines of each log")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="print what the logs gain until the job ends (Ctrl-C stops following; the job goes on)")
+    logs.set_defaults(func=cmd_logs)
+
     for name, helptext, func in (
-            ("logs", "print the worker logs of a run", cmd_logs),
             ("cancel", "stop a running job", cmd_cancel),
             ("collect", "copy a cluster job's result files into its run folder (done by `harness run` when the "
                         "job ends; use it after watching was interrupted)", cmd_collect)):
@@ -705,9 +715,22 @@ def _launcher_and_handle(run_dir: Path):
     return get_launcher(handle.backend), handle
 
 
+def _count(text: str) -> int:
+    """A rank or a number of lines: a whole number, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, got {text!r}")
+    return int(text)
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     launcher, handle = _launcher_and_handle(args.run_dir)
-    print(launcher.logs(handle), end="")
+    if not args.follow:
+        print(launcher.logs(handle, rank=args.rank, tail=args.tail), end="")
+        return 0
+    from harness.launchers import follow
+
+    for chunk in follow(launcher, handle, rank=args.rank, tail=args.tail):
+        print(chunk, end="", flush=True)
     return 0
 
 

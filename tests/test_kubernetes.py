@@ -26,7 +26,7 @@ from kubernetes import client as k8s
 from harness import profiles
 from harness.agent import EXIT_FOLDER_TAKEN, claim_run_folder
 from harness.errors import HarnessError
-from harness.launchers import JobState, get_launcher
+from harness.launchers import JobState, follow, get_launcher
 from harness.launchers.base import Handle
 from harness.launchers.kubernetes_collect import RemoteFile, merge_run_folder, parse_manifest, plan_chunks
 from harness.results import load
@@ -152,6 +152,36 @@ def submitted(tmp_path, name: str = "rn50", api: str = "pytorchjob"):
     spec = JobSpec("resnet", nodes=2, name=name, out_dir=tmp_path / "run", profile=profile).resolved()
     launcher = get_launcher("k8s")
     return launcher, launcher.submit(launcher.render(spec))
+
+
+def test_pod_logs_tail_follow_and_one_rank(fake_api, tmp_path):
+    """A pod is a node: --tail shows each pod's last lines, --follow what each pod's log gains until the job ends
+    (driven a poll at a time); --rank shows the rank's own log once collected into the run folder, is refused in
+    one line saying so before, and refused naming the ranks there are for one the job does not have."""
+    launcher, handle = submitted(tmp_path)
+    run = str(handle.out_dir)
+    fake_api.add_pod("mlperf", "rn50", "rn50-master-0", "Running", "agent up\nrank 0 step 1\n")
+    fake_api.add_pod("mlperf", "rn50", "rn50-worker-0", "Running", "agent up\n")
+    fake_api.set_condition("mlperf", "rn50", "Running")
+    tail = harness("logs", run, "--tail", "1")
+    assert tail.stdout == "==> rn50-master-0 (Running) <==\nrank 0 step 1\n==> rn50-worker-0 (Running) <==\nagent up\n"
+    chunks = follow(launcher, handle, poll_s=0)
+    assert next(chunks) == "==> rn50-master-0 (Running) <==\nagent up\nrank 0 step 1\n"
+    assert next(chunks) == "\n==> rn50-worker-0 (Running) <==\nagent up\n"
+    with fake_api.lock:
+        master = fake_api.pods[("mlperf", "rn50-master-0")]
+        master["log"] += "rank 0 step 2\nrank 0 done"
+        master["status"]["phase"] = "Succeeded"
+    fake_api.set_condition("mlperf", "rn50", "Succeeded")
+    assert list(chunks) == ["\n==> rn50-master-0 (Succeeded) <==\nrank 0 step 2\nrank 0 done"]
+    uncollected = harness("logs", run, "--rank", "3")
+    assert uncollected.returncode == 2 and uncollected.stderr == (
+        "harness: error: --rank 3: on Kubernetes a rank's own log (logs/rank_3.log) is on the results volume until "
+        f"`harness collect {run}` copies it here (`harness run` does when the job ends); without --rank, each pod's "
+        "log holds its node's ranks' console\n")
+    (handle.out_dir / "logs" / "rank_3.log").write_text("rank 3 started\nrank 3 done\n")
+    assert harness("logs", run, "--rank", "3", "--tail", "1").stdout == "==> rank_3.log <==\nrank 3 done\n"
+    assert harness("logs", run, "--rank", "16").stderr == "harness: error: --rank 16: job mlperf/rn50 has ranks 0-15\n"
 
 
 def test_submit_then_created_running_succeeded(fake_api, tmp_path):

@@ -5,7 +5,7 @@ launchers bring preflight with them (a fifth of a warm report's time)."""
 from __future__ import annotations
 
 from harness.errors import HarnessError
-from harness.launchers.base import Handle, JobState, Launcher, Request
+from harness.launchers.base import Handle, JobState, Launcher, Request, follow
 
 BACKENDS = ("local", "slurm", "k8s")
 
@@ -26,4 +26,4 @@ def get_launcher(name: str) -> Launcher:
     raise HarnessError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "Handle", "JobState", "Launcher", "Request", "get_launcher"]
+__all__ = ["BACKENDS", "Handle", "JobState", "Launcher", "Request", "follow", "get_launcher"]

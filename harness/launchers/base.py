@@ -2,7 +2,7 @@
 
 render(spec) -> Request     the exact thing that would be submitted; `--dry-run` prints `request.text`
 submit(request) -> Handle   starts it; the handle is saved as <out>/job.json so other commands can find it
-status / watch / logs / cancel on a handle
+status / watch / logs / cancel on a handle; follow(launcher, handle) streams the logs until the job ends
 
 Every backend starts the same program on every node: the harness's node agent
 (`python -m harness.agent`), which runs torch's elastic agent (the machinery behind
@@ -18,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -232,9 +233,21 @@ class Launcher(ABC):
     def status(self, handle: Handle) -> JobState:
         """The job's state now."""
 
-    @abstractmethod
-    def logs(self, handle: Handle) -> str:
-        """The job's worker output so far."""
+    def logs(self, handle: Handle, rank: int | None = None, tail: int | None = None) -> str:
+        """The job's output so far, each source under its `==> name <==` header as `tail` shows several: every
+        rank's, or rank `rank`'s alone; each source whole, or its last `tail` lines. A rank the job does not have
+        is refused in one line naming those it has."""
+        check_rank(handle, rank)
+        shown = []
+        for source in self.log_sources(handle, rank):
+            text, _ = source.read(0 if tail is None else source.tail_start(tail))
+            shown.append(f"==> {source.name} <==\n{text}")
+        return "".join(shown)
+
+    def log_sources(self, handle: Handle, rank: int | None = None) -> list[LogSource]:
+        """Where the job's output is, in the order shown: every rank's, or rank `rank`'s alone. Here, each rank's
+        files in the run folder (rank_files); backends whose output is also elsewhere add it."""
+        return [FileLog(path) for path in rank_files(handle.out_dir, rank)]
 
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
@@ -291,18 +304,162 @@ class Launcher(ABC):
         return self.status
 
 
-def rank_log_files(out_dir: Path) -> list[Path]:
-    """Each rank's log (logs/rank_<r>.log) and own output (rank_<r>.out), by rank number: rank_10 after rank_9."""
+def rank_files(out_dir: Path, rank: int | None = None) -> list[Path]:
+    """Each rank's log (logs/rank_<r>.log) and own output (rank_<r>.out), by rank number (rank_10 after rank_9),
+    or rank `rank`'s alone."""
     def order(path: Path) -> tuple[int, str]:
         number = path.stem.removeprefix("rank_")
         return (int(number) if number.isdigit() else -1, path.name)
 
-    return sorted(Path(out_dir, "logs").glob("rank_*.*"), key=order)
+    return sorted(Path(out_dir, "logs").glob("rank_*.*" if rank is None else f"rank_{rank}.*"), key=order)
 
 
-def show_files(files: list[Path]) -> str:
-    """Files one after another, each under a `==> name <==` header, as `tail` shows several."""
-    return "".join(f"==> {f.name} <==\n{f.read_text(errors='replace')}" for f in files if f.is_file())
+def check_rank(handle: Handle, rank: int | None) -> None:
+    """Refuse, in one line naming the ranks there are, a rank the job does not have: counted from its recorded
+    request (nodes x the node agent's --nproc-per-node), else (a job that trains nothing: a health job) from the
+    rank files in its run folder."""
+    if rank is None:
+        return
+    record = handle.record()
+    procs = re.search(r"--nproc-per-node=(\d+)", record.get("request", ""))
+    ranks = range(int(procs[1]) * int(record["spec"]["nodes"])) if procs else \
+        sorted({int(number) for path in rank_files(handle.out_dir)
+                if (number := path.stem.removeprefix("rank_")).isdigit()})
+    if rank not in ranks:
+        raise HarnessError(f"--rank {rank}: job {handle.job_id} has {_ranks_in_words(list(ranks))}")
+
+
+def _ranks_in_words(ranks: list[int]) -> str:
+    """"ranks 0-511", "ranks 0-3, 5", or "no ranks": each run of consecutive ranks as its ends."""
+    if not ranks:
+        return "no ranks"
+    runs = [[ranks[0], ranks[0]]]
+    for rank in ranks[1:]:
+        if rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return "ranks " + ", ".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
+
+
+class LogSource(ABC):
+    """One place a job's output grows (a rank's file, the job's output file, a pod's log), read from a position
+    on: what `logs` shows whole or as its last lines, and `follow` reads again as it grows."""
+
+    name: str  # its header: ==> name <==
+    key: str  # what stays the same from one read to the next (a pod's header names its phase, which changes)
+
+    @abstractmethod
+    def read(self, start: int, whole_lines: bool = False) -> tuple[str, int]:
+        """The text from position `start` on, and the position after it; with `whole_lines`, up to its last newline
+        (a line being written is left for the next read)."""
+
+    @abstractmethod
+    def tail_start(self, lines: int) -> int:
+        """The position where the last `lines` lines begin."""
+
+
+class FileLog(LogSource):
+    """A file in the run folder, read in bytes from an offset: a rank's log of 512 is read from where the last
+    read ended, and its last lines found from its end."""
+
+    BLOCK = 1 << 16
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.name, self.key = path, path.name, str(path)
+
+    def read(self, start: int, whole_lines: bool = False) -> tuple[str, int]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return "", start
+        if whole_lines:
+            data = data[:data.rfind(b"\n") + 1]
+        return data.decode(errors="replace"), start + len(data)
+
+    def tail_start(self, lines: int) -> int:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        block = self.BLOCK
+        while True:  # from the end, a block at a time, growing, until `lines` newlines or the file's start
+            begin = max(0, size - block)
+            with open(self.path, "rb") as f:
+                f.seek(begin)
+                found = last_lines_start(f.read(size - begin), lines, whole=begin == 0)
+            if found is not None:
+                return begin + found
+            block *= 4
+
+
+def last_lines_start(text: str | bytes, lines: int, whole: bool = True) -> int | None:
+    """Where the last `lines` lines of `text` begin (a last line without its newline counts); None where `text`
+    holds fewer and is not `whole` (the lines may begin before it)."""
+    newline = "\n" if isinstance(text, str) else b"\n"
+    end = len(text) - 1 if text.endswith(newline) else len(text)
+    for _ in range(lines):
+        end = text.rfind(newline, 0, end)
+        if end < 0:
+            return 0 if whole else None
+    return end + 1 if lines else len(text)
+
+
+class TextLog(LogSource):
+    """A log served whole at each read (a pod's, through the API server): positions are characters into it."""
+
+    def __init__(self, name: str, key: str, fetch: Callable[[], str]) -> None:
+        self.name, self.key, self._fetch, self._text = name, key, fetch, None
+
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self._fetch()
+        return self._text
+
+    def read(self, start: int, whole_lines: bool = False) -> tuple[str, int]:
+        text = self.text()
+        if len(text) < start:  # shorter than what was read: a new container's log
+            start = 0
+        new = text[start:]
+        if whole_lines:
+            new = new[:new.rfind("\n") + 1]
+        return new, start + len(new)
+
+    def tail_start(self, lines: int) -> int:
+        return last_lines_start(self.text(), lines)
+
+
+def follow(launcher: Launcher, handle: Handle, rank: int | None = None, tail: int | None = None,
+           poll_s: float | None = None) -> Iterator[str]:
+    """The job's output as it grows, in chunks (`harness logs --follow`; the Python API iterates it too): at first
+    the output so far (every rank's, or rank `rank`'s; each source's last `tail` lines), then at every poll (`poll_s`,
+    else the launcher's) what each source gained, in whole lines, under its `==> name <==` header where the source
+    changes, as `tail -f` shows several. Ends once the job has ended and what it wrote is all yielded: the state is read
+    before the logs at each poll, so the last read after an end holds everything the job wrote. A source that
+    appears later (a rank's file, a restarted pod) is followed from its start."""
+    check_rank(handle, rank)
+    status = launcher.watched_status()
+    shown: dict[str, int] = {}  # source key -> the position yielded up to
+    first, last = True, None
+    while True:
+        ended = status(handle).terminal
+        for source in launcher.log_sources(handle, rank):
+            start = shown.get(source.key)
+            if start is None:
+                start = source.tail_start(tail) if first and tail is not None else 0
+            text, shown[source.key] = source.read(start, whole_lines=not ended)
+            if text and source.key != last:
+                gap = "" if last is None else "\n"  # a blank line between sources, as `tail -f` leaves
+                text = f"{gap}==> {source.name} <==\n{text}"
+            if text:
+                yield text
+                last = source.key
+        if ended:
+            return
+        first = False
+        time.sleep(launcher.poll_s if poll_s is None else poll_s)
 
 
 def workload_plan(spec: JobSpec, nproc_per_node: int, gpu_memory_gib: float | None) -> tuple[str, ...]:

@@ -26,8 +26,8 @@ from mlperf_logging.mllog import constants as C
 from harness.cache_flush import kubernetes_flush_problem
 from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes, kubernetes_resources
-from harness.launchers.base import (Handle, JobState, Launcher, Request, cluster_procs_per_node, health_command,
-                                    record_cancel, record_state, workload_plan)
+from harness.launchers.base import (Handle, JobState, Launcher, LogSource, Request, TextLog, cluster_procs_per_node,
+                                    health_command, record_cancel, record_state, workload_plan)
 from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
                                               retrying)
 from harness.launchers.kubernetes_blame import BlameReader
@@ -232,17 +232,28 @@ class KubernetesLauncher(Launcher):
             record_event(core, api, job, state, reason)
         return now
 
-    def logs(self, handle: Handle) -> str:
+    def log_sources(self, handle: Handle, rank: int | None = None) -> list[LogSource]:
+        """Each pod's log, by pod name: a pod is a node, its log the console of the node agent and its ranks (rank 0
+        alone shows progress). Which ranks a pod runs is decided at the rendezvous (by host name), so a rank's own
+        log is its file, logs/rank_<r>.log, which is on the results volume until collected into the run folder."""
+        if rank is not None:
+            collected = super().log_sources(handle, rank)
+            if not collected:
+                raise HarnessError(f"--rank {rank}: on Kubernetes a rank's own log (logs/rank_{rank}.log) is on the "
+                                   f"results volume until `harness collect {handle.out_dir}` copies it here (`harness "
+                                   "run` does when the job ends); without --rank, each pod's log holds its node's "
+                                   "ranks' console")
+            return collected
         _, api, namespace, name = handle_job(handle)
         _, core = clients()
         pods = call("list the job's pods", core.list_namespaced_pod, namespace,
                     label_selector=f"{api.pod_label}={name}")
-        parts = []
-        for pod in sorted(pods.items, key=lambda p: p.metadata.name):
-            text = call("read pod logs", core.read_namespaced_pod_log, pod.metadata.name, namespace,
-                        container=api.container)
-            parts.append(f"==> {pod.metadata.name} ({pod.status.phase}) <==\n{text}")
-        return "".join(parts)
+
+        def fetch(pod: str):
+            return lambda: call("read pod logs", core.read_namespaced_pod_log, pod, namespace, container=api.container)
+
+        return [TextLog(f"{pod.metadata.name} ({pod.status.phase})", pod.metadata.name, fetch(pod.metadata.name))
+                for pod in sorted(pods.items, key=lambda p: p.metadata.name)]
 
     def cancel(self, handle: Handle) -> None:
         # The live state too: a job that ended since the last poll keeps its outcome (and one recorded ended

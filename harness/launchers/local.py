@@ -19,8 +19,7 @@ from pathlib import Path
 
 from harness.errors import HarnessError
 from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command, check_procs_fit,
-                                    health_command, rank_log_files, record_cancel, record_state, show_files,
-                                    workload_plan)
+                                    health_command, record_cancel, record_state, workload_plan)
 from harness.spec import JobSpec
 
 CANCEL_GRACE_S = 30.0
@@ -119,9 +118,6 @@ class LocalLauncher(Launcher):
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
         # What was recorded: a cancel from another shell since the read above stays (Handle.update).
         return record_state(handle, state, exit_code=proc.returncode)
-
-    def logs(self, handle: Handle) -> str:
-        return show_files(rank_log_files(handle.out_dir))
 
     def cancel(self, handle: Handle) -> None:
         pid = int(handle.job_id)

@@ -34,9 +34,8 @@ from harness.campaign_plan import campaign_minutes, parse_slurm_time, slurm_time
 from harness.errors import HarnessError
 from harness.health import NODES_DIR
 from harness.mounts import pyxis_mount, translate
-from harness.launchers.base import (Handle, JobState, Launcher, Request, agent_command,
-                                    cluster_procs_per_node, health_command, rank_log_files, record_cancel, record_state,
-                                    show_files, workload_plan)
+from harness.launchers.base import (FileLog, Handle, JobState, Launcher, LogSource, Request, agent_command,
+                                    cluster_procs_per_node, health_command, record_cancel, record_state, workload_plan)
 from harness.preflight import EXIT_PREFLIGHT, to_mark
 from harness.spec import JobSpec
 from workloads.common.requirements_check import AGENT_BOOTSTRAP, IMAGE_ENV
@@ -377,9 +376,12 @@ class SlurmLauncher(Launcher):
         found = re.search(r"\bExitCode=(\d+):", _run(["scontrol", "show", "job", "-o", job_id]).stdout)
         return int(found.group(1)) if found else None
 
-    def logs(self, handle: Handle) -> str:
-        return show_files([handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id),
-                           *rank_log_files(handle.out_dir)])
+    def log_sources(self, handle: Handle, rank: int | None = None) -> list[LogSource]:
+        """The job's output file first, which holds rank 0's console and the node agents' (every other rank writes
+        its own, logs/rank_<r>.out: workloads.common.rank_output), where rank 0 or every rank is asked for."""
+        output = handle.out_dir / OUTPUT_PATTERN.replace("%j", handle.job_id)
+        first = [FileLog(output)] if rank in (None, 0) and output.is_file() else []
+        return first + super().log_sources(handle, rank)
 
     def cancel(self, handle: Handle) -> None:
         if self.status(handle).terminal:
