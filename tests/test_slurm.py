@@ -279,6 +279,14 @@ def test_tiny_resnet_across_two_slurm_nodes(slurm_cluster, tmp_path):
     assert "NodeList=node[1-2]" in shown and "NumNodes=2" in shown and "JobState=COMPLETED" in shown
     logs = harness("logs", str(out)).stdout
     assert "rank 0/2" in logs and "rank 1/2" in logs and f"slurm-{job_id}.out" in logs
+    # One rank's files alone, followed to the job's end (read from Slurm: it has ended), and a rank it lacks.
+    one = harness("logs", str(out), "--follow", "--rank", "1", env=slurm_cluster.env)
+    assert one.returncode == 0 and one.stdout.startswith("==> rank_1.log <==\n"), one.stderr
+    assert "rank 1/2" in one.stdout and "rank 0/2" not in one.stdout and "slurm-" not in one.stdout
+    zero = harness("logs", str(out), "--rank", "0", "--tail", "1").stdout
+    assert zero.startswith(f"==> slurm-{job_id}.out <==\n") and zero.count("\n") == 4  # two headers, two lines
+    refused = harness("logs", str(out), "--rank", "2")
+    assert refused.stderr == f"harness: error: --rank 2: job {job_id} has ranks 0-1\n"
     assert (out / "job.sbatch").read_text().startswith("#!/bin/bash")
 
 
