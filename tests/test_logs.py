@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from harness.launchers import Handle, JobState, follow, get_launcher
 from harness.launchers.base import last_lines_start
