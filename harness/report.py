@@ -4,12 +4,13 @@ JSON is a list of groups, one per (system, benchmark, campaign) (harness.results
   {"submitter", "system", "system_id", "campaign", "benchmark", "division", "ruleset", "score_min",
    "required_runs", "left_out", "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
    "runs": [{"file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-             "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+             "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "ruleset", "restarts", "goodput", "badput",
              "stragglers"}]}
 `system` is the official system_name of a submission's systems/<folder>.json (else the logged
 platform) and `system_id` the folder. `ruleset` is the one that judged the group (compliance, target, RCPs,
 score): the one forced, else its logs' own (harness.results.rules.ruleset_for); null where no ruleset holds
-the benchmark, and `unscorable` then says so (its files are not checked: `compliant` null). `campaign` is the
+the benchmark, and `unscorable` then says so (its files are not checked: `compliant` null); each run carries
+it too, as CSV does. `campaign` is the
 folder of the logs outside a submission tree (each campaign is its own group), null inside one. `compliant` is
 mlperf-logging's compliance checker's verdict on the file and `compliance_error` its first error; a file that
 fails is left out of the score as the summarizer leaves it out (counted as a failed run), and `left_out` counts those
@@ -31,8 +32,8 @@ logged by GPT-3, and null elsewhere.
 a throughput run, never converged, whose group is `unscorable` for that reason.
 `kept_out` lists the nodes preflight (or a failed attempt) kept out of the group's runs, from each run
 folder's preflight.json: `[{"folder", "node", "check", "measured", "unit", "threshold", "reason"}]`, one entry
-per failed check. CSV carries the same entries of each run's folder in a `kept_out` column (JSON), then the
-group's `ruleset`; Markdown and HTML in a table of their own. The table names each group's ruleset after its
+per failed check. CSV carries the same entries of each run's folder in a `kept_out` column (JSON); Markdown
+and HTML in a table of their own. The table names each group's ruleset after its
 verdict; Markdown and HTML have a `ruleset` column in their scores and runs.
 """
 
@@ -47,7 +48,7 @@ from harness.results import Group, ResultSet, Run, labels
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
 RUN_FIELDS = ("file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-              "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+              "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "ruleset", "restarts", "goodput", "badput",
               "stragglers")
 
 
@@ -153,14 +154,14 @@ def _csv(results: ResultSet) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(("submitter", "system", "system_id", "campaign", "benchmark", "score_min", "rcp") + RUN_FIELDS +
-                    ("kept_out", "ruleset"))
+                    ("kept_out",))
     for group in results.groups:
         for run in group.runs:
             record = {**run_record(run), "kept_out": kept_out([run])}
             writer.writerow((group.submitter, group.system, group.system_id, group.campaign, group.benchmark,
                              group.score_min,
                              group.rcp, *(json.dumps(v) if isinstance(v, (dict, list)) else v
-                                          for v in map(record.get, RUN_FIELDS + ("kept_out",))), group.ruleset))
+                                          for v in map(record.get, RUN_FIELDS + ("kept_out",)))))
     return out.getvalue().rstrip("\n")
 
 
