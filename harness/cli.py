@@ -248,11 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
                                         "score per system and benchmark.")
     report.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="result files or folders")
     from harness.report import FORMATS
-    from harness.results.rules import DEFAULT_RULESET
 
+    # Without --ruleset each log is judged by its own (harness.results.rules.ruleset_for).
+    own_ruleset = ("(default: each log's own: the round its submission tree's path names, e.g. training_v5.1 -> "
+                   "5.1.0, else the newest ruleset that holds its benchmark)")
     report.add_argument("--format", default="table", choices=FORMATS, help="output format")
-    report.add_argument("--ruleset", default=DEFAULT_RULESET,
-                        help="MLPerf Training ruleset whose quality targets decide which runs converged")
+    report.add_argument("--ruleset", help="MLPerf Training ruleset that judges every log: its compliance, quality "
+                                          f"target and RCPs {own_ruleset}")
     report.add_argument("--plot", type=Path, metavar="DIR",
                         help="also write quality.png, throughput.png (vs time, one line per run) and "
                              "time_to_train.png (per run and system) into DIR")
@@ -269,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("candidate", type=Path, help="candidate result files or folder")
     compare.add_argument("--max-slowdown", type=float, default=10.0, metavar="PCT",
                          help="slowdown allowed beyond noise, in percent")
-    compare.add_argument("--ruleset", default=DEFAULT_RULESET, help="ruleset whose targets decide convergence")
+    compare.add_argument("--ruleset", help=f"ruleset that judges every log of both sides {own_ruleset}")
     compare.set_defaults(func=cmd_compare)
 
     export = sub.add_parser("export", help="write an MLPerf submission package and check it with MLCommons' "
@@ -290,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="system description fields that cannot be detected (they win over detected ones)")
     export.add_argument("--system", help="system name (default: --system-desc's system_name, else the logged "
                                          "submission_platform)")
-    export.add_argument("--ruleset", default=DEFAULT_RULESET, help="MLPerf Training ruleset to check against")
+    export.add_argument("--ruleset", help="MLPerf Training ruleset to judge the runs and check the package against "
+                                          f"{own_ruleset.removesuffix(')')}; the runs must share it)")
     export.set_defaults(func=cmd_export)
 
     logs = sub.add_parser("logs", help="print the worker logs of a run", formatter_class=_Help,
@@ -643,7 +646,7 @@ def _fails_only_the_scale(run) -> bool:
     return run.reached_target and bool(run.compliance_failed_keys) and set(run.compliance_failed_keys) <= set(scale)
 
 
-def _load_results(paths: list[Path], ruleset: str, exit_code: int = 1):
+def _load_results(paths: list[Path], ruleset: str | None, exit_code: int = 1):
     """Load result logs, or fail with one line when the paths are missing or hold none."""
     from harness.results import load
 
@@ -698,8 +701,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"harness: wrote {len(written)} files to {args.out}: system {package.system}, {counts}", flush=True)
     for note in package.notes:
         print(f"harness: note: {note}", file=sys.stderr, flush=True)
-    print(f"harness: running mlperf_logging.package_checker {args.out} training {args.ruleset} ...", flush=True)
-    verdict = run_package_checker(args.out, args.ruleset)
+    print(f"harness: running mlperf_logging.package_checker {args.out} training {package.ruleset} ...", flush=True)
+    verdict = run_package_checker(args.out, package.ruleset)
     if verdict.passed:
         print("harness: package checker: no errors")
         return 0

@@ -27,7 +27,7 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from harness.errors import HarnessError
 from harness.launchers.base import JOB_FILE
-from harness.results import load
+from harness.results import ResultSet, load
 from harness.results.rules import check_ruleset
 from harness.results.score import required_runs
 from harness.spec import JobSpec
@@ -60,6 +60,7 @@ class Package:
     system: str
     description: dict
     results: dict[str, list[Path]]  # benchmark -> result files, in package order
+    ruleset: str  # the round's ruleset: what judged the runs, and what the package checker checks
     commands: dict[str, list[str]] = field(default_factory=dict)  # benchmark -> how its runs were made
     notes: list[str] = field(default_factory=list)  # worth a look, not worth a refusal
 
@@ -114,10 +115,28 @@ def _missing_fields_error(missing: list[str]) -> HarnessError:
         f"categories, e.g. \"Available cloud\") and pass it as --system-desc. A start:\n{skeleton}")
 
 
+def _one_ruleset(results: ResultSet) -> str:
+    """The ruleset every run was judged by, each by its own (harness.results.rules.ruleset_for): a package is one
+    round's, so runs judged by different rulesets, or by none, are refused."""
+    unjudged = [g for g in results.groups if g.ruleset is None]
+    if unjudged:
+        raise HarnessError(f"cannot export {unjudged[0].benchmark or 'unnamed'} runs: {unjudged[0].unscorable}")
+    by_ruleset: dict[str, set] = {}
+    for group in results.groups:
+        by_ruleset.setdefault(group.ruleset, set()).add(str(group.benchmark))
+    if len(by_ruleset) > 1:
+        named = "; ".join(f"{r} ({', '.join(sorted(b))})" for r, b in sorted(by_ruleset.items()))
+        raise HarnessError(f"the runs would be judged by different rulesets: {named}; a package is one round's, "
+                           "so export one round's benchmarks, or force one with --ruleset")
+    return next(iter(by_ruleset))
+
+
 def plan(paths: list[Path], submitter: str, system: str | None = None, system_desc: Path | None = None,
-         ruleset: str = "4.0.0") -> Package:
-    """Decide the whole package, or raise HarnessError naming what is wrong. Writes nothing."""
-    check_ruleset(ruleset)
+         ruleset: str | None = None) -> Package:
+    """Decide the whole package, or raise HarnessError naming what is wrong. Writes nothing. Without `ruleset`, the
+    runs' own (which must be one) judges them and the package."""
+    if ruleset is not None:
+        check_ruleset(ruleset)
     if not submitter.strip():
         raise HarnessError("--submitter must not be empty")
     missing = [str(p) for p in paths if not Path(p).exists()]
@@ -134,6 +153,7 @@ def plan(paths: list[Path], submitter: str, system: str | None = None, system_de
     if synthetic:
         raise HarnessError(f"cannot export runs on synthetic input (throughput only, no quality target): "
                            f"{', '.join(synthetic)}")
+    ruleset = _one_ruleset(results)
     allowed = get_allowed_benchmarks(USAGE, ruleset)
     by_benchmark: dict[str, list] = {}
     for run in sorted(results.records, key=lambda r: r.run_start_ms):
@@ -173,7 +193,7 @@ def plan(paths: list[Path], submitter: str, system: str | None = None, system_de
              f"they are, so run with --submitter {shlex.quote(submitter)} to log it"] if logged_orgs else []
     return Package(
         system=name, description=description,
-        results={b: [Path(r.file) for r in runs] for b, runs in by_benchmark.items()},
+        results={b: [Path(r.file) for r in runs] for b, runs in by_benchmark.items()}, ruleset=ruleset,
         commands={b: _commands(sorted({Path(r.file).parent for r in runs})) for b, runs in by_benchmark.items()},
         notes=notes,
     )

@@ -1,16 +1,19 @@
 """Render a ResultSet as a table, JSON, CSV, Markdown or HTML: the time-to-train report.
 
 JSON is a list of groups, one per (system, benchmark, campaign) (harness.results.group_key):
-  {"submitter", "system", "system_id", "campaign", "benchmark", "division", "score_min", "required_runs",
-   "left_out", "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
+  {"submitter", "system", "system_id", "campaign", "benchmark", "division", "ruleset", "score_min",
+   "required_runs", "left_out", "scaling_factor", "rcp", "rcp_message", "rcp_scaling", "energy", "unscorable",
    "runs": [{"file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-             "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+             "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "ruleset", "restarts", "goodput", "badput",
              "stragglers"}]}
 `system` is the official system_name of a submission's systems/<folder>.json (else the logged
-platform) and `system_id` the folder. `campaign` is the folder of the logs outside a submission tree
-(each campaign is its own group), null inside one. `compliant` is mlperf-logging's compliance
-checker's verdict on the file and `compliance_error` its first error; a file that fails is left out
-of the score as the summarizer leaves it out (counted as a failed run), and `left_out` counts those
+platform) and `system_id` the folder. `ruleset` is the one that judged the group (compliance, target, RCPs,
+score): the one forced, else its logs' own (harness.results.rules.ruleset_for); null where no ruleset holds
+the benchmark, and `unscorable` then says so (its files are not checked: `compliant` null); each run carries
+it too, as CSV does. `campaign` is the
+folder of the logs outside a submission tree (each campaign is its own group), null inside one. `compliant` is
+mlperf-logging's compliance checker's verdict on the file and `compliance_error` its first error; a file that
+fails is left out of the score as the summarizer leaves it out (counted as a failed run), and `left_out` counts those
 files of the group, less the runs that ended aborted (failed already; the table says "aborted" instead of the
 checker's verdict on a log that stopped early). `score_min` is the MLPerf score when the group has the runs the
 rules require, else null; `unscorable` says why when the ruleset's rule cannot be applied. `rcp` is
@@ -30,7 +33,8 @@ a throughput run, never converged, whose group is `unscorable` for that reason.
 `kept_out` lists the nodes preflight (or a failed attempt) kept out of the group's runs, from each run
 folder's preflight.json: `[{"folder", "node", "check", "measured", "unit", "threshold", "reason"}]`, one entry
 per failed check. CSV carries the same entries of each run's folder in a `kept_out` column (JSON); Markdown
-and HTML in a table of their own.
+and HTML in a table of their own. The table names each group's ruleset after its
+verdict; Markdown and HTML have a `ruleset` column in their scores and runs.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from harness.results import Group, ResultSet, Run, labels
 
 FORMATS = ("table", "json", "csv", "markdown", "html")
 RUN_FIELDS = ("file", "status", "compliant", "compliance_error", "converged", "time_to_train_min", "quality",
-              "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "restarts", "goodput", "badput",
+              "samples_per_s", "tokens_per_s", "mfu", "synthetic", "seed", "ruleset", "restarts", "goodput", "badput",
               "stragglers")
 
 
@@ -68,7 +72,8 @@ def kept_out(runs: list[Run]) -> list[dict]:
 def group_record(group: Group) -> dict:
     return {"submitter": group.submitter, "system": group.system, "system_id": group.system_id,
             "campaign": group.campaign, "benchmark": group.benchmark, "division": group.division,
-            "score_min": group.score_min, "required_runs": group.required_runs, "left_out": len(group.left_out),
+            "ruleset": group.ruleset, "score_min": group.score_min, "required_runs": group.required_runs,
+            "left_out": len(group.left_out),
             "scaling_factor": group.scaling_factor, "rcp": group.rcp,
             "rcp_message": group.rcp_message, "rcp_scaling": group.rcp_scaling, "energy": group.energy,
             "unscorable": group.unscorable, "runs": [run_record(r) for r in group.runs],
@@ -93,6 +98,8 @@ def _stragglers(named: list[dict] | None) -> str:
 
 def _verdict(group: Group) -> str:
     score = group.score_min
+    if group.ruleset is None:
+        return group.unscorable  # why no ruleset holds it, said as it is: nothing was judged, so nothing failed
     if group.unscorable:
         text = f"unscorable: {group.unscorable}"
     elif score is not None:
@@ -109,7 +116,7 @@ def _verdict(group: Group) -> str:
         text += f"; {len(group.left_out)} of {len(group.runs)} runs left out by the compliance checker"
     if group.rcp is not None:
         text += f"; RCP {group.rcp}"
-    return text
+    return f"{text}; ruleset {group.ruleset}"
 
 
 def _table(results: ResultSet) -> str:
@@ -163,12 +170,13 @@ def _documents(results: ResultSet, fmt: str) -> str:
     compliance checker left out and the nodes preflight kept out, where there are any."""
     scores = results.scores.rename(columns={"accelerators": "GPUs", "min_min": "fastest_min",
                                             "max_min": "slowest_min"})
-    runs = results.runs[["system", "system_id", "campaign", "benchmark", "status", "compliant", "converged", "seed",
-                         "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts", "goodput",
-                         "file"]]
+    runs = results.runs[["system", "system_id", "campaign", "benchmark", "ruleset", "status", "compliant", "converged",
+                         "seed", "time_to_train_min", "quality", "samples_per_s", "tokens_per_s", "mfu", "restarts",
+                         "goodput", "file"]]
     import pandas as pd
 
-    title = f"MLPerf Training results (ruleset {results.ruleset})"
+    rulesets = {g.ruleset for g in results.groups} - {None}  # several: each group's is in its row
+    title = "MLPerf Training results" + (f" (ruleset {rulesets.pop()})" if len(rulesets) == 1 else "")
     left_out = pd.DataFrame([(run.file, run.compliance_error) for group in results.groups for run in group.left_out],
                             columns=["file", "compliance_error"])
     nodes = pd.DataFrame([row for group in results.groups for row in kept_out(group.runs)],

@@ -188,3 +188,31 @@ def test_checker_errors_are_reported_and_the_package_kept(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ERROR" in result.stdout and "package checker found errors" in result.stderr
     assert len(list((out / "results" / "box" / "resnet").glob("result_*.txt"))) == 5
+
+
+def test_a_package_is_one_rounds_and_its_runs_own_ruleset_checks_it(tmp_path):
+    """Without --ruleset each run is judged by its own, and a package is one round's: resnet (newest in 4.0.0)
+    beside llama31_8b (6.1.0) is refused naming both; --ruleset forces one; llama31_8b alone is checked by 6.1.0."""
+    resnet = closed_runs(tmp_path / "resnet", 5)
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    for i in range(10):
+        write_run(llama / f"result_{i}.txt", 1.0 + i / 10, benchmark="llama31_8b")
+    desc = str(_with(tmp_path, **FACTS))
+    message = refused(tmp_path, str(resnet), str(llama), "--system-desc", desc)
+    assert "the runs would be judged by different rulesets: 4.0.0 (resnet); 6.1.0 (llama31_8b)" in message
+    assert len(message.strip().splitlines()) == 1
+    assert "benchmark 'llama31_8b' is not one of MLPerf training 4.0.0's" in refused(
+        tmp_path, str(resnet), str(llama), "--system-desc", desc, "--ruleset", "4.0.0")
+    result = harness("export", str(llama), "--submitter", "ACME", "--out", str(tmp_path / "pkg"), "--system-desc",
+                     desc)
+    assert "package_checker" in result.stdout and " training 6.1.0 ..." in result.stdout, result.stdout + result.stderr
+
+
+def test_runs_no_ruleset_holds_are_refused_with_the_reason(tmp_path, system_desc):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for i in range(5):
+        write_run(runs / f"result_{i}.txt", 1.0 + i / 10, benchmark="newbench")
+    assert "cannot export newbench runs: no ruleset holds newbench" in refused(
+        tmp_path, str(runs), "--system-desc", str(system_desc))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -568,3 +571,108 @@ def test_a_synthetic_run_that_finished_says_so_and_exits_0(tmp_path, capsys):
     real = write_campaign(tmp_path / "real", 1, False, status="aborted")
     assert _summarize(real, job_ok=True, runs=1, ruleset="4.0.0") == 1
     assert "1 of 1 run(s) did not reach the quality target" in capsys.readouterr().err
+
+
+# --- the ruleset that judges each log: the round its tree's path names, else the newest holding its benchmark -----
+
+V51_NVIDIA = SHARED_RESULTS / "training_v5.1" / "NVIDIA"
+
+
+def test_each_log_is_judged_by_its_rounds_ruleset_else_the_newest_that_holds_its_benchmark(tmp_path):
+    from harness.results.rules import NoRuleset, ruleset_for
+    from workloads.registry import BENCHMARKS
+
+    loose = tmp_path / "runs" / "result_0.txt"  # a campaign's log: no round in its path
+    assert ruleset_for(loose, "llama31_8b") == "6.1.0" and ruleset_for(loose, "resnet") == "4.0.0"
+    # 5.1.0 still ships closed_bert.yaml, but round 5.1 retired bert (benchmark_meta): 5.0.0 is the newest to hold it.
+    assert ruleset_for(loose, "bert") == "5.0.0" and ruleset_for(loose, "gnmt") == "0.7.0"
+    assert ruleset_for(tmp_path / "training_v5.1" / "ACME" / "results" / "sys" / "llama31_8b" / "result_0.txt",
+                       "llama31_8b") == "5.1.0"
+    # MLCommons' repository name, and the innermost round folder where two are named.
+    assert ruleset_for(tmp_path / "training_v6.0" / "training_results_v4.0" / "ACME" / "result_0.txt",
+                       "resnet") == "4.0.0"
+    # `harness run`'s own summary judges by the registry's ruleset: the one `harness report` picks for those logs.
+    assert {name: ruleset_for(loose, name) for name in BENCHMARKS} == \
+        {name: benchmark.ruleset for name, benchmark in BENCHMARKS.items()}
+    for path, benchmark, why in ((loose, "newbench", "no ruleset holds newbench: none of the installed "
+                                                     "mlperf-logging's (0.6.0 to "),
+                                 (loose, None, "the log names no benchmark"),
+                                 (tmp_path / "training_v9.9" / "result_0.txt", "resnet",
+                                  "training_v9.9 names ruleset 9.9.0, which the installed mlperf-logging does not "
+                                  "know")):
+        with pytest.raises(NoRuleset, match=re.escape(why)):
+            ruleset_for(path, benchmark)
+
+
+def test_a_benchmark_no_ruleset_holds_is_said_not_failed(tmp_path):
+    from harness.report import render
+
+    (tmp_path / "new").mkdir()
+    for i in range(5):
+        write_run(tmp_path / "new" / f"result_{i}.txt", 1.0 + i, benchmark="newbench")
+    results = load([tmp_path / "new"])
+    [group] = results.groups
+    assert group.ruleset is None and group.unscorable.startswith("no ruleset holds newbench: ")
+    assert group.score_min is None and not group.left_out and not any(r.converged for r in group.runs)
+    assert results.runs.compliant.isna().all() and results.scores.ruleset.isna().all()  # nothing was checked
+    table = harness("report", str(tmp_path / "new")).stdout
+    assert "ACME / box / newbench: no ruleset holds newbench: " in table
+    assert "failed" not in table and "compliance checker" not in table and "non-compliant" not in table
+    [record] = json.loads(render(results, "json"))
+    assert record["ruleset"] is None and record["left_out"] == 0 and record["runs"][0]["compliant"] is None
+    # Forced, a ruleset judges it all the same: its checker has no rule file for newbench, so every run fails.
+    [forced] = load([tmp_path / "new"], ruleset="4.0.0").groups
+    assert forced.ruleset == "4.0.0" and len(forced.left_out) == 5
+
+
+@needs_shared
+@pytest.mark.parametrize("folder, ruleset", sorted(OFFICIAL))
+def test_every_official_score_with_no_ruleset_given(folder, ruleset):
+    """A user who names no ruleset gets the summarizer's scores: each tree's path names its round (training_v5.1)."""
+    result = harness("report", str(SHARED_RESULTS / folder), "--format", "json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    groups = {(g["system"], g["benchmark"]): g for g in json.loads(result.stdout)}
+    for row in OFFICIAL[(folder, ruleset)]:
+        group = groups[(row["system"], row["benchmark"])]
+        assert (group["ruleset"], group["rcp"]) == (ruleset, row["rcp"]), row
+        assert group["score_min"] == pytest.approx(row["score_min"], rel=1e-9), row
+    assert all(g["ruleset"] == ruleset for g in groups.values())
+
+
+@needs_shared
+def test_one_set_holds_each_round_beside_the_others_and_a_forced_ruleset_judges_all(tmp_path):
+    """The v5.1 reference, a v6.0 run and a campaign (a v5.1 log outside any tree: judged by the newest, 6.1.0),
+    in one report and one frame, each group by its own ruleset; --ruleset forces one on all."""
+    from harness.report import render
+
+    cisco = SHARED_RESULTS / "training_v6.0" / "Cisco"
+    campaign = tmp_path / "campaign"
+    campaign.mkdir()
+    shutil.copy(V51_NVIDIA / "results" / "theia_ngpu512_ngc25.09_nemo" / "llama31_8b" / "result_0.txt", campaign)
+    results = load([V51_NVIDIA, cisco, campaign])
+    theia, zeus = "theia_ngpu512_ngc25.09_nemo", "Zeus_16xH100_SXM_80GB"
+    assert {(g.folder, g.benchmark): g.ruleset for g in results.groups} == {
+        (theia, "llama31_8b"): "5.1.0", (theia, "llama2_70b_lora"): "5.1.0", (zeus, "llama31_8b"): "6.0.0",
+        (zeus, "gpt_oss_20b"): "6.0.0", (str(campaign), "llama31_8b"): "6.1.0"}
+    assert list(results.scores.ruleset) == [g.ruleset for g in results.groups] and results.ruleset is None
+    official = {r["benchmark"]: r["score_min"] for r in OFFICIAL[("training_v5.1/NVIDIA", "5.1.0")]}
+    reference = results.scores[results.scores.system_id == "theia_ngpu512_ngc25.09_nemo"]
+    assert dict(zip(reference.benchmark, reference.score_min)) == pytest.approx(official, rel=1e-9)
+    assert all(r.compliant is not None for r in results.records)  # every file checked, by its own ruleset
+    table = render(results, "table")
+    assert f"llama31_8b: score {official['llama31_8b']:.4f} min (scaled by 1.0107); RCP Pass; ruleset 5.1.0" in table
+    assert "Zeus_16xH100_SXM_80GB / llama31_8b: no score (1 of 10 required runs); RCP Fail; ruleset 6.0.0" in table
+    assert "ruleset 6.1.0" in table
+    assert "| ruleset " in render(results, "markdown") and "<th>ruleset</th>" in render(results, "html")
+    rows = list(csv.DictReader(io.StringIO(render(results, "csv"))))
+    assert [row["ruleset"] for row in rows] == [run.ruleset for group in results.groups for run in group.runs]
+
+    forced = load([V51_NVIDIA, campaign], ruleset="5.1.0")  # the copy's content is the reference's: cached verdicts
+    assert set(forced.scores.ruleset) == {"5.1.0"} and forced.ruleset == "5.1.0"
+    assert forced.scores.score_min.notna().sum() == 2  # the reference scores; the one-run campaign does not
+    result = harness("report", str(V51_NVIDIA), "--ruleset", "5.0.0", "--format", "json")
+    by_benchmark = {g["benchmark"]: g for g in json.loads(result.stdout)}
+    assert {g["ruleset"] for g in by_benchmark.values()} == {"5.0.0"}
+    assert by_benchmark["llama31_8b"]["score_min"] is None  # 5.0.0 has no llama31_8b: forced, its checker fails it
+    unknown = harness("report", str(V51_NVIDIA), "--ruleset", "5.1")
+    assert unknown.returncode == 2 and "unknown ruleset '5.1'; choose one of: 0.6.0, " in unknown.stderr

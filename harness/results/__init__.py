@@ -1,10 +1,10 @@
 """Results as data: `load(paths)` parses MLPerf logs into runs, grouped and scored per (system, benchmark).
 
     from harness.results import load
-    rs = load(["results/runs"], ruleset="4.0.0")
+    rs = load(["results/runs"])  # each log by its own ruleset; load(paths, ruleset="5.1.0") forces one
     rs.runs     # pandas: one row per run
     rs.events   # pandas: every MLLOG event of every run
-    rs.scores   # pandas: one row per group (submitter, system, benchmark, campaign)
+    rs.scores   # pandas: one row per group (submitter, system, benchmark, campaign), with the ruleset that judged it
 
 Systems go by the official `system_name` of a submission's systems/<folder>.json
 (`system`), with the folder as `system_id`. Which runs form a group is decided in one
@@ -13,6 +13,11 @@ place, `group_key`, which report, compare, the frames and the plots all read thr
 keeps them apart (several folders can share one name); outside a tree, by the campaign
 folder that holds the logs, so that two campaigns on one platform are two groups, each
 scored on its own, never one average of both.
+
+Each log is judged by a ruleset: the one the caller forces, else its own (`rules.ruleset_for`: the round its
+submission tree's path names, else the newest ruleset that holds its benchmark), so one set can hold 6.1 runs
+beside 5.1 references. A group's runs share it (it is part of `group_key`); a log that no ruleset holds is
+said so, its group unscorable, its file unchecked, never counted as failed.
 
 Every file is checked by mlperf-logging's compliance checker (harness.results.compliance),
 as the summarizer checks it: a file that fails counts as a failed run, named with the
@@ -31,15 +36,16 @@ from typing import Iterable
 from harness.results import compliance, rcp
 from harness.results.parse import ErrorSink, LogError, Run, iter_events, load_runs, parse_file
 from harness.results.power import energy, has_power
-from harness.results.rules import DEFAULT_RULESET, RuleError, check_ruleset, converged, target_check
+from harness.results.rules import NoRuleset, RuleError, check_ruleset, converged, ruleset_for, target_check
 from harness.results.score import benchmark_score, required_runs
 
 # Columns of ResultSet.runs, each an attribute of Run.
 RUN_COLUMNS = ["submitter", "system", "system_id", "benchmark", "division", "status", "converged", "synthetic",
                "compliant", "campaign", "seed", "accelerators", "time_to_train_min", "quality", "samples_per_s",
-               "tokens_per_s", "mfu", "global_batch_size", "restarts", "goodput", "compliance_error", "file"]
-SCORE_COLUMNS = ["submitter", "system", "system_id", "campaign", "benchmark", "division", "accelerators", "runs",
-                 "required_runs", "converged", "left_out", "score_min", "scaling_factor", "rcp", "rcp_scaling",
+               "tokens_per_s", "mfu", "global_batch_size", "restarts", "goodput", "compliance_error", "ruleset",
+               "file"]
+SCORE_COLUMNS = ["submitter", "system", "system_id", "campaign", "benchmark", "division", "ruleset", "accelerators",
+                 "runs", "required_runs", "converged", "left_out", "score_min", "scaling_factor", "rcp", "rcp_scaling",
                  "energy", "min_min", "max_min", "unscorable"]
 
 
@@ -60,6 +66,7 @@ class Group:
     rcp_scaling: float | None = None
     energy: float | None = None  # the summarizer's power score, where the group has power results
     campaign: str | None = None  # outside a submission tree, the folder of the group's logs
+    ruleset: str | None = None  # the ruleset that judged the group; None where none holds it (see `unscorable`)
 
     @property
     def folder(self) -> str | None:
@@ -112,7 +119,7 @@ def labels(groups: list[Group]) -> list[str]:
 class ResultSet:
     records: list[Run]
     groups: list[Group] = field(default_factory=list)
-    ruleset: str = DEFAULT_RULESET
+    ruleset: str | None = None  # the ruleset forced on every group, else None: each group's own (Group.ruleset)
 
     @cached_property
     def runs(self):
@@ -147,6 +154,7 @@ class ResultSet:
             accelerators = {r.accelerators for r in g.runs} - {None}
             rows.append({"submitter": g.submitter, "system": g.system, "system_id": g.system_id,
                          "campaign": g.campaign, "benchmark": g.benchmark, "division": g.division,
+                         "ruleset": g.ruleset,
                          "accelerators": accelerators.pop() if len(accelerators) == 1 else None,
                          "runs": len(g.runs), "required_runs": g.required_runs,
                          "converged": sum(r.converged for r in g.runs), "left_out": len(g.left_out),
@@ -197,7 +205,7 @@ def _report_to_stderr(path: Path, reason: str) -> None:
 SYNTHETIC = "synthetic input: throughput runs have no quality target, so no score"
 
 
-def _judge(group: Group, ruleset: str) -> None:
+def _judge(group: Group) -> None:
     """Convergence of each run by the ruleset's target, of compliant runs only (the summarizer counts a file
     that fails the checker as a failed run); a rule that cannot be applied makes the group unscorable, and so
     does synthetic input (whatever its meaningless evals logged)."""
@@ -211,7 +219,7 @@ def _judge(group: Group, ruleset: str) -> None:
     try:
         for run in group.runs:
             run.reached_target = converged(run.status, run.eval_records,
-                                           target_check(ruleset, run.division, run.benchmark))
+                                           target_check(group.ruleset, run.division, run.benchmark))
             run.converged = run.compliant and run.reached_target
     except RuleError as exc:
         group.unscorable = str(exc)
@@ -219,12 +227,12 @@ def _judge(group: Group, ruleset: str) -> None:
             run.converged = False
 
 
-def _check_rcp(group: Group, ruleset: str) -> None:
+def _check_rcp(group: Group) -> None:
     """The summarizer runs the RCP checker on closed results only (and synthetic input has no convergence)."""
     if group.division != "closed" or any(r.synthetic for r in group.runs):
         return
     try:
-        result = rcp.check(group.runs, ruleset)
+        result = rcp.check(group.runs, group.ruleset)
     except rcp.RcpUnavailable as exc:
         group.rcp_message = str(exc)
         return
@@ -234,37 +242,58 @@ def _check_rcp(group: Group, ruleset: str) -> None:
 def group_key(run: Run) -> tuple:
     """Which group a run belongs to. In a submission tree: its system folder (system_id), not its name, as the
     official summarizer keeps them apart. Outside a tree: also its campaign folder, since a platform name
-    (submission_platform) says nothing of which campaign a log came from."""
-    return run.submitter, run.system_id, run.benchmark, run.campaign
+    (submission_platform) says nothing of which campaign a log came from. And its ruleset: a group is judged by
+    one (a folder of one system in two rounds' trees is two submissions)."""
+    return run.submitter, run.system_id, run.benchmark, run.campaign, run.ruleset
 
 
-def load(paths: Iterable[str | Path], ruleset: str = DEFAULT_RULESET,
+def _check_compliance(runs: list[Run]) -> None:
+    """Each judged file's compliance verdict, by the ruleset that judges it."""
+    for ruleset in sorted({r.ruleset for r in runs if r.ruleset}):
+        judged = [r for r in runs if r.ruleset == ruleset]
+        checked = compliance.verdicts([Path(r.file) for r in judged], ruleset)
+        for run in judged:
+            run.compliance_error = checked[Path(run.file)].error
+            run.compliance_failed_keys = checked[Path(run.file)].failed_keys
+
+
+def load(paths: Iterable[str | Path], ruleset: str | None = None,
          on_error: ErrorSink = _report_to_stderr) -> ResultSet:
     """Parse every result_*.txt under `paths`, check each with mlperf-logging's compliance checker, judge
-    convergence by `ruleset`'s targets, check RCPs.
+    convergence by its ruleset's targets, check RCPs. The ruleset is `ruleset` for every log where one is given,
+    else each log's own (rules.ruleset_for).
 
     Files that are no MLPerf log go to `on_error` and are left out; a run that never finished is
     kept as a failed run, and so is a file that fails the compliance checker. Nothing under `paths`
     is written (verdicts are cached under the harness's cache folder).
     """
-    check_ruleset(ruleset)
+    if ruleset is not None:
+        check_ruleset(ruleset)
     runs = load_runs([Path(p) for p in paths], on_error)
-    checked = compliance.verdicts([Path(r.file) for r in runs], ruleset)
+    unjudged: dict[str, str] = {}  # file -> why no ruleset judges it
+    for run in runs:
+        try:
+            run.ruleset = ruleset or ruleset_for(run.file, run.benchmark)
+        except NoRuleset as exc:
+            unjudged[run.file] = str(exc)
+    _check_compliance(runs)
     grouped: dict[tuple, Group] = {}
     for run in runs:
-        run.compliance_error = checked[Path(run.file)].error
-        run.compliance_failed_keys = checked[Path(run.file)].failed_keys
         key = group_key(run)
         if key not in grouped:
             grouped[key] = Group(run.submitter, run.system, run.benchmark, runs=[], system_id=run.system_id,
-                                 campaign=run.campaign, scaling_factor=_scaling_factor(Path(run.file).parent))
+                                 campaign=run.campaign, scaling_factor=_scaling_factor(Path(run.file).parent),
+                                 ruleset=run.ruleset)
         grouped[key].runs.append(run)
     for group in grouped.values():
-        _judge(group, ruleset)
-        _check_rcp(group, ruleset)
+        if group.ruleset is None:
+            group.unscorable = unjudged[group.runs[0].file]
+            continue
+        _judge(group)
+        _check_rcp(group)
         folder = Path(group.runs[0].file).parent
         if has_power(folder) and group.score_min is not None:
-            group.energy = energy(folder, group.runs, ruleset, group.benchmark or "", group.scaling_factor,
+            group.energy = energy(folder, group.runs, group.ruleset, group.benchmark or "", group.scaling_factor,
                                   on_error)
     return ResultSet(records=runs, groups=list(grouped.values()), ruleset=ruleset)
 

@@ -67,6 +67,8 @@ class Run:
     mfu: float | None = None
     # Outside a submission tree, the folder that holds the log: a campaign, its own group. None in a tree.
     campaign: str | None = None
+    # The ruleset that judged the log (set by harness.results.load); None where no ruleset holds it.
+    ruleset: str | None = None
     # mlperf-logging's compliance checker's first error (set by harness.results.load); None: the file passed.
     compliance_error: str | None = None
     compliance_failed_keys: tuple[str, ...] = ()  # the keys whose CHECK failed, where nothing else did
@@ -74,8 +76,9 @@ class Run:
     synthetic: bool = False
 
     @property
-    def compliant(self) -> bool:
-        return self.compliance_error is None
+    def compliant(self) -> bool | None:
+        """The compliance checker's verdict; None where no ruleset judged the log, so the checker did not run."""
+        return None if self.ruleset is None else self.compliance_error is None
 
     @property
     def aborted(self) -> bool:
@@ -87,7 +90,7 @@ class Run:
         """Failed by the compliance checker alone: a run that ended aborted failed already, and the checker's
         verdict on its log is noise (a run whose data failed to open never logged train_samples, which the checker
         wants), so it is not named; a finished run's compliance failure always is."""
-        return not self.compliant and not self.aborted
+        return self.compliant is False and not self.aborted
 
     @property
     def unfinished(self) -> bool:

@@ -9,6 +9,9 @@ differs between rulesets). We evaluate exactly that expression, as
 the checker does (stripped, with `v` = {'value', 'metadata'}), instead of running
 the whole, slow checker. A rule that cannot be read or evaluated raises RuleError:
 the caller makes that one (system, benchmark) group unscorable and goes on.
+
+Which ruleset judges a log, unless the caller forces one, is decided here too (`ruleset_for`): the round its
+submission tree's path names, else the newest ruleset that holds its benchmark.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import builtins
 import functools
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from importlib import resources
@@ -23,10 +27,11 @@ from pathlib import Path
 from types import CodeType
 
 import yaml
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+
 from harness.errors import HarnessError
 from harness.results.keys import C
 
-DEFAULT_RULESET = "4.0.0"
 AGGREGATED = "aggregated_eval_accuracy"  # the virtual key of two-metric evals (stable diffusion)
 # What a rule expression may call: the names mlperf-logging's checker gives it (`math`, `s`) and plain builtins.
 _BUILTINS = {name: getattr(builtins, name)
@@ -58,6 +63,56 @@ def check_ruleset(ruleset: str) -> str:
     if ruleset not in rulesets():
         raise HarnessError(f"unknown ruleset {ruleset!r}; choose one of: {', '.join(rulesets())}")
     return ruleset
+
+
+# A round's folder: MLCommons publishes round 5.1 as the repository training_results_v5.1 (this project's shared copy
+# calls it training_v5.1), whose <org>/results/<system>/<benchmark>/ its summarizer judges by ruleset 5.1.0.
+ROUND_FOLDER = re.compile(r"training(?:_results)?_v(\d+)\.(\d+)")
+
+
+class NoRuleset(RuleError):
+    """No ruleset the installed mlperf-logging knows can judge a log: said as such, never scored as a failure."""
+
+
+@functools.cache
+def _holding(root: Path, benchmark: str) -> tuple[str, ...]:
+    def holds(ruleset: str) -> bool:
+        try:
+            listed = benchmark in get_allowed_benchmarks("training", ruleset)
+        except ValueError:  # a rule folder newer than mlperf-logging's own round table
+            return False
+        return listed and any((root / f"training_{ruleset}" / f"{prefix}{benchmark}.yaml").is_file()
+                              for prefix in ("closed_", "open_", ""))  # 0.6.0's files have no division
+
+    return tuple(filter(holds, _rulesets(root)))
+
+
+def holding(benchmark: str) -> tuple[str, ...]:
+    """The rulesets that hold a benchmark, oldest first: those whose round lists it (mlperf-logging's
+    benchmark_meta, which the package checker and the summarizer accept a benchmark by) and whose compliance
+    rules have its rule file. Rule files alone would say more: 5.1.0 still ships closed_bert.yaml, but round
+    5.1 retired bert, and its package checker refuses it."""
+    return _holding(rules_root(), benchmark)
+
+
+def ruleset_for(path: str | Path, benchmark: str | None) -> str:
+    """The ruleset that judges a log unless the caller forces one, the one place this is decided: the round a
+    folder of its path names (training_results_v5.1/<org>/results/..., or training_v5.1: 5.1.0; the innermost
+    such folder), as MLCommons judges a round's submissions; else the newest ruleset that holds its benchmark
+    (`holding`), which is what a new run is trained to. Raises NoRuleset, saying why, where none can."""
+    for folder in reversed(Path(path).absolute().parts[:-1]):
+        if found := ROUND_FOLDER.fullmatch(folder):
+            named = f"{found[1]}.{found[2]}.0"
+            if named not in rulesets():
+                raise NoRuleset(f"{folder} names ruleset {named}, which the installed mlperf-logging does not know "
+                                f"(it knows {rulesets()[0]} to {rulesets()[-1]}): upgrade it, or force a ruleset")
+            return named
+    if not benchmark:
+        raise NoRuleset("the log names no benchmark (submission_benchmark), so no ruleset holds it")
+    if not (held := holding(benchmark)):
+        raise NoRuleset(f"no ruleset holds {benchmark}: none of the installed mlperf-logging's ({rulesets()[0]} to "
+                        f"{rulesets()[-1]}) has rules for it; force a ruleset to judge it anyway")
+    return held[-1]
 
 
 def _is_number(value) -> bool:
