@@ -33,7 +33,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import FuncFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from harness.results import Group, ResultSet, Run, labels
 from harness.results.keys import C, TRACKED_STATS
@@ -79,7 +79,7 @@ def _told_apart(groups: list[Group]) -> tuple[str | None, list[str]]:
 
     The labels are harness.results.labels' (the name, and the folder where names repeat); the words they all
     start and end with are said once, in the heading. University of Florida's v5.1 systems, eight folders under
-    one 45-character name, read `n1`, `n2`, ... under `HiPerGator NVIDIA DGX B200 (8x B200-SXM-180GB)
+    one 46-character name, read `n1`, `n2`, ... under `HiPerGator NVIDIA DGX B200 (8x B200-SXM-180GB)
     (hpg.dgxb200x8.…)`; NVIDIA's gpt3 systems read `n96`, `n192`, `n448` under
     `coreweave_hgxh100_…_ngc23.04_pytorch`."""
     full = labels(groups)
@@ -114,6 +114,12 @@ def _plain(value: float, _position=None) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:g}"
 
 
+def _plain_across(axis) -> None:
+    """Plain labels on a linear x axis, at most six: written out in full (0.1828, no offset), more run together."""
+    axis.set_major_locator(MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_formatter(FuncFormatter(_plain))
+
+
 def _log_axis(ax, which: str, values: list[float], ticks: list[float] | None = None) -> None:
     """A log scale over `values` with plain labels: at `ticks`, else at 1, 2 and 5 times the powers of ten
     in view, else (a view narrower than those) at the values themselves."""
@@ -131,9 +137,8 @@ def _log_axis(ax, which: str, values: list[float], ticks: list[float] | None = N
     axis.set_major_formatter(FuncFormatter(_plain))
 
 
-def _legend(ax, heading: str | None, **options) -> None:
-    ax.legend(fontsize=7, title=textwrap.fill(heading, HEADING_WIDTH) if heading else None, title_fontsize=7,
-              **options)
+def _legend(ax, heading: str | None) -> None:
+    ax.legend(fontsize=7, title=textwrap.fill(heading, HEADING_WIDTH) if heading else None, title_fontsize=7)
 
 
 def _ruleset(results: ResultSet, group: Group) -> str:
@@ -177,7 +182,7 @@ def _run_lines(ax, groups: list[Group], colours: dict, series: dict[str, pd.Data
                 label = "_nolegend_"  # the group's other runs: one legend entry per group
     ax.set_xlabel("minutes since run_start")
     ax.grid(alpha=0.3)
-    ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+    _plain_across(ax.xaxis)
     return heading
 
 
@@ -246,15 +251,15 @@ def _time_to_train(results: ResultSet) -> Figure:
                     ax.scatter(minutes, [y] * len(minutes), color=colour, marker=marker, s=18 if converged else 24)
             if group.score_min is not None:
                 ax.vlines(group.score_min, y - 0.3, y + 0.3, color="black")
-        heading, names = _told_apart(groups)
-        ax.set_yticks(range(len(groups)), [_wrapped(name) for name in names], fontsize=7)
-        ax.set_ylim(len(groups) - 0.5, -0.5)  # the smallest system on top
-        ax.set_ylabel(textwrap.fill(heading, HEADING_WIDTH) if heading else "system", fontsize=7)
         ax.set_title(f"{benchmark or 'no benchmark'}: time-to-train per run")
         ax.set_xlabel("minutes")
-        ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+        _plain_across(ax.xaxis)
         ax.grid(alpha=0.3, axis="x")
         if groups:  # the systems are named on the y axis; the legend says what the marks mean
+            heading, names = _told_apart(groups)
+            ax.set_yticks(range(len(groups)), [_wrapped(name) for name in names], fontsize=7)
+            ax.set_ylim(len(groups) - 0.5, -0.5)  # the smallest system on top
+            ax.set_ylabel(textwrap.fill(heading, HEADING_WIDTH) if heading else "system", fontsize=7)
             ax.legend([Line2D([], [], color="grey", marker="o", linestyle=""),
                        Line2D([], [], color="grey", marker="x", linestyle=""), Line2D([], [], color="black")],
                       ["run", "did not converge", "MLPerf score"], fontsize=7)
@@ -262,7 +267,8 @@ def _time_to_train(results: ResultSet) -> Figure:
 
 
 def _accelerators(results: ResultSet) -> dict[int, int | None]:
-    """id(group) -> its accelerators, as ResultSet.scores counts them (None where its runs disagree or say none)."""
+    """id(group) -> its accelerators, as ResultSet.scores counts them (None where its runs disagree or say none);
+    the frame's rows follow ResultSet.groups."""
     return {id(g): None if pd.isna(count) else int(count)
             for g, count in zip(results.groups, results.scores.accelerators)}
 
@@ -281,6 +287,8 @@ def _scaling(results: ResultSet) -> Figure:
         if not groups:
             ax.text(0.5, 0.5, "no system has both a score and an accelerator count\n(systems/<folder>.json)",
                     ha="center", va="center", fontsize=8, transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
             continue
         heading, names = _told_apart(groups)
         counts = [accelerators[id(g)] for g in groups]
