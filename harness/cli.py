@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ruleset", help="MLPerf Training ruleset that judges every log: its compliance, quality "
                                           f"target and RCPs {own_ruleset}")
     report.add_argument("--plot", type=Path, metavar="DIR",
-                        help="also write quality.png, throughput.png (vs time, one line per run) and "
-                             "time_to_train.png (per run and system) into DIR")
+                        help="also write quality.png (with the target), throughput.png (vs time, one line per run), "
+                             "time_to_train.png (per run and system) and scaling.png (score vs accelerators, "
+                             "log-log, with ideal scaling) into DIR")
     report.set_defaults(func=cmd_report)
 
     compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline beyond noise?",

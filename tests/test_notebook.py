@@ -41,7 +41,7 @@ def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
     outputs = execute(monkeypatch, [out], "4.0.0")
     shown = text(outputs)
     assert f"{TINY_RUNS} runs in 1 (system, benchmark) groups, judged by ruleset 4.0.0" in shown
-    assert "resnet" in shown and pictures(outputs) == 3
+    assert "resnet" in shown and pictures(outputs) == 4  # quality, throughput, time_to_train, scaling
     assert "nothing to compare yet" in shown  # one system only
 
 
@@ -51,7 +51,7 @@ def test_notebook_on_coreweave_and_a_tiny_run(monkeypatch, tiny_campaign):
     outputs = execute(monkeypatch, [COREWEAVE, out])  # no ruleset: the v3.0 tree's own, 3.0.0; the tiny run's, 4.0.0
     shown = text(outputs)
     assert f"{24 + TINY_RUNS} runs in 6 (system, benchmark) groups, judged by each group's own ruleset" in shown
-    assert pictures(outputs) == 3
+    assert pictures(outputs) == 4
     for row in OFFICIAL[("training_v3.0/NVIDIA_CoreWeave", "3.0.0")]:
         assert f"{row['score_min']:.6f}" in shown  # pandas shows six decimals
     # The default comparison: the smallest and largest GPT-3 systems, 768 and 3,584 H100s.

@@ -25,9 +25,40 @@ from workloads.common.mllog_reader import LogError, iter_events  # the one MLLOG
 from workloads.common.mllog_reader import is_number as _is_number
 from workloads.common.run_record import ran_synthetic
 
-TRACKED = ("throughput", "tokens_per_second", "mfu")  # tracked_stats fields: samples/s (NVIDIA's name), tokens/s, MFU
+# NeMo's tracked_stats field for seconds per training step of global_batch_size samples (train_step_timing before
+# 2024): the one throughput NVIDIA's v5.1 and v6.0 logs carry.
+STEP_TIMES = ("train_step_time", "train_step_timing")
 
 ErrorSink = Callable[[Path, str], None]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How one log's tracked_stats records give samples/s and tokens/s: the Run's means and the pictures' lines
+    both read them through here.
+
+    A log that states step times gets its samples/s from them (global_batch_size / step time, a figure whose
+    meaning is fixed), and its `throughput` field is not read: NeMo's gpt3 logs of v3.0 put tokens/s there. Other
+    logs' samples/s are their `throughput` field (what NVIDIA's other logs and this harness's workloads write).
+    tokens/s is the logged `tokens_per_second`, else samples/s times the logged max_sequence_length, which only the
+    language models log (their samples are sequences of that many tokens)."""
+
+    batch_size: int | None = None
+    sequence_length: int | None = None
+    step_timed: bool = False
+
+    def samples_per_s(self, stats: dict) -> float | None:
+        if not self.step_timed:
+            rate = stats.get("throughput")
+            return float(rate) if _is_number(rate) else None
+        seconds = next((stats[name] for name in STEP_TIMES if _is_number(stats.get(name))), None)
+        return self.batch_size / seconds if seconds and self.batch_size else None
+
+    def tokens_per_s(self, stats: dict) -> float | None:
+        if _is_number(stats.get("tokens_per_second")):
+            return float(stats["tokens_per_second"])
+        samples = self.samples_per_s(stats)
+        return samples * self.sequence_length if samples is not None and self.sequence_length else None
 
 
 @dataclass
@@ -44,7 +75,7 @@ class Run:
     run_start_ms: float
     run_stop_ms: float | None  # None: the run never logged run_stop (it did not finish)
     quality: float | None  # the last eval_accuracy that is a plain number
-    samples_per_s: float | None  # mean logged throughput (tracked_stats)
+    samples_per_s: float | None  # the mean over the log's tracked_stats records of their samples/s (Rates)
     global_batch_size: int | None
     evals: list[tuple[float, float]] = field(default_factory=list)  # (ms since run_start, accuracy), numbers only
     # Every eval_accuracy as logged, for the ruleset's target: (value of any JSON type, metadata), in file order.
@@ -62,9 +93,10 @@ class Run:
     goodput: float | None = None
     badput: dict[str, float] | None = None
     stragglers: list[dict] | None = None  # ranks the straggler checks named: {"rank", "node", "score", "windows"}
-    # Language models' tracked_stats also carry tokens/s and, on GPUs with a known peak, MFU (None where not logged).
+    # Language models' tokens/s (Rates) and, on GPUs with a known peak, the logged MFU (None where not logged).
     tokens_per_s: float | None = None
     mfu: float | None = None
+    rates: Rates = Rates()  # how this log's tracked_stats records give samples/s and tokens/s
     # Outside a submission tree, the folder that holds the log: a campaign, its own group. None in a tree.
     campaign: str | None = None
     # The ruleset that judged the log (set by harness.results.load); None where no ruleset holds it.
@@ -119,7 +151,7 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
     evals: list[tuple[float, float]] = []
     eval_records: list[tuple[object, dict]] = []
     last_batch_size = last_stop = None
-    stats: dict[str, list[float]] = {name: [] for name in TRACKED}
+    stats: list[dict] = []  # tracked_stats values
     for event in iter_events(data):
         key = event["key"]
         first.setdefault(key, event)
@@ -140,10 +172,7 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
             if _is_number(event.get("value")):
                 evals.append((float(event["time_ms"]), float(event["value"])))
         elif key == TRACKED_STATS and isinstance(event.get("value"), dict):
-            for name, values in stats.items():
-                value = event["value"].get(name)
-                if _is_number(value):
-                    values.append(float(value))
+            stats.append(event["value"])
     if not first:
         raise LogError("no MLLOG records")
     if run_start is None:
@@ -159,13 +188,19 @@ def parse_file(path: Path, system: str | None = None, submitter: str | None = No
     metadata = run_stop.get("metadata") if run_stop and isinstance(run_stop.get("metadata"), dict) else {}
     status = metadata.get(C.STATUS)
     evals.sort()
+    rates = Rates(value(C.GLOBAL_BATCH_SIZE, int), value(C.MAX_SEQUENCE_LENGTH, int),
+                  any(_is_number(record.get(name)) for record in stats for name in STEP_TIMES))
+
+    def mean(rate: Callable[[dict], float | None]) -> float | None:
+        return _mean([r for r in map(rate, stats) if r is not None])
+
     return Run(
         file=str(path), benchmark=value(C.SUBMISSION_BENCHMARK, str),
         system=system or value(C.SUBMISSION_PLATFORM, str), submitter=submitter or value(C.SUBMISSION_ORG, str),
         division=value(C.SUBMISSION_DIVISION, str), status=status if isinstance(status, str) else None,
         seed=value(C.SEED, int), run_start_ms=start_ms, run_stop_ms=stop_ms, quality=evals[-1][1] if evals else None,
-        samples_per_s=_mean(stats["throughput"]), tokens_per_s=_mean(stats["tokens_per_second"]),
-        mfu=_mean(stats["mfu"]),
+        samples_per_s=mean(rates.samples_per_s), tokens_per_s=mean(rates.tokens_per_s),
+        mfu=mean(lambda record: float(record["mfu"]) if _is_number(record.get("mfu")) else None), rates=rates,
         global_batch_size=value(C.GLOBAL_BATCH_SIZE, int),
         evals=[(t - start_ms, acc) for t, acc in evals], eval_records=eval_records,
         system_id=system_id or value(C.SUBMISSION_PLATFORM, str), last_batch_size=last_batch_size,

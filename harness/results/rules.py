@@ -9,6 +9,7 @@ differs between rulesets). We evaluate exactly that expression, as
 the checker does (stripped, with `v` = {'value', 'metadata'}), instead of running
 the whole, slow checker. A rule that cannot be read or evaluated raises RuleError:
 the caller makes that one (system, benchmark) group unscorable and goes on.
+The pictures draw the target: `Target.threshold` reads its value from the same expression.
 
 Which ruleset judges a log, unless the caller forces one, is decided here too (`ruleset_for`): the round its
 submission tree's path names, else the newest ruleset that holds its benchmark.
@@ -16,6 +17,7 @@ submission tree's path names, else the newest ruleset that holds its benchmark.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import functools
 import math
@@ -154,6 +156,60 @@ def aggregate_metrics(records: list[tuple[object, dict]], step: str) -> list[dic
 
 
 @dataclass(frozen=True)
+class Threshold:
+    """The value a rule's target names, and how an eval's value must compare with it (">=", ">", "<=" or "<")."""
+
+    op: str
+    value: float
+
+
+_OPS = {ast.GtE: ">=", ast.Gt: ">", ast.LtE: "<=", ast.Lt: "<"}
+_MIRRORED = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}  # `0.759 <= v` is `v >= 0.759`
+
+
+def _number(node: ast.expr) -> float | None:
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError):  # no literal: a name, a call, arithmetic on text
+        return None
+    return float(value) if _is_number(value) else None
+
+
+def _is_value(node: ast.expr) -> bool:
+    """Whether `node` is `v['value']` itself (not a field of it, such as stable diffusion's v['value']['FID'])."""
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "v" and \
+        isinstance(node.slice, ast.Constant) and node.slice.value == "value"
+
+
+def threshold(expression: str) -> Threshold | None:
+    """The target an ATLEAST_ONE_CHECK expression states, for drawing: its first bound on v['value'] by a number
+    that is no range check (a lower bound of 0, an upper bound of 1: `v['value'] < 1.0` beside resnet's
+    `v['value'] >= 0.7590`, `v['value'] > 0.0` beside llama31_8b's `v['value'] <= 3.3`; the rule files state the
+    target first, as in gpt3's `(v['value'] <= 2.69) and v['value'] > 2.6`). None where the expression names no
+    such bound, or reads anything but v (two metrics, the checker's state such as s['target_accuracy']): there is
+    then no one value to draw. tests/test_plots.py holds every rule file's threshold to its compiled check."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    if any(isinstance(node, ast.Name) and node.id != "v" for node in ast.walk(tree)):
+        return None
+    bounds = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for left, op, right in zip(operands, node.ops, operands[1:]):
+                name = _OPS.get(type(op))
+                if name and _is_value(left) and _number(right) is not None:
+                    bounds.append(((right.lineno, right.col_offset), Threshold(name, _number(right))))
+                elif name and _is_value(right) and _number(left) is not None:
+                    bounds.append(((left.lineno, left.col_offset), Threshold(_MIRRORED[name], _number(left))))
+    targets = [bound for _, bound in sorted(bounds, key=lambda found: found[0])  # in the expression's order
+               if not (bound.op in (">=", ">") and bound.value == 0 or bound.op in ("<=", "<") and bound.value == 1)]
+    return targets[0] if targets else None
+
+
+@dataclass(frozen=True)
 class Target:
     """One ruleset's ATLEAST_ONE_CHECK for a (division, benchmark)."""
 
@@ -174,6 +230,11 @@ class Target:
                 raise RuleError(f"{self.rule_file}: the rule {self.expression.strip()!r} cannot be evaluated "
                                 f"on {value!r}: {type(exc).__name__}: {exc}") from None
             return False  # a logged value of a kind the rule does not read (text, a list) meets no target
+
+    @property
+    def threshold(self) -> Threshold | None:
+        """The target's value, where the rule names one (see `threshold`)."""
+        return threshold(self.expression)
 
     def met_by(self, records: list[tuple[object, dict]]) -> bool:
         """Whether any logged eval meets the target. Raises RuleError when the rule cannot be evaluated."""
