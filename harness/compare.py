@@ -15,11 +15,11 @@ confidence bound of the slowdown lies above the limit. Why this test:
   turns it into a difference of means, and run times are commonly modelled as log-normal.
 - Welch's, because each side keeps its own variance: a candidate on a noisy machine is judged by its own noise,
   not the baseline's. The rule this replaced widened the limit by the baseline's (slowest - fastest) / median
-  alone, so one slow baseline run turned a 10% limit into 58% however many runs confirmed a slowdown, a noisy
-  candidate whose median crossed the limit failed on noise, and a one-run baseline got 0% noise silently.
+  alone, so a baseline spread 48% turned a 10% limit into 58% however many runs confirmed a slowdown, a noisy
+  candidate whose figure crossed the limit failed on noise, and a one-run baseline got 0% noise silently.
 - Not a rank, permutation or bootstrap test: with CI's 3 to 5 runs a side their p-values come in coarse steps
   (3 runs against 3 have 20 orderings: the smallest p is 1/20) and a bootstrap of 3 values has 10 distinct
-  resamples; the t-test needs 2 runs a side, and for log-normal runs its error rate holds at any count.
+  resamples; the t-test works from 2 runs on one side, and for log-normal runs its error rate holds at any count.
 - Student's t quantile is computed here (the regularized incomplete beta, then bisection; tests hold it to
   the table and to scipy where installed) rather than adding scipy, 40 MB, to the dependencies for one function.
 
