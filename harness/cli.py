@@ -261,17 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "log-log, with ideal scaling) into DIR")
     report.set_defaults(func=cmd_report)
 
-    compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline beyond noise?",
-                             formatter_class=_Help, description=(
-                                 "Compare a candidate's time-to-train with a baseline's, per benchmark.\n"
-                                 "Regression: candidate > baseline x (1 + max slowdown + baseline noise), where\n"
-                                 "noise is the baseline's (slowest - fastest) / median run; or a candidate run\n"
-                                 "that did not converge where all baseline runs did.\n"
-                                 "Exit 0: pass, 1: regression, 2: unusable input."))
+    compare = sub.add_parser("compare", help="CI verdict: is a candidate slower than its baseline, beyond its runs' "
+                                             "spread?", formatter_class=_Help, description=(
+                                 "Compare a candidate with a baseline, per benchmark: time-to-train campaigns on\n"
+                                 "their score (or median time-to-train), throughput campaigns (--synthetic) on\n"
+                                 "their tokens/s (or samples/s, where runs log no tokens/s).\n"
+                                 "Regression: a one-sided Welch t-test on log time (or log rate) finds the\n"
+                                 "candidate slower than baseline x (1 + max slowdown) with 95% confidence, so\n"
+                                 "both sides' run-to-run spread counts; or a candidate run that did not converge\n"
+                                 "(finish, for throughput) where every baseline run did. A side with 1 run\n"
+                                 "borrows the other's spread, as the verdict says; 1 run on each side: no verdict.\n"
+                                 "Exit 0: pass, 1: regression, 2: unusable input or no verdict."))
     compare.add_argument("baseline", type=Path, help="baseline result files or folder (e.g. results/baselines/...)")
     compare.add_argument("candidate", type=Path, help="candidate result files or folder")
     compare.add_argument("--max-slowdown", type=float, default=10.0, metavar="PCT",
-                         help="slowdown allowed beyond noise, in percent")
+                         help="slowdown allowed, in percent of time (for a rate: 10 lets it fall to 1/1.1 of the "
+                              "baseline's)")
     compare.add_argument("--ruleset", help=f"ruleset that judges every log of both sides {own_ruleset}")
     compare.set_defaults(func=cmd_compare)
 
@@ -680,16 +685,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from harness.compare import PASS, REGRESSION, compare
+    from harness.compare import compare_paths, exit_code
 
-    if args.max_slowdown < 0:
-        raise HarnessError(f"--max-slowdown must be 0 or more, got {args.max_slowdown}")
-    # Unusable input exits 2, the code CI jobs read as "no verdict".
-    baseline, candidate = (_load_results([p], args.ruleset, exit_code=2) for p in (args.baseline, args.candidate))
-    verdicts = compare(baseline, candidate, max_slowdown=args.max_slowdown / 100)
+    verdicts = compare_paths(args.baseline, args.candidate, max_slowdown=args.max_slowdown / 100,
+                             ruleset=args.ruleset)
     for verdict in verdicts:
         print(verdict.line())
-    return REGRESSION if any(v.regressed for v in verdicts) else PASS
+    return exit_code(verdicts)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
