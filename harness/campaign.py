@@ -28,6 +28,7 @@ from pathlib import Path
 
 from harness import profiles
 from harness.errors import HarnessError
+from harness.launchers.base import JOB_FILE, Handle
 from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
 from workloads.registry import BENCHMARKS
 
@@ -40,6 +41,8 @@ _AS_GIVEN = tuple(f.name for f in dataclasses.fields(JobSpec)
 # A campaign's options by the names `harness run` gives them (its argparse destinations): the CLI and
 # harness.start take the same ones.
 RUN_OPTIONS = (*_RESOLVED, *_AS_GIVEN)
+CAMPAIGN_LOG = "campaign.log"  # what a campaign harness.start started says, as `harness run` says it
+EXIT_KEY = "campaign_exit_code"  # job.json: `harness run`'s exit code, once the campaign ended
 
 
 def resolve_spec(benchmark: str, *, preset: str | None = None, runs: int | None = None, out: str | Path | None = None,
@@ -54,7 +57,9 @@ def resolve_spec(benchmark: str, *, preset: str | None = None, runs: int | None 
     if unknown:
         raise HarnessError(f"unknown option {', '.join(map(repr, unknown))}; the options are: "
                            f"{', '.join(RUN_OPTIONS)}")
-    _check_types(fields)
+    _check_types({"preset": preset, "runs": runs, "out": out, "env": env, "profile": profile, "overrides": overrides,
+                  "api": api, "preflight": preflight, "spare_nodes": spare_nodes}, typing.get_type_hints(resolve_spec))
+    _check_types(fields, typing.get_type_hints(JobSpec))
     preset = preset or ("full" if fields.get("data") else "tiny")
     overrides = [*_words(overrides), *([f"kubernetes.api={api}"] if api else [])]
     loaded = profiles.apply_overrides(profiles.load(profile), overrides)
@@ -74,10 +79,9 @@ def _words(pairs: Mapping[str, object] | typing.Iterable[str]) -> list[str]:
     return [f"{key}={value}" for key, value in pairs.items()] if isinstance(pairs, Mapping) else list(pairs)
 
 
-def _check_types(fields: dict) -> None:
+def _check_types(values: dict, hints: dict) -> None:
     """A Python caller's option of the wrong type is one line, as argparse's would be, not a TypeError deep inside."""
-    hints = typing.get_type_hints(JobSpec)
-    for name, value in fields.items():
+    for name, value in values.items():
         allowed = typing.get_args(hints[name]) or (hints[name],)
         kinds = tuple(typing.get_origin(kind) or kind for kind in allowed)
         kinds += (str,) if Path in kinds else ()  # a path given as text
@@ -171,8 +175,55 @@ def _pod_monitor(plan: Plan) -> str:
 
 
 def execute(launcher, spec: JobSpec) -> int:
-    """From the claimed run folder to the verdict: what `harness run` does after its notes; its exit code."""
-    return Execution(launcher, spec).run()
+    """From the claimed run folder to the verdict: what `harness run` does after its notes; its exit code, recorded
+    in job.json (EXIT_KEY) for `harness status` and harness.attach."""
+    code = Execution(launcher, spec).run()
+    if (spec.out_dir / JOB_FILE).is_file():
+        # Unrecorded where job.json cannot be written (a teammate's folder, a full disk: said at every state
+        # recorded already); the exit code stands.
+        with contextlib.suppress(HarnessError):
+            Handle(launcher.name, "", spec.out_dir).update(**{EXIT_KEY: code})
+    return code
+
+
+def background_process(plan: Plan, notes: list[str]):
+    """`execute` for harness.start, in a process of its own session (it outlives the caller, and handles its own
+    signals), saying what `harness run` says (its notes first) into the run folder's CAMPAIGN_LOG."""
+    import json
+    import os
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's harness, whatever the caller's sys.path
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with open(plan.spec.out_dir / CAMPAIGN_LOG, "w") as log:
+        process = subprocess.Popen([sys.executable, "-c", "import sys; from harness.campaign import background; "
+                                    "sys.exit(background())"], stdin=subprocess.PIPE, stdout=log,
+                                   stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
+    process.stdin.write(json.dumps({"backend": plan.launcher.name, "spec": plan.spec.to_dict(), "notes": notes}))
+    process.stdin.close()
+    return process
+
+
+def background() -> int:
+    """The process background_process starts: the order on stdin; `harness run`'s exit code."""
+    import json
+
+    from harness.launchers import get_launcher
+
+    order = json.load(sys.stdin)
+    for note in order["notes"]:
+        print(f"harness: {note}", file=sys.stderr)
+    try:
+        return execute(get_launcher(order["backend"]), JobSpec.from_dict(order["spec"]))
+    except HarnessError as exc:
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def runs_done(out_dir: Path) -> int:
+    """The runs of a campaign that have ended (their log holds run_stop), without parsing or checking the logs."""
+    return sum('"key": "run_stop"' in path.read_text(errors="replace") for path in Path(out_dir).glob("result_*.txt"))
 
 
 class Execution:
@@ -364,10 +415,12 @@ def stopped_by(stop: BaseException, what: str) -> int:
     return 143 if isinstance(stop, Terminated) else 130
 
 
-def collect(launcher, handle) -> None:
+def collect(launcher, handle) -> list[Path]:
+    """Bring a job's result files into its run folder, saying how many came; the files fetched."""
     fetched = launcher.collect(handle)
     if fetched:
         print(f"harness: fetched {len(fetched)} file(s) from the cluster into {handle.out_dir}", flush=True)
+    return fetched
 
 
 def summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: int | None = None,

@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, helptext, func in (
             ("logs", "print the worker logs of a run", cmd_logs),
+            ("status", "where a campaign stands, by its run folder: its state, job, runs done and exit code",
+             cmd_status),
             ("cancel", "stop a running job", cmd_cancel),
             ("collect", "copy a cluster job's result files into its run folder (done by `harness run` when the "
                         "job ends; use it after watching was interrupted)", cmd_collect)):
@@ -438,30 +440,26 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from harness.api import attach
+
+    print(f"harness: {attach(args.run_dir).status().line()}")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
-    launcher, handle = _launcher_and_handle(args.run_dir)
-    state = launcher.status(handle)
-    record = handle.record()
-    later = record.get("launch") is not None and record["launch"] < record["spec"]["runs"] - 1
-    if state.terminal and later:  # between two of a campaign's jobs: the `harness run` submitting them stops
-        handle.update(campaign_cancelled=True)
-        print(f"harness: job {handle.job_id} has ended ({state.value}); the campaign's later runs will not be "
-              "submitted")
-        return 0
-    if state.terminal:
-        print(f"harness: job {handle.job_id} has already ended ({state.value}); nothing to cancel")
-        return 0
-    launcher.cancel(handle)
-    print(f"harness: cancelled job {handle.job_id}; results so far stay in {handle.out_dir}")
+    from harness.api import attach
+
+    print(f"harness: {attach(args.run_dir).cancel()}")
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from harness.campaign import collect
+    from harness.api import attach
 
-    launcher, handle = _launcher_and_handle(args.run_dir)
-    collect(launcher, handle)
-    print(f"harness: the run folder {handle.out_dir} is up to date")
+    campaign = attach(args.run_dir)
+    campaign.collect()
+    print(f"harness: the run folder {campaign.out_dir} is up to date")
     return 0
 
 

@@ -39,6 +39,7 @@ def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
     assert f"{TINY_RUNS} runs in 1 (system, benchmark) groups" in shown
     assert "resnet" in shown and pictures(outputs) == 3
     assert "nothing to compare yet" in shown  # one system only
+    assert "campaign through the API: SUCCEEDED, exit code 0" in shown  # the campaign the notebook starts
 
 
 @needs_shared
