@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from harness import __version__, profiles
+from harness import __version__, campaign, profiles
+from harness.api import attach
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.campaign import summarize as _summarize  # noqa: F401  (tests import it by its old name)
 from harness.spec import JobSpec, check_writable
 from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
@@ -317,30 +317,26 @@ def _preflight_options(parser: argparse.ArgumentParser) -> None:
 
 def _run_options(args: argparse.Namespace) -> dict:
     """`harness run`'s options by name, as harness.campaign (and harness.start) takes them."""
-    from harness.campaign import RUN_OPTIONS
-
-    return {name: value for name, value in vars(args).items() if name in RUN_OPTIONS}
+    return {name: value for name, value in vars(args).items() if name in campaign.RUN_OPTIONS}
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
-    from harness.campaign import resolve_spec
+    return campaign.resolve_spec(**_run_options(args))
 
-    return resolve_spec(**_run_options(args))
+
+_summarize = campaign.summarize  # by its name before harness/campaign.py, which tests import
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness import campaign
-
     return campaign.run(args.backend, _run_options(args), dry_run=args.dry_run, pod_monitor=args.pod_monitor,
                         strict=args.strict)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from harness.campaign import preflight_only
-
-    return preflight_only(args.backend, nodes=args.nodes, profile=args.profile, overrides=args.overrides, out=args.out,
-                          env=args.env, spare_nodes=args.spare_nodes, drain_bad_nodes=args.drain_bad_nodes,
-                          taint_bad_nodes=args.taint_bad_nodes, dry_run=args.dry_run)
+    return campaign.preflight_only(args.backend, nodes=args.nodes, profile=args.profile, overrides=args.overrides,
+                                   out=args.out, env=args.env, spare_nodes=args.spare_nodes,
+                                   drain_bad_nodes=args.drain_bad_nodes, taint_bad_nodes=args.taint_bad_nodes,
+                                   dry_run=args.dry_run)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -441,25 +437,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from harness.api import attach
-
     print(f"harness: {attach(args.run_dir).status().line()}")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from harness.api import attach
-
     print(f"harness: {attach(args.run_dir).cancel()}")
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from harness.api import attach
-
-    campaign = attach(args.run_dir)
-    campaign.collect()
-    print(f"harness: the run folder {campaign.out_dir} is up to date")
+    run = attach(args.run_dir)
+    run.collect()
+    print(f"harness: the run folder {run.out_dir} is up to date")
     return 0
 
 
