@@ -218,11 +218,10 @@ class Campaign:
         """The campaign's runs and score so far as harness.results.load's ResultSet (frames: .runs, .scores), by
         its benchmark's ruleset unless given."""
         from harness.results import load
-        from harness.spec import JobSpec
         from workloads.registry import BENCHMARKS
 
         if ruleset is None:
-            ruleset = BENCHMARKS[JobSpec.from_dict(Handle.load(self.out_dir).record()["spec"]).benchmark].ruleset
+            ruleset = BENCHMARKS[Handle.load(self.out_dir).record()["spec"]["benchmark"]].ruleset
         return load([self.out_dir], ruleset=ruleset)
 
 
