@@ -7,18 +7,15 @@ and a non-zero exit status; never a traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import os
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-from harness import __version__, profiles
+from harness import __version__, campaign, profiles
+from harness.api import attach
 from harness.errors import HarnessError
 from harness.launchers import BACKENDS
-from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
+from harness.spec import JobSpec, check_writable
 from workloads.common.compiling import COMPILE_CHOICES, WARM_UP_CHOICES
 from workloads.common.resilience_options import FAULT_KINDS
 from workloads.decoder.config import RCP_GLOBAL_BATCHES, RCP_WARMUP_BENCHMARKS, rcp_batches_in_words
@@ -314,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.set_defaults(func=cmd_logs)
 
     for name, helptext, func in (
+            ("status", "where a campaign stands, by its run folder: its state, job, runs done and exit code",
+             cmd_status),
             ("cancel", "stop a running job", cmd_cancel),
             ("collect", "copy a cluster job's result files into its run folder (done by `harness run` when the "
                         "job ends; use it after watching was interrupted)", cmd_collect)):
@@ -335,214 +334,28 @@ def _preflight_options(parser: argparse.ArgumentParser) -> None:
                              "gets an MLPerfPreflight condition either way)")
 
 
-def _spec_from_args(args: argparse.Namespace) -> JobSpec:
-    from harness.campaign_plan import asked_spares, default_runs
+def _run_options(args: argparse.Namespace) -> dict:
+    """`harness run`'s options by name, as harness.campaign (and harness.start) takes them."""
+    return {name: value for name, value in vars(args).items() if name in campaign.RUN_OPTIONS}
 
-    preset = args.preset or ("full" if args.data else "tiny")
-    overrides = args.overrides + ([f"kubernetes.api={args.api}"] if args.api else [])
-    profile = profiles.apply_overrides(profiles.load(args.profile), overrides)
-    spec = JobSpec(benchmark=args.benchmark, preset=preset, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                   procs_per_node=args.procs_per_node, run_minutes=args.run_minutes,
-                   runs=args.runs if args.runs is not None else default_runs(args.benchmark, preset, args.synthetic),
-                   seed=args.seed, out_dir=args.out, max_restarts=args.max_restarts,
-                   env=parse_env(args.env), metrics_port=args.metrics_port, pushgateway=args.pushgateway,
-                   straggler_window=args.straggler_window, straggler_threshold=args.straggler_threshold,
-                   optimizer=args.optimizer, compile=args.compile, warm_up=args.warm_up,
-                   data=args.data, init_checkpoint=args.init_checkpoint,
-                   synthetic=args.synthetic, max_steps=args.max_steps,
-                   batch_size=args.batch_size, global_batch=args.global_batch, force_batch=args.force_batch,
-                   learning_rate=args.learning_rate, warmup_samples=args.warmup_samples,
-                   pipeline_parallel=args.pipeline_parallel,
-                   allow_unflushed_cache=args.allow_unflushed_cache,
-                   packing_factor=args.packing_factor, decode=args.decode,
-                   submitter=args.submitter, system=args.system, name=args.name,
-                   checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                   async_checkpoint=args.async_checkpoint, restart=args.restart, inject_failure=args.inject_failure,
-                   profile=profile,
-                   preflight=args.preflight if args.preflight is not None else (args.nodes > 1 and preset == "full"),
-                   spare_nodes=args.spare_nodes or 0, drain_bad_nodes=args.drain_bad_nodes,
-                   taint_bad_nodes=args.taint_bad_nodes)
-    return spec if args.spare_nodes is not None else dataclasses.replace(spec, spare_nodes=asked_spares(spec))
+
+def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    return campaign.resolve_spec(**_run_options(args))
+
+
+_summarize = campaign.summarize  # by its name before harness/campaign.py, which tests import
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness import campaign_plan
-    from harness.launchers import get_launcher
-
-    launcher = get_launcher(args.backend)
-    spec = _spec_from_args(args)
-    spec = spec.resolved(runs_root=launcher.runs_root(spec))
-    # What would fail at run time, found now: refused before anything is submitted, listed by a dry run.
-    problems = [*validate(spec, dry_run=True, paths_here=launcher.paths_here), *campaign_plan.problems(spec),
-                *launcher.problems(spec)]
-    submits = not (args.dry_run or args.pod_monitor)
-    if problems and submits:
-        raise HarnessError("; ".join(problems))
-    if args.strict and not args.dry_run:
-        raise HarnessError("--strict gates a --dry-run on its problems; add --dry-run")
-    request = launcher.render(spec)
-    if submits:  # before the request's notes: a folder the job cannot use is then the one line said
-        if args.out is None:  # the default name, or the first free -2, -3 after it; rendered again for it
-            spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
-            request = launcher.render(spec)
-        check_writable(spec.out_dir)
-        if any(spec.out_dir.glob("result_*.txt")):
-            raise HarnessError(f"{spec.out_dir} already holds results; pick a new --out so they stay intact")
-    runs = campaign_plan.runs_note(spec, given=args.runs is not None)
-    for note in (*request.notes, *([runs] if runs else [])):
-        print(f"harness: {note}", file=sys.stderr)
-    if args.pod_monitor:
-        if launcher.name != "k8s":
-            raise HarnessError(f"--pod-monitor is for --backend k8s; on {launcher.name} Prometheus finds the nodes "
-                               "through the run folder's prometheus-targets/*.json (one file a node)")
-        import yaml
-
-        from harness.launchers.kubernetes_render import pod_monitor
-
-        print(yaml.safe_dump(pod_monitor(spec), sort_keys=True, default_flow_style=False), end="")
-        return 0
-    if args.dry_run:
-        print(request.text)
-        for problem in problems:
-            print(f"harness: problem: {problem}", file=sys.stderr)
-        return 1 if problems and args.strict else 0
-    launches = launcher.launches(spec)
-    print(f"harness: {spec.benchmark} ({spec.preset}) on {launcher.name}: {spec.runs} run(s)"
-          + (", one job each" if len(launches) > 1 else "") + f" -> {spec.out_dir}", flush=True)
-    watcher = None
-    # A CI timeout sends SIGTERM, not Ctrl-C: either stops what runs, the health job or the training job, so no
-    # job outlives `harness run` to hold its nodes.
-    with _sigterm_raises():
-        if spec.preflight:
-            from harness import remediation
-
-            if launcher.preflight_in_allocation:
-                watcher = remediation.PreflightWatcher(launcher, spec)
-            else:
-                try:
-                    record = remediation.run_health_job(launcher, spec)
-                except (KeyboardInterrupt, _Terminated) as stop:
-                    return _stopped(stop, f"stopped during preflight (its job is cancelled); nothing trained, "
-                                          f"the checks so far stay in {spec.out_dir}")
-                if not record["passed"]:
-                    return _preflight_failed(record)
-        collected = True
-        for launch in launches:  # each after the one before succeeded and was collected
-            if spec.preflight and not launcher.preflight_in_allocation:
-                # preflight.json as it is now: the nodes an earlier run's failures were blamed on are kept out too.
-                from harness.preflight import read
-
-                launch = remediation.without_excluded(launch, read(spec.out_dir) or record)
-            try:
-                handle, state, fetched = _launch(launcher, launcher.render(launch), watcher)
-            except (KeyboardInterrupt, _Terminated) as stop:
-                return _stopped(stop, getattr(stop, "what", f"stopped; results so far stay in {spec.out_dir}"))
-            collected = collected and fetched
-            if state is None or state.value != "SUCCEEDED":
-                break
-            if handle.record().get("campaign_cancelled"):  # `harness cancel` between two of the campaign's jobs
-                print(f"harness: the campaign was cancelled after run {launch.launch + 1}; results so far stay in "
-                      f"{spec.out_dir}", file=sys.stderr)
-                state = None
-                break
-    job_ok = state is not None and state.value == "SUCCEEDED"
-    if watcher is not None:
-        watcher()  # a preflight that finished between the last poll and the end
-        from harness.preflight import read
-
-        checked = read(spec.out_dir)
-        if checked is not None and not checked["passed"]:
-            return _preflight_failed(checked)
-    record = handle.record()
-    if record.get("failure"):
-        print(f"harness: {record['failure']}", file=sys.stderr)
-    from harness.cache_flush import unflushed_note
-
-    unflushed = unflushed_note(spec.out_dir, launcher.name)
-    if unflushed:
-        print(f"harness: {unflushed}", file=sys.stderr)
-    return _summarize(spec.out_dir, job_ok=job_ok, runs=spec.runs, ruleset=BENCHMARKS[spec.benchmark].ruleset,
-                      exit_code=record.get("exit_code"), collected=collected)
-
-
-def _launch(launcher, request, watcher):
-    """Submit one job, watch it to its end and collect what it wrote: (handle, last state, collected).
-    A Ctrl-C or SIGTERM cancels the job and is raised again, with `what` it left."""
-    handle, state = None, None
-    try:
-        handle = launcher.submit(request)
-        if request.spec.launch is not None:
-            print(f"harness: run {request.spec.launch + 1}/{request.spec.runs}: job {handle.job_id}", flush=True)
-        ticks = [t for t in (watcher, launcher.restart_watcher(request.spec, handle)) if t is not None]
-
-        def tick() -> None:  # at every poll: the preflight verdicts (Slurm), the nodes a failure points at (k8s)
-            for each in ticks:
-                each()
-
-        for state in launcher.watch(handle, tick=tick):
-            if launcher.name != "local":  # local workers print their own progress
-                print(f"harness: job {handle.job_id} {state.value}", flush=True)
-    except (KeyboardInterrupt, _Terminated) as stop:
-        if handle is None:
-            stop.what = ("stopped while submitting: the job may have reached the scheduler before its record in "
-                         f"{request.spec.out_dir} was written")
-        else:
-            launcher.cancel(handle)
-            stop.what = f"cancelled; results so far stay in {request.spec.out_dir}"
-        raise
-    collected = True
-    try:
-        _collect(launcher, handle)
-    except (KeyboardInterrupt, _Terminated) as stop:
-        stop.what = (f"stopped while collecting job {handle.job_id}'s files (it ended {state.value if state else '?'})"
-                     f"; `harness collect {request.spec.out_dir}` copies them")
-        raise
-    except HarnessError as exc:
-        # Said and recorded (job.json's collect_error), never the run's verdict: the job's outcome stands, and
-        # its files stay on the cluster for `harness collect`. A failed job may have written nothing at all.
-        print(f"harness: {exc}", file=sys.stderr)
-        handle.update(collect_error=str(exc))
-        collected = False
-    return handle, state, collected
-
-
-def _preflight_failed(record: dict) -> int:
-    from harness.preflight import EXIT_PREFLIGHT
-
-    print(f"harness: error: preflight failed before training: {record['message']}", file=sys.stderr)
-    return EXIT_PREFLIGHT
+    return campaign.run(args.backend, _run_options(args), dry_run=args.dry_run, pod_monitor=args.pod_monitor,
+                        strict=args.strict)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from harness import remediation
-    from harness.launchers import get_launcher
-
-    launcher = get_launcher(args.backend)
-    profile = profiles.apply_overrides(profiles.load(args.profile), args.overrides)
-    # The health job is described by a job spec like any other, with no workload to run after it.
-    spec = JobSpec(benchmark="resnet", nodes=args.nodes, out_dir=args.out, env=parse_env(args.env), health_only=True,
-                   profile=profile, preflight=True, spare_nodes=args.spare_nodes or 0,
-                   drain_bad_nodes=args.drain_bad_nodes,
-                   taint_bad_nodes=args.taint_bad_nodes)
-    if spec.out_dir is None:
-        spec = dataclasses.replace(spec, out_dir=default_out_dir(launcher.runs_root(spec), "preflight"))
-    validate(spec, paths_here=launcher.paths_here)
-    spec = spec.resolved(runs_root=launcher.runs_root(spec))
-    if args.dry_run:
-        print(launcher.render_preflight(spec).text)
-        return 0
-    launcher.render_preflight(spec)  # refused before the folder is made
-    if args.out is None:  # the default name, or the first free -2, -3 after it
-        spec = dataclasses.replace(spec, out_dir=claim_fresh_folder(spec.out_dir))
-    check_writable(spec.out_dir)
-    with _sigterm_raises():
-        try:
-            record = remediation.run_health_job(launcher, spec)
-        except (KeyboardInterrupt, _Terminated) as stop:
-            return _stopped(stop, f"preflight stopped (its job is cancelled); the checks so far stay in "
-                                  f"{spec.out_dir}")
-    print(f"harness: wrote {spec.out_dir / 'preflight.json'}")
-    return 0 if record["passed"] else _preflight_failed(record)
+    return campaign.preflight_only(args.backend, nodes=args.nodes, profile=args.profile, overrides=args.overrides,
+                                   out=args.out, env=args.env, spare_nodes=args.spare_nodes,
+                                   drain_bad_nodes=args.drain_bad_nodes, taint_bad_nodes=args.taint_bad_nodes,
+                                   dry_run=args.dry_run)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -562,94 +375,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
               end="")
         return 0
     return doctor(profile, args.nodes)
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived while `harness run` or `harness preflight` watched a job."""
-
-
-def _terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cancel short
-    raise _Terminated()
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises _Terminated in the block, so that the job being watched is cancelled, as on Ctrl-C."""
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stopped(stop: BaseException, what: str) -> int:
-    """Say what a Ctrl-C or SIGTERM left; the shell's exit code for that signal."""
-    print(f"harness: {what}", file=sys.stderr)
-    return 143 if isinstance(stop, _Terminated) else 130
-
-
-def _collect(launcher, handle) -> None:
-    fetched = launcher.collect(handle)
-    if fetched:
-        print(f"harness: fetched {len(fetched)} file(s) from the cluster into {handle.out_dir}", flush=True)
-
-
-def _summarize(out_dir: Path, job_ok: bool, runs: int, ruleset: str, exit_code: int | None = None,
-               collected: bool = True) -> int:
-    """Print the time-to-train report of a finished job, by its benchmark's ruleset; 0 only if every run
-    reached its target, or, on synthetic input, finished (a throughput run has no target) (with a log that mlperf-logging's compliance checker passes: the summarizer would count
-    it as a failed run otherwise).
-    A failed job exits with the node agent's code where it has one (workload error, budget spent, ...).
-    Where the collection failed (`collected` False), a run whose log did not come back is not counted as
-    failed: it is named as not collected, and the job's outcome stands."""
-    from harness.agent import EXIT_CODES, EXIT_RETRY
-    from harness.report import render
-    from harness.results import load
-
-    results = load([out_dir], ruleset=ruleset)
-    print(render(results, "table"))
-    from harness.report import preflight_notes
-
-    for line in preflight_notes([out_dir]):
-        print(line)
-    if not job_ok:
-        why = EXIT_CODES.get(exit_code) if exit_code != EXIT_RETRY else None
-        print(f"harness: error: the job failed{f' ({why})' if why else ''}; worker logs: harness logs {out_dir}",
-              file=sys.stderr)
-        return exit_code if why else 1
-    if results.records and all(r.synthetic for r in results.records):
-        finished = sum(not r.unfinished for r in results.records)
-        print(f"harness: synthetic input: a throughput run, with no quality target or score "
-              f"({finished} of {runs} run(s) finished)", file=sys.stderr if finished < runs else sys.stdout)
-        return 0 if finished == runs else 1
-    missed = [r for r in results.records if not r.converged]
-    at_scale = [r for r in missed if _fails_only_the_scale(r)]
-    for run in at_scale:
-        keys = ", ".join(run.compliance_failed_keys)
-        print(f"harness: {run.file} reached its target; its log fails only the checks of {keys}, whose values "
-              f"{run.benchmark}'s rules fix in every division at a scale no small run trains: not a result",
-              file=sys.stderr)
-    missed = [r for r in missed if r not in at_scale]
-    if not collected and not missed and len(results.records) < runs:
-        print(f"harness: {runs - len(results.records)} of {runs} run(s) not collected (see above); the job "
-              "succeeded", file=sys.stderr)
-        return 0
-    if missed or len(results.records) < runs:
-        failed = sum(r.left_out for r in missed)
-        why = f" ({failed} left out by the compliance checker, named above)" if failed else ""
-        print(f"harness: {len(missed)} of {runs} run(s) did not reach the quality target{why}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _fails_only_the_scale(run) -> bool:
-    """A run that reached its target and whose log the checker fails only on the keys its benchmark's rules fix at a
-    scale no small run trains (workloads.registry's scale_keys: deepseekv3_671b's tiny preset)."""
-    from workloads.registry import BENCHMARKS
-
-    scale = BENCHMARKS[run.benchmark].scale_keys if run.benchmark in BENCHMARKS else ()
-    return run.reached_target and bool(run.compliance_failed_keys) and set(run.compliance_failed_keys) <= set(scale)
 
 
 def _load_results(paths: list[Path], ruleset: str | None, exit_code: int = 1):
@@ -740,28 +465,20 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    print(f"harness: {attach(args.run_dir).status().line()}")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
-    launcher, handle = _launcher_and_handle(args.run_dir)
-    state = launcher.status(handle)
-    record = handle.record()
-    later = record.get("launch") is not None and record["launch"] < record["spec"]["runs"] - 1
-    if state.terminal and later:  # between two of a campaign's jobs: the `harness run` submitting them stops
-        handle.update(campaign_cancelled=True)
-        print(f"harness: job {handle.job_id} has ended ({state.value}); the campaign's later runs will not be "
-              "submitted")
-        return 0
-    if state.terminal:
-        print(f"harness: job {handle.job_id} has already ended ({state.value}); nothing to cancel")
-        return 0
-    launcher.cancel(handle)
-    print(f"harness: cancelled job {handle.job_id}; results so far stay in {handle.out_dir}")
+    print(f"harness: {attach(args.run_dir).cancel()}")
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    launcher, handle = _launcher_and_handle(args.run_dir)
-    _collect(launcher, handle)
-    print(f"harness: the run folder {handle.out_dir} is up to date")
+    run = attach(args.run_dir)
+    run.collect()
+    print(f"harness: the run folder {run.out_dir} is up to date")
     return 0
 
 

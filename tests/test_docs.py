@@ -6,13 +6,15 @@ a `harness run` command must also pass the job spec's checks (harness.spec.valid
 dataset and checkpoint paths allowed, since docs name placeholders such as DIR). A `harness run` or
 `harness preflight` command with `--dry-run` is run for real, in this process, and must exit 0 without
 writing a file. Every relative link must point at a file that exists (and at a heading that exists,
-where it names one), every docs page must be reachable from the README, and the README stays short.
+where it names one), every docs page must be reachable from the README, and the README stays short. A fenced
+```python block after a `<!-- test: run -->` line is run, in a fresh folder, and must not fail.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
 from pathlib import Path
@@ -199,6 +201,47 @@ def test_documented_dry_run_runs(doc, line, command, tmp_path, monkeypatch):
     assert code == 0, f"{doc}:{line}: `{command}` exited {code}:\n{err.getvalue()}"
     assert out.getvalue().strip(), f"{doc}:{line}: `{command}` printed no request"
     assert not list(tmp_path.iterdir()), f"{doc}:{line}: `{command}` wrote {sorted(tmp_path.iterdir())}"
+
+
+RUN_MARK = "<!-- test: run -->"  # the fenced ```python block after this line is run by the test below
+
+
+def python_examples() -> list:
+    """(doc, line, code) of every fenced ```python block right after a RUN_MARK line, in every doc."""
+    params = []
+    for path in doc_files():
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if line.strip() != RUN_MARK:
+                continue
+            start = next(i for i in range(number + 1, len(lines)) if lines[i].strip())
+            opened = FENCE.match(lines[start])
+            assert opened and opened.group(2).lower() in ("python", "py"), \
+                f"{rel(path)}:{number + 1}: {RUN_MARK} is not followed by a ```python block"
+            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == opened.group(1))
+            params.append(pytest.param(rel(path), start + 2, "\n".join(lines[start + 1:end]),
+                                       id=f"{rel(path)}:{start + 2}"))
+    return params
+
+
+PYTHON_EXAMPLES = python_examples()
+
+
+def test_the_api_docs_have_an_example_that_runs():
+    assert any(doc == "docs/api.md" for doc, _, _ in (p.values for p in PYTHON_EXAMPLES))
+
+
+@pytest.mark.parametrize("doc, line, code", PYTHON_EXAMPLES)
+def test_documented_python_runs(doc, line, code, tmp_path, monkeypatch, capsys):
+    """A marked example runs as shown, in a fresh folder that holds only the repository's baselines, and writes
+    nothing there."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "baselines").symlink_to(REPO / "results" / "baselines")
+    monkeypatch.chdir(tmp_path)
+    exec(compile("\n" * (line - 1) + code, str(REPO / doc), "exec"), {"__name__": "__doc_example__"})
+    assert capsys.readouterr().out.strip(), f"{doc}:{line}: the example printed nothing"
+    assert sorted(os.listdir(tmp_path)) == ["results"] and os.listdir(tmp_path / "results") == ["baselines"], \
+        f"{doc}:{line}: the example wrote files"
 
 
 def without_code(text: str) -> str:

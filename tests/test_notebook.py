@@ -43,6 +43,7 @@ def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
     assert f"{TINY_RUNS} runs in 1 (system, benchmark) groups, judged by ruleset 4.0.0" in shown
     assert "resnet" in shown and pictures(outputs) == 4  # quality, throughput, time_to_train, scaling
     assert "nothing to compare yet" in shown  # one system only
+    assert "campaign through the API: SUCCEEDED, exit code 0" in shown  # the campaign the notebook starts
 
 
 @needs_shared

@@ -12,12 +12,12 @@ from mlperf_logging.mllog import constants as C
 from mlperf_logging.rcp_checker import rcp_checker
 from torch import nn
 
+from harness.results.rules import holding
 from tests.conftest import SHARED, closed_proxy_run
 from workloads.common import mlperf as K
 from workloads.common.campaign import RunOptions
 from workloads.common.mllog_reader import iter_events
 from workloads.common.refusals import ConfigurationError
-from workloads.registry import BENCHMARKS
 from workloads.resnet.config import (PRESETS, RCP, REFERENCE_LARS, default_optimizer, lars_coverage,
                                      lars_schedule)
 from workloads.resnet.data import IMAGENET_TRAIN_SAMPLES
@@ -25,7 +25,7 @@ from workloads.resnet.model import build_model
 from workloads.resnet.train import ResNetWorkload, optimizer_hyperparameters
 
 
-RULESET = BENCHMARKS["resnet"].ruleset  # what resnet's logs, and so its RCPs, are checked against
+RULESET = holding("resnet")[-1]  # what resnet's logs, and so its RCPs, are checked against
 
 
 def full_workload(ctx, tmp_path: Path, optimizer: str, batch: int = 2) -> ResNetWorkload:

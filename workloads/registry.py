@@ -19,7 +19,6 @@ class Benchmark:
     name: str
     workload: str  # "module:Class", imported by the worker only
     presets: tuple[str, ...]  # the first is the default
-    ruleset: str  # the newest MLPerf Training ruleset that has this benchmark: what its logs are checked against
     init_checkpoint: str | None = None  # the full preset starts from MLPerf's reference checkpoint, in this form
     fine_tunes: bool = False  # trains adapters on given weights: --init-checkpoint even on synthetic input
     presets_table: str | None = None  # "module:TABLE", torch-free, whose TABLE[preset].model.params counts the parameters
@@ -70,26 +69,26 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     # 34.1 min: the single log in the shared v6.0 set, run_stop - run_start; no official score is in the shared set);
     # flux1 v6.0 AMD 8xMI325X (8 nodes x 8 MI325X per its system file, 81.2 min: the single flux1 log in the shared
     # set, run_stop - run_start; no H100 result nor official score is in it).
-    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), ruleset="4.0.0", gpu_minutes=106,
+    Benchmark("resnet", "workloads.resnet.train:ResNetWorkload", ("tiny", "full"), gpu_minutes=106,
               options="workloads.resnet.config:worker_options"),
-    Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"), ruleset="5.0.0",
+    Benchmark("bert", "workloads.bert.train:BertWorkload", ("tiny", "full"),
               init_checkpoint="FILE (a PyTorch state dict)", presets_table="workloads.bert.config:PRESETS", gpu_minutes=41),
-    Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"), ruleset="4.1.0",
+    Benchmark("gpt3", "workloads.gpt3.train:GPT3Workload", ("tiny", "full"),
               init_checkpoint="DIR (a torch.distributed.checkpoint folder)", presets_table="workloads.gpt3.config:PRESETS",
               gpu_minutes=35_025),
-    Benchmark("llama31_8b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+    Benchmark("llama31_8b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"),
               presets_table="workloads.decoder.config:PRESETS", gpu_minutes=2_672, options=DECODER_OPTIONS),
-    Benchmark("gpt_oss_20b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+    Benchmark("gpt_oss_20b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"),
               presets_table="workloads.decoder.config:GPT_OSS_PRESETS", gpu_minutes=4_356,
               options=DECODER_OPTIONS),
-    Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"), ruleset="6.1.0",
+    Benchmark("llama2_70b_lora", "workloads.decoder.lora:LlamaLoraWorkload", ("tiny", "full"),
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               fine_tunes=True, gpu_minutes=213, options=DECODER_OPTIONS),
-    Benchmark("deepseekv3_671b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"), ruleset="6.1.0",
+    Benchmark("deepseekv3_671b", "workloads.decoder.pretrain:PretrainWorkload", ("tiny", "full"),
               init_checkpoint="DIR (a checkpoint `python -m workloads.decoder.convert` wrote from Hugging Face's)",
               presets_table="workloads.decoder.config:DEEPSEEK_PRESETS", gpu_minutes=8_727,
               scale_keys=("global_batch_size", "max_sequence_length", "eval_samples"), options=DECODER_OPTIONS),
-    Benchmark("flux1", "workloads.flux.train:FluxWorkload", ("tiny", "full"), ruleset="6.1.0",
+    Benchmark("flux1", "workloads.flux.train:FluxWorkload", ("tiny", "full"),
               presets_table="workloads.flux.config:PRESETS", gpu_minutes=5_194, options=DECODER_OPTIONS),
 )}
 
