@@ -226,6 +226,3 @@ def _jobs_after(record: dict) -> bool:
     """This job (job.json's record) is one of a campaign that takes a job a run, and not its last."""
     return record.get("launch") is not None and record["launch"] < record["spec"]["runs"] - 1
 
-
-# --- compare: the `compare` helper's Python function (verdicts as data) is re-exported here once merged, as
-# --- `harness.compare`; note that the package attribute `harness.compare` is also the module harness/compare.py.

@@ -116,6 +116,29 @@ def test_a_campaign_between_two_jobs_is_running_and_a_cancel_there_ends_it(tmp_p
     assert harness.attach(out).state is JobState.FAILED and harness.attach(out).exit_code == 1
 
 
+def test_a_local_job_whose_watcher_died_ends_as_its_agent_decided(tmp_path):
+    """`harness run` killed with its job: job.json stays RUNNING, and the node agent's attempt records say how the
+    job ended (a success; a workload error; an attempt cut off without its end record)."""
+    from harness.agent import CONFIGURATION, Failure, end_record, node_attempts_path
+
+    identity = {"node": "n0"}
+    for name, ends, state in (
+            ("ok", [end_record(0, identity, None, 0, 40)], JobState.SUCCEEDED),
+            ("refused", [end_record(0, identity, Failure(CONFIGURATION, "rank 0: bad input", 0, 1), 0, 0)],
+             JobState.FAILED),
+            ("cut", [], JobState.FAILED)):
+        out = tmp_path / name
+        _job_record(out, state="RUNNING")
+        path = node_attempts_path(out, "n0")
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in [{"event": "start", "attempt": 0, **identity,
+                                                                  "time": 1.0}, *ends]))
+        assert harness.attach(out).state is state, name
+        assert json.loads((out / "job.json").read_text())["state"] == state.value  # recorded: said once, the same
+    _job_record(tmp_path / "health", state="RUNNING")  # no attempt recorded: the recorded state stands
+    assert harness.attach(tmp_path / "health").state is JobState.RUNNING
+
+
 def test_status_of_a_folder_that_is_no_run_folder_is_one_line(tmp_path):
     shown = harness_cli("status", str(tmp_path))
     assert shown.returncode == 2 and shown.stderr == f"harness: error: {tmp_path} is not a run folder: it has no " \

@@ -112,7 +112,10 @@ class LocalLauncher(Launcher):
         running = proc.poll() is None if proc is not None else _job_alive(int(handle.job_id))
         if running:
             return JobState.RUNNING
-        recorded = JobState(handle.record().get("state", JobState.UNKNOWN.value))
+        record = handle.record()
+        recorded = JobState(record.get("state", JobState.UNKNOWN.value))
+        if proc is None and not recorded.terminal:  # its watcher died before it recorded the end: the agent's word
+            return _ended_unwatched(handle, record, recorded)
         if proc is None or recorded is JobState.CANCELLED:  # another process saw it end, or we stopped it
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
@@ -148,6 +151,21 @@ class LocalLauncher(Launcher):
         while alive() and time.monotonic() < deadline:
             time.sleep(0.2)
         return not alive()
+
+
+def _ended_unwatched(handle: Handle, record: dict, recorded: JobState) -> JobState:
+    """How a job ended that no `harness run` saw end (killed, or its machine restarted): what the node agent's
+    attempt records decide of the newest attempt (harness.agent.decide, the agent's own exit), recorded; an attempt
+    cut off without its end record failed. A job that recorded no attempt (a health job) keeps its recorded state."""
+    from harness.agent import decide, read_records
+
+    records = read_records(handle.out_dir)
+    if not records:
+        return recorded
+    newest = max(r["attempt"] for r in records)
+    decision = decide(records, newest, int(record.get("spec", {}).get("max_restarts", 0)))
+    return record_state(handle, JobState.SUCCEEDED if decision.exit_code == 0 else JobState.FAILED,
+                        exit_code=decision.exit_code)
 
 
 def _job_alive(pid: int) -> bool:
