@@ -377,23 +377,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(profile, args.nodes)
 
 
-def _load_results(paths: list[Path], ruleset: str | None, exit_code: int = 1):
-    """Load result logs, or fail with one line when the paths are missing or hold none."""
-    from harness.results import load
-
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        raise HarnessError(f"no such file or folder: {', '.join(missing)}")
-    results = load(paths, ruleset=ruleset)
-    if not results.records:
-        raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, paths))}", exit_code)
-    return results
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.report import render
+    from harness.results import load_found
 
-    results = _load_results(args.paths, args.ruleset)
+    results = load_found(args.paths, args.ruleset)
     print(render(results, args.format))
     if args.format == "table":
         from harness.report import preflight_notes

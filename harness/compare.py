@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.results import Group, ResultSet, labels, load
+from harness.results import Group, ResultSet, labels, load_found
 
 CONFIDENCE = 0.95
 # Exit codes, and a verdict's decision; unusable input raises HarnessError (exit 2).
@@ -342,13 +342,5 @@ def compare_paths(baseline: str | Path, candidate: str | Path, max_slowdown: flo
     """`harness compare` from Python: load a baseline's and a candidate's result files or folders (by `ruleset`,
     else load's default) and compare them. Unusable input raises HarnessError with the command's one-line error."""
     _checked(max_slowdown, confidence)
-    missing = [str(p) for p in (baseline, candidate) if not Path(p).exists()]
-    if missing:
-        raise HarnessError(f"no such file or folder: {', '.join(missing)}")
-    sides = []
-    for path in (baseline, candidate):
-        results = load([path], ruleset=ruleset)
-        if not results.records:
-            raise HarnessError(f"no readable result_*.txt files under {path}")
-        sides.append(results)
+    sides = [load_found([path], ruleset=ruleset, empty_exit=2) for path in (baseline, candidate)]
     return compare(*sides, max_slowdown=max_slowdown, confidence=confidence)

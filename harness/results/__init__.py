@@ -298,4 +298,19 @@ def load(paths: Iterable[str | Path], ruleset: str | None = None,
     return ResultSet(records=runs, groups=list(grouped.values()), ruleset=ruleset)
 
 
-__all__ = ["Group", "LogError", "ResultSet", "Run", "group_key", "labels", "load", "parse_file"]
+def load_found(paths: Iterable[str | Path], ruleset: str | None = None, empty_exit: int = 1) -> ResultSet:
+    """`load` for a command or a CI job: a path that does not exist (exit 2), or paths that hold no readable log
+    (`empty_exit`), is one line, raised as HarnessError."""
+    from harness.errors import HarnessError
+
+    paths = [Path(p) for p in paths]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise HarnessError(f"no such file or folder: {', '.join(missing)}")
+    results = load(paths, ruleset=ruleset)
+    if not results.records:
+        raise HarnessError(f"no readable result_*.txt files under {', '.join(map(str, paths))}", empty_exit)
+    return results
+
+
+__all__ = ["Group", "LogError", "ResultSet", "Run", "group_key", "labels", "load", "load_found", "parse_file"]
