@@ -562,7 +562,14 @@ class FakeKubeAPI:
                     return self._send(200, {"apiVersion": "v1", "kind": "PodList", "items": items})
                 if (m := POD_LOG.match(url.path)) and method == "GET":
                     pod = fake.pods.get((m.group(1), m.group(2)))
-                    return self._send(200, served_log(pod["log"])) if pod else self._not_found("pods", m.group(2))
+                    if pod is None:
+                        return self._not_found("pods", m.group(2))
+                    if pod["status"]["phase"] == "Pending":  # as the API server answers while the image is pulled
+                        return self._send(400, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                "reason": "BadRequest", "code": 400,
+                                                "message": f"container \"harness\" in pod \"{m.group(2)}\" is "
+                                                           "waiting to start: ContainerCreating"})
+                    return self._send(200, served_log(pod["log"]))
                 if (m := EVENTS.match(url.path)) and method == "POST":
                     event = self._body()
                     event["metadata"]["name"] = event["metadata"].get("generateName", "") + uuid.uuid4().hex[:5]

@@ -184,6 +184,26 @@ def test_pod_logs_tail_follow_and_one_rank(fake_api, tmp_path):
     assert harness("logs", run, "--rank", "16").stderr == "harness: error: --rank 16: job mlperf/rn50 has ranks 0-15\n"
 
 
+def test_following_from_the_submit_waits_out_starting_and_deleted_pods(fake_api, tmp_path):
+    """Right after the submit a pod's container is still starting (the API server answers its log with 400), and a
+    restarted job's old pod can be gone between the listing and the read (404): neither ends `--follow`."""
+    launcher, handle = submitted(tmp_path)
+    fake_api.add_pod("mlperf", "rn50", "rn50-master-0", "Pending", "")
+    fake_api.set_condition("mlperf", "rn50", "Created")
+    assert harness("logs", str(handle.out_dir)).stdout == "==> rn50-master-0 (Pending) <==\n"
+    chunks = follow(launcher, handle, poll_s=0)
+    with fake_api.lock:
+        fake_api.pods[("mlperf", "rn50-master-0")].update(status={"phase": "Running"}, log="agent up\n")
+    fake_api.set_condition("mlperf", "rn50", "Running")
+    assert next(chunks) == "==> rn50-master-0 (Running) <==\nagent up\n"
+    [source] = launcher.log_sources(handle)
+    with fake_api.lock:
+        del fake_api.pods[("mlperf", "rn50-master-0")]
+    assert source.read(0) == ("", 0)  # listed, then deleted: no log left, no error
+    fake_api.set_condition("mlperf", "rn50", "Succeeded")
+    assert list(chunks) == []
+
+
 def test_submit_then_created_running_succeeded(fake_api, tmp_path):
     launcher, handle = submitted(tmp_path)
     assert handle.job_id == "mlperf/rn50" and ("mlperf", "rn50") in fake_api.jobs

@@ -28,8 +28,8 @@ from harness.errors import HarnessError
 from harness.launchers import kubernetes_collect, kubernetes_nodes, kubernetes_resources
 from harness.launchers.base import (Handle, JobState, Launcher, LogSource, Request, TextLog, cluster_procs_per_node,
                                     health_command, record_cancel, record_state, workload_plan)
-from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, call, clients, handle_job, record_event,
-                                              retrying)
+from harness.launchers.kubernetes_api import (APIS, TRAINJOB, Outage, Refused, call, clients, handle_job,
+                                              record_event, retrying)
 from harness.launchers.kubernetes_blame import BlameReader
 from harness.launchers.kubernetes_rbac import rbac_documents
 from harness.launchers.kubernetes_render import (TOKEN_HEX, build, excluding, prerequisites, pvc_folder,
@@ -250,7 +250,15 @@ class KubernetesLauncher(Launcher):
                     label_selector=f"{api.pod_label}={name}")
 
         def fetch(pod: str):
-            return lambda: call("read pod logs", core.read_namespaced_pod_log, pod, namespace, container=api.container)
+            def read() -> str:
+                try:  # a pod deleted since the listing (a restart's) has no log left: 404
+                    return call("read pod logs", core.read_namespaced_pod_log, pod, namespace, container=api.container,
+                                missing_ok=True) or ""
+                except Refused as exc:
+                    if exc.status == 400:  # its container is still starting (pulling the image): no log yet
+                        return ""
+                    raise
+            return read
 
         return [TextLog(f"{pod.metadata.name} ({pod.status.phase})", pod.metadata.name, fetch(pod.metadata.name))
                 for pod in sorted(pods.items, key=lambda p: p.metadata.name)]
