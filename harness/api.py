@@ -32,6 +32,7 @@ from harness.launchers.base import JOB_FILE, Handle, JobState
 # A pipeline process that ends with these was stopped by a Ctrl-C or SIGTERM: its jobs were cancelled.
 STOPPED_EXITS = (130, 143, -signal.SIGINT, -signal.SIGTERM)
 WAIT_POLL_S = 1.0  # between two reads of an attached campaign's state
+CANCEL_WAIT_S = 120.0  # for a started pipeline to cancel its job (local: the agent's grace, 30 s, and more)
 
 
 class CampaignTimeout(HarnessError, TimeoutError):
@@ -126,9 +127,11 @@ class Campaign:
 
     @property
     def state(self) -> JobState:
-        """The campaign's state, from its folder's job.json and the backend's status of that job: RUNNING between
-        two jobs of a campaign that takes one a run, and while the pipeline started here still collects or
-        sums up; SUCCEEDED, FAILED or CANCELLED once `harness run` recorded its exit code (0, another, or a stop)."""
+        """The campaign's state, from its folder's job.json and the backend's status of that job. While its pipeline
+        runs (started here, or any `harness run` on this host: campaign.pipeline_alive) it is PENDING or RUNNING,
+        its health job and the gaps between its jobs included; SUCCEEDED, FAILED or CANCELLED once the pipeline
+        recorded its exit code (0, another, or a stop). A pipeline that died without recording one leaves the job's
+        own state, FAILED where the job was its health job or not its last; one on another host, the job's state."""
         if not (self.out_dir / JOB_FILE).exists():  # nothing submitted yet
             if self._process is None or self._alive():
                 return JobState.PENDING
@@ -138,15 +141,19 @@ class Campaign:
         record = handle.record()
         if job is JobState.CANCELLED or record.get("campaign_cancelled"):
             return JobState.CANCELLED
+        pipeline_runs = self._alive() or (self._process is None and pipeline.pipeline_alive(self.out_dir))
+        if pipeline_runs:  # a stale exit code of an earlier campaign in a reused folder is not this one's
+            return JobState.PENDING if job is JobState.PENDING else JobState.RUNNING
         ended = record.get(pipeline.EXIT_KEY)
+        if ended is None and self._process is not None:  # it died without recording: its own exit
+            ended = self._process.returncode
         if ended is not None:
             return JobState.SUCCEEDED if ended == 0 else \
                 JobState.CANCELLED if ended in STOPPED_EXITS else JobState.FAILED
-        if self._alive():
-            return JobState.PENDING if job is JobState.PENDING else JobState.RUNNING
-        if job is JobState.SUCCEEDED and _jobs_after(record) and self._process is None:  # the next job comes
-            return JobState.RUNNING
-        return job
+        more = record.get("spec", {}).get("health_only") or _jobs_after(record)
+        if pipeline.pipeline_alive(self.out_dir) is None:  # on another host: between two jobs it goes on
+            return JobState.RUNNING if job is JobState.SUCCEEDED and more else job
+        return JobState.FAILED if job is JobState.SUCCEEDED and more else job  # it died before the next job
 
     def status(self) -> Status:
         """The state, the job, the runs done of the campaign's and the exit code (`harness status`)."""
@@ -191,8 +198,14 @@ class Campaign:
         """Stop the campaign; results so far stay. A pipeline started here is stopped as Ctrl-C stops `harness run`
         (it cancels its job, whatever step it is at); any other, as `harness cancel` does. What was done, in words."""
         if self._alive():
+            import subprocess
+
             self._process.send_signal(signal.SIGTERM)
-            self._process.wait()
+            try:  # the pipeline cancels its job, as `harness run` on SIGTERM: a cluster's cancel can take a while
+                self._process.wait(CANCEL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                return (f"asked the campaign to stop; it is still cancelling its job after {CANCEL_WAIT_S:g} s "
+                        f"(see {self.log_file}); results so far stay in {self.out_dir}")
             return f"cancelled the campaign; results so far stay in {self.out_dir}"
         launcher, handle = self._job()
         state = launcher.status(handle)

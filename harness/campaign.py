@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
+import socket
 import sys
 import typing
 from collections.abc import Iterator, Mapping
@@ -30,6 +32,7 @@ from harness import profiles
 from harness.errors import HarnessError
 from harness.launchers.base import JOB_FILE, Handle
 from harness.spec import JobSpec, check_writable, claim_fresh_folder, default_out_dir, parse_env, validate
+from workloads.common.run_record import replace_whole
 from workloads.registry import BENCHMARKS
 
 # JobSpec fields that no option sets: the pipeline's own (each job's launch, the nodes preflight keeps out, ...).
@@ -43,6 +46,7 @@ _AS_GIVEN = tuple(f.name for f in dataclasses.fields(JobSpec)
 RUN_OPTIONS = (*_RESOLVED, *_AS_GIVEN)
 CAMPAIGN_LOG = "campaign.log"  # what a campaign harness.start started says, as `harness run` says it
 EXIT_KEY = "campaign_exit_code"  # job.json: `harness run`'s exit code, once the campaign ended
+PIPELINE_FILE = "campaign.pid"  # "<host> <pid>" of the pipeline (a `harness run` or a started one) while it runs
 
 
 def resolve_spec(benchmark: str, *, preset: str | None = None, runs: int | None = None, out: str | Path | None = None,
@@ -177,13 +181,39 @@ def _pod_monitor(plan: Plan) -> str:
 def execute(launcher, spec: JobSpec) -> int:
     """From the claimed run folder to the verdict: what `harness run` does after its notes; its exit code, recorded
     in job.json (EXIT_KEY) for `harness status` and harness.attach."""
-    code = Execution(launcher, spec).run()
-    if (spec.out_dir / JOB_FILE).is_file():
-        # Unrecorded where job.json cannot be written (a teammate's folder, a full disk: said at every state
-        # recorded already); the exit code stands.
-        with contextlib.suppress(HarnessError):
-            Handle(launcher.name, "", spec.out_dir).update(**{EXIT_KEY: code})
+    marker = spec.out_dir / PIPELINE_FILE
+    with contextlib.suppress(OSError):  # unmarked, `harness status` reads the job alone: the campaign goes on
+        replace_whole(marker, f"{socket.gethostname()} {os.getpid()}\n")
+    code = 1  # what an exception out of the steps ends the campaign with (a HarnessError: its own code)
+    try:
+        code = Execution(launcher, spec).run()
+    except HarnessError as exc:
+        code = exc.exit_code
+        raise
+    finally:
+        if (spec.out_dir / JOB_FILE).is_file():
+            # Unrecorded where job.json cannot be written (a teammate's folder, a full disk: said at every state
+            # recorded already); the exit code stands.
+            with contextlib.suppress(HarnessError):
+                Handle(launcher.name, "", spec.out_dir).update(**{EXIT_KEY: code})
+        marker.unlink(missing_ok=True)
     return code
+
+
+def pipeline_alive(out_dir: Path) -> bool | None:
+    """Whether the pipeline of the campaign in `out_dir` still runs (execute's PIPELINE_FILE names a live harness
+    process), False where it ended or died, None where it runs on another host, which cannot be asked."""
+    try:
+        host, pid = (Path(out_dir) / PIPELINE_FILE).read_text().split()
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return None
+    try:
+        command = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    return b"harness" in command  # not a pid the system gave another program since
 
 
 def background_process(plan: Plan, notes: list[str]):

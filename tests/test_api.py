@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import harness
+from harness.campaign import PIPELINE_FILE
 from harness.cli import _spec_from_args, build_parser
 from harness.errors import HarnessError
 from harness.launchers import JobState
@@ -108,17 +110,43 @@ def _job_record(out: Path, **fields) -> None:
 def test_a_campaign_between_two_jobs_is_running_and_a_cancel_there_ends_it(tmp_path):
     out = tmp_path / "run"
     _job_record(out, launch=0)  # the first of two jobs (one a run) ended; the pipeline submits the next
-    campaign = harness.attach(out)
-    assert campaign.state is JobState.RUNNING and campaign.exit_code is None
+    # The pipeline (a `harness run` on this host) is alive: a process whose command names the harness.
+    pipeline = subprocess.Popen([sys.executable, "-c", "print(); import time; time.sleep(600)  # harness"],
+                                stdout=subprocess.PIPE)
+    try:
+        pipeline.stdout.readline()  # it runs its command (before, /proc shows this process's, forked)
+        (out / PIPELINE_FILE).write_text(f"{socket.gethostname()} {pipeline.pid}\n")
+        campaign = harness.attach(out)
+        assert campaign.state is JobState.RUNNING and campaign.exit_code is None
+        # A stale exit code (an earlier campaign in a reused folder) is not this running one's.
+        _job_record(out, launch=0, campaign_exit_code=1)
+        assert campaign.state is JobState.RUNNING
+    finally:
+        pipeline.kill()
+        pipeline.wait()
+    _job_record(out, launch=0)
+    assert campaign.state is JobState.FAILED  # the pipeline died before the next job: nothing will submit it
+    (out / PIPELINE_FILE).write_text("another-host 1\n")
+    assert campaign.state is JobState.RUNNING  # a pipeline elsewhere cannot be asked: it goes on
     assert campaign.cancel() == "job 4194304 has ended (SUCCEEDED); the campaign's later runs will not be submitted"
     assert campaign.state is JobState.CANCELLED
     _job_record(out, launch=1, campaign_exit_code=1)  # the last job: `harness run` ended with 1
     assert harness.attach(out).state is JobState.FAILED and harness.attach(out).exit_code == 1
 
 
+def test_a_health_job_is_not_the_campaign(tmp_path):
+    """Preflight's job ended and the pipeline died before the training was submitted: not a success."""
+    out = tmp_path / "run"
+    _job_record(out)
+    record = json.loads((out / "job.json").read_text())
+    record["spec"]["health_only"] = True
+    (out / "job.json").write_text(json.dumps(record))
+    assert harness.attach(out).state is JobState.FAILED
+
+
 def test_a_local_job_whose_watcher_died_ends_as_its_agent_decided(tmp_path):
     """`harness run` killed with its job: job.json stays RUNNING, and the node agent's attempt records say how the
-    job ended (a success; a workload error; an attempt cut off without its end record)."""
+    job ended (a success; a workload error; an attempt cut off without its end record; none recorded)."""
     from harness.agent import CONFIGURATION, Failure, end_record, node_attempts_path
 
     identity = {"node": "n0"}
@@ -135,8 +163,8 @@ def test_a_local_job_whose_watcher_died_ends_as_its_agent_decided(tmp_path):
                                                                   "time": 1.0}, *ends]))
         assert harness.attach(out).state is state, name
         assert json.loads((out / "job.json").read_text())["state"] == state.value  # recorded: said once, the same
-    _job_record(tmp_path / "health", state="RUNNING")  # no attempt recorded: the recorded state stands
-    assert harness.attach(tmp_path / "health").state is JobState.RUNNING
+    _job_record(tmp_path / "health", state="RUNNING")  # no attempt recorded (a health job): failed, code unknown
+    assert harness.attach(tmp_path / "health").state is JobState.FAILED
 
 
 def test_status_of_a_folder_that_is_no_run_folder_is_one_line(tmp_path):

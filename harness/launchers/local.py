@@ -115,7 +115,7 @@ class LocalLauncher(Launcher):
         record = handle.record()
         recorded = JobState(record.get("state", JobState.UNKNOWN.value))
         if proc is None and not recorded.terminal:  # its watcher died before it recorded the end: the agent's word
-            return _ended_unwatched(handle, record, recorded)
+            return _ended_unwatched(handle, record)
         if proc is None or recorded is JobState.CANCELLED:  # another process saw it end, or we stopped it
             return recorded
         state = JobState.SUCCEEDED if proc.returncode == 0 else JobState.FAILED
@@ -153,15 +153,16 @@ class LocalLauncher(Launcher):
         return not alive()
 
 
-def _ended_unwatched(handle: Handle, record: dict, recorded: JobState) -> JobState:
+def _ended_unwatched(handle: Handle, record: dict) -> JobState:
     """How a job ended that no `harness run` saw end (killed, or its machine restarted): what the node agent's
     attempt records decide of the newest attempt (harness.agent.decide, the agent's own exit), recorded; an attempt
-    cut off without its end record failed. A job that recorded no attempt (a health job) keeps its recorded state."""
+    cut off without its end record failed, and so did a job that recorded no attempt (a health job: its verdict is
+    preflight.json's; an agent killed before its first), its exit code unknown."""
     from harness.agent import decide, read_records
 
     records = read_records(handle.out_dir)
     if not records:
-        return recorded
+        return record_state(handle, JobState.FAILED)
     newest = max(r["attempt"] for r in records)
     decision = decide(records, newest, int(record.get("spec", {}).get("max_restarts", 0)))
     return record_state(handle, JobState.SUCCEEDED if decision.exit_code == 0 else JobState.FAILED,
