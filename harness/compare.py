@@ -253,6 +253,9 @@ def _time_to_train(b: Group, c: Group, name: str) -> tuple[str, _Side, _Side]:
     b_times, c_times = ([r.time_to_train_min for r in g.runs if r.converged] for g in (b, c))
     if not b_times:
         raise HarnessError(f"{name}: no baseline run converged, so there is nothing to compare against")
+    instant = [r.file for g in (b, c) for r in g.runs if r.converged and not r.time_to_train_min > 0]
+    if instant:  # run_stop at run_start: a log cut or edited by hand, whose time no ratio can compare
+        raise HarnessError(f"{name}: {instant[0]} converged in no time (run_stop at run_start): not a time to compare")
     scored = b.score_min is not None and c.score_min is not None
     sides = [_Side((g.score_min if scored else statistics.median(times)) if times else None,
                    [math.log(m) for m in times], len(times) == len(g.runs))

@@ -304,3 +304,11 @@ def test_the_python_example_in_the_docs_runs(capsys, monkeypatch):
     scope = {"candidate": str(LLAMA_THROUGHPUT)}
     exec(example.split("```")[0], scope)
     assert scope["code"] == PASS and capsys.readouterr().out.startswith("llama31_8b: pass: median tokens/s ")
+
+
+def test_a_run_that_converged_in_no_time_is_one_line(tmp_path):
+    instant = retimed_copy(BASELINE, tmp_path / "instant", 0)  # run_stop at run_start: a log cut or edited by hand
+    result = harness("compare", str(BASELINE), str(instant))
+    assert result.returncode == 2 and "converged in no time (run_stop at run_start)" in result.stderr, \
+        result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
