@@ -16,11 +16,19 @@ from harness.spec import JobSpec
 from tests.conftest import REPO, harness
 
 
+def running_agent() -> subprocess.Popen:
+    """A process that passes for a local job's node agent (its command names harness.agent), running until killed."""
+    agent = subprocess.Popen([sys.executable, "-c", "print(); import time; time.sleep(600)", "harness.agent"],
+                             stdout=subprocess.PIPE)
+    agent.stdout.readline()  # it runs its own command (before, /proc shows this process's, forked)
+    return agent
+
+
 def run_folder(tmp_path: Path, backend: str = "local", nodes: int = 1, procs: int = 4, job_id: str | None = None,
                state: JobState = JobState.SUCCEEDED) -> Handle:
     """A run folder as `harness run` leaves one: job.json with the rendered request (which says the job's ranks),
-    and each rank's log, three lines, the last saying which rank wrote it. A local job's id is a pid that is no
-    job's (a child already reaped), so its state is the recorded one."""
+    and each rank's log, three lines, the last saying which rank wrote it. A local job's id, unless given, is a pid
+    that is no job's (a child already reaped), so its state is the recorded one."""
     spec = JobSpec("resnet", nodes=nodes, procs_per_node=procs, batch_size=8,  # a global batch LARS's table covers
                    out_dir=tmp_path / "run").resolved()
     request = get_launcher(backend).render(spec)
@@ -79,7 +87,15 @@ def test_follow_yields_what_the_logs_gain_until_the_job_ends(tmp_path):
     """Driven a poll at a time (the generator sleeps only between polls): the last lines first, then each rank's
     new whole lines under its header, a line still being written at the next poll, and everything once the job
     ended, then the end. A rank's file that appears later is followed from its start."""
-    handle = run_folder(tmp_path, procs=2, state=JobState.RUNNING)
+    agent = running_agent()
+    try:
+        _follow_a_poll_at_a_time(run_folder(tmp_path, procs=2, job_id=str(agent.pid), state=JobState.RUNNING), agent)
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def _follow_a_poll_at_a_time(handle: Handle, agent: subprocess.Popen) -> None:
     logs = handle.out_dir / "logs"
     (logs / "rank_1.log").unlink()
     chunks = follow(get_launcher("local"), handle, tail=1, poll_s=0)
@@ -91,7 +107,9 @@ def test_follow_yields_what_the_logs_gain_until_the_job_ends(tmp_path):
     assert next(chunks) == "\n==> rank_1.log <==\nrank 1 started\nrank 1 step 1\n"
     with open(logs / "rank_0.log", "a") as f:
         f.write("ne\nrank 0 last words, unended")
-    handle.update(state=JobState.SUCCEEDED.value)
+    handle.update(state=JobState.SUCCEEDED.value)  # as its `harness run` records the end
+    agent.kill()
+    agent.wait()
     assert list(chunks) == ["\n==> rank_0.log <==\nrank 0 half a line\nrank 0 last words, unended"]
 
 
@@ -127,7 +145,8 @@ def test_follow_a_real_tiny_job_to_its_end(tmp_path):
 
 
 def test_ctrl_c_stops_following_a_running_job_with_130(tmp_path):
-    handle = run_folder(tmp_path, procs=2, state=JobState.RUNNING)
+    agent = running_agent()
+    handle = run_folder(tmp_path, procs=2, job_id=str(agent.pid), state=JobState.RUNNING)
     proc = subprocess.Popen([sys.executable, "-m", "harness", "logs", str(handle.out_dir), "--follow"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -139,5 +158,7 @@ def test_ctrl_c_stops_following_a_running_job_with_130(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        agent.kill()
+        agent.wait()
     assert lines[0] == "==> rank_0.log <==\n" and lines[-1] == "rank 1 done\n" and rest == ""
     assert proc.returncode == 130 and stderr == "", stderr
