@@ -196,7 +196,8 @@ def execute(launcher, spec: JobSpec) -> int:
             # recorded already); the exit code stands.
             with contextlib.suppress(HarnessError):
                 Handle(launcher.name, "", spec.out_dir).update(**{EXIT_KEY: code})
-        marker.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            marker.unlink(missing_ok=True)
     return code
 
 
