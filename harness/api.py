@@ -141,8 +141,8 @@ class Campaign:
         record = handle.record()
         if job is JobState.CANCELLED or record.get("campaign_cancelled"):
             return JobState.CANCELLED
-        pipeline_runs = self._alive() or (self._process is None and pipeline.pipeline_alive(self.out_dir))
-        if pipeline_runs:  # a stale exit code of an earlier campaign in a reused folder is not this one's
+        marked = pipeline.pipeline_alive(self.out_dir) if self._process is None else False  # one started here
+        if self._alive() or marked:  # a stale exit code of an earlier campaign in a reused folder is not this one's
             return JobState.PENDING if job is JobState.PENDING else JobState.RUNNING
         ended = record.get(pipeline.EXIT_KEY)
         if ended is None and self._process is not None:  # it died without recording: its own exit
@@ -151,7 +151,7 @@ class Campaign:
             return JobState.SUCCEEDED if ended == 0 else \
                 JobState.CANCELLED if ended in STOPPED_EXITS else JobState.FAILED
         more = record.get("spec", {}).get("health_only") or _jobs_after(record)
-        if pipeline.pipeline_alive(self.out_dir) is None:  # on another host: between two jobs it goes on
+        if marked is None:  # on another host: between two jobs it goes on
             return JobState.RUNNING if job is JobState.SUCCEEDED and more else job
         return JobState.FAILED if job is JobState.SUCCEEDED and more else job  # it died before the next job
 

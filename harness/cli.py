@@ -343,9 +343,6 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     return campaign.resolve_spec(**_run_options(args))
 
 
-_summarize = campaign.summarize  # by its name before harness/campaign.py, which tests import
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     return campaign.run(args.backend, _run_options(args), dry_run=args.dry_run, pod_monitor=args.pod_monitor,
                         strict=args.strict)

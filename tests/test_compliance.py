@@ -79,7 +79,7 @@ def test_a_run_that_ended_aborted_is_named_aborted_not_by_the_checkers_noise(tmp
     no train_samples, which the checker then names ("Required EXACTLY_ONE occurrence of 'train_samples'"). Such a
     run failed already; the report and `harness run`'s summary say it ended aborted, its log kept, in one line.
     A run that ended success without train_samples is still left out, with the checker's words."""
-    from harness.cli import _summarize
+    from harness.campaign import summarize
     from harness.report import render
 
     aborted = tmp_path / "aborted"
@@ -96,7 +96,7 @@ def test_a_run_that_ended_aborted_is_named_aborted_not_by_the_checkers_noise(tmp
     table = render(load([aborted]), "table")
     assert "train_samples" not in table and "compliance checker" not in table and "non-compliant" not in table
     assert f"aborted: {aborted / 'result_0.txt'}: the run stopped before its quality target; its log is kept" in table
-    assert _summarize(aborted, job_ok=True, runs=1, ruleset="4.0.0") == 1
+    assert summarize(aborted, job_ok=True, runs=1, ruleset="4.0.0") == 1
     out, err = capsys.readouterr()
     assert "train_samples" not in out + err and "did not reach the quality target" in err and "left out" not in err
 
