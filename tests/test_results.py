@@ -561,16 +561,16 @@ def test_synthetic_runs_are_kept_out_of_scores_with_the_reason(tmp_path):
 
 
 def test_a_synthetic_run_that_finished_says_so_and_exits_0(tmp_path, capsys):
-    from harness.cli import _summarize
+    from harness.campaign import summarize
 
     # Synthetic runs train to their step limit, so their logs say aborted: no target was reached.
     synthetic = write_campaign(tmp_path / "synthetic", 1, True, status="aborted")
-    assert _summarize(synthetic, job_ok=True, runs=1, ruleset="4.0.0") == 0
+    assert summarize(synthetic, job_ok=True, runs=1, ruleset="4.0.0") == 0
     out, err = capsys.readouterr()
     assert "harness: synthetic input: a throughput run, with no quality target or score (1 of 1 run(s) finished)" \
         in out and "did not reach" not in out + err
     real = write_campaign(tmp_path / "real", 1, False, status="aborted")
-    assert _summarize(real, job_ok=True, runs=1, ruleset="4.0.0") == 1
+    assert summarize(real, job_ok=True, runs=1, ruleset="4.0.0") == 1
     assert "1 of 1 run(s) did not reach the quality target" in capsys.readouterr().err
 
 
