@@ -80,11 +80,15 @@ def failed_checks(result: Completed) -> list[str]:
 SLOW_FIXTURES = {"tiny_campaign", "slurm_cluster", "scraped_campaign"}
 
 
-# The files with the longest real runs (Slurm requeues, warm starts, the shared campaign), started first: the two
-# workers take whole files in collection order, and one of these left to the end would leave the other worker idle.
-LONG_FILES = ("test_slurm.py", "test_resnet_campaign.py", "test_bert.py", "test_gpt3.py", "test_llama.py",
-              "test_resilience.py", "test_container.py", "test_gpt_oss.py", "test_preflight.py",
-              "test_fault_simulator.py", "test_llama_parallel.py", "test_gpu_throughput_bench.py")
+# The files with the longest real runs, started first and longest first (as measured in a full run on 2 cores): the two
+# workers take whole files in this order (`--no-loadscope-reorder` in pyproject.toml; xdist would otherwise sort
+# files by their number of tests), and one of these left to the end would leave the other worker idle. The shared
+# campaign's first user leads, so that its later users (test_api, test_compare, test_export, test_notebook) find it
+# built rather than wait on its lock.
+LONG_FILES = ("test_resnet_campaign.py", "test_gpt3.py", "test_bert.py", "test_slurm.py", "test_resilience.py",
+              "test_gpt_oss.py", "test_api.py", "test_kubernetes.py", "test_compare.py", "test_llama.py", "test_flux.py",
+              "test_preflight.py", "test_fault_simulator.py", "test_notebook.py", "test_deepseek.py",
+              "test_container.py", "test_llama_parallel.py", "test_gpu_throughput_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,10 +13,11 @@ from tests.test_results import COREWEAVE, OFFICIAL, needs_shared
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
 
 
-def execute(monkeypatch, paths: list, ruleset: str | None = None) -> list[dict]:
-    """Run the notebook on `paths` (through its environment parameters), judged by `ruleset`, else by each log's own;
-    return every output, in order."""
+def execute(monkeypatch, paths: list, ruleset: str | None = None, start_campaign: bool = True) -> list[dict]:
+    """Run the notebook on `paths` (through its environment parameters), judged by `ruleset`, else by each log's own,
+    starting its tiny campaign or not; return every output, in order."""
     monkeypatch.setenv("HARNESS_RESULTS", os.pathsep.join(map(str, paths)))
+    monkeypatch.setenv("HARNESS_START_CAMPAIGN", "1" if start_campaign else "0")
     if ruleset:
         monkeypatch.setenv("HARNESS_RULESET", ruleset)
     else:
@@ -49,8 +50,10 @@ def test_notebook_on_a_tiny_run(monkeypatch, tiny_campaign):
 @needs_shared
 def test_notebook_on_coreweave_and_a_tiny_run(monkeypatch, tiny_campaign):
     out, _ = tiny_campaign
-    outputs = execute(monkeypatch, [COREWEAVE, out])  # no ruleset: the v3.0 tree's own, 3.0.0; the tiny run's, 4.0.0
+    # No ruleset: the v3.0 tree's own, 3.0.0; the tiny run's, 4.0.0. The campaign cell ran in the test above.
+    outputs = execute(monkeypatch, [COREWEAVE, out], start_campaign=False)
     shown = text(outputs)
+    assert "START_CAMPAIGN is off: no campaign started." in shown and "campaign through the API" not in shown
     assert f"{24 + TINY_RUNS} runs in 6 (system, benchmark) groups, judged by each group's own ruleset" in shown
     assert pictures(outputs) == 4
     for row in OFFICIAL[("training_v3.0/NVIDIA_CoreWeave", "3.0.0")]:
